@@ -1,0 +1,27 @@
+"""JetSpec: lossless tree speculative decoding with a causal parallel draft head (arXiv 2606.18394)."""
+
+from transformers import AutoConfig, AutoModel
+
+from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
+from .generation_jetspec import JetSpecStats, TreeShape, resolve_tree_shape
+from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput
+from .tree import Tree, accept_walk, ancestor_mask, build_tree, marginal_children
+
+AutoConfig.register("jetspec", JetSpecConfig, exist_ok=True)
+AutoModel.register(JetSpecConfig, JetSpecDraftModel, exist_ok=True)
+
+__all__ = [
+    "JetSpecConfig",
+    "JetSpecContext",
+    "JetSpecDraftModel",
+    "JetSpecOutput",
+    "JetSpecStats",
+    "Tree",
+    "TreeShape",
+    "accept_walk",
+    "ancestor_mask",
+    "build_tree",
+    "default_target_layer_ids",
+    "marginal_children",
+    "resolve_tree_shape",
+]

@@ -1,0 +1,135 @@
+"""Bad input gets a ValueError naming what was expected and what came."""
+
+import pytest
+import torch
+from transformers import AttentionInterface, T5Config, T5ForConditionalGeneration
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from modeling_jetspec import JetSpecConfig, JetSpecDraftModel
+from tiny import prompts, tiny_head, tiny_target
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("llama")
+    return target, tiny_head(target)
+
+
+def run(target, head, **kwargs):
+    ids, mask = prompts(1)
+    return target.generate(input_ids=ids, attention_mask=mask, assistant_model=head, **{"max_new_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "other,message",
+    [
+        (dict(hidden_size=32, intermediate_size=64), "hidden size 64, got a target with hidden size 32"),
+        (dict(vocab_size=100), "vocab size 128, got a target with vocab size 100"),
+        (dict(num_hidden_layers=3), "number of layers 2, got a target with number of layers 3"),
+    ],
+)
+def test_head_built_for_another_target(pair, other, message):
+    _, head = pair
+    with pytest.raises(ValueError, match=message):
+        run(tiny_target("llama", **other), head)
+
+
+def test_layer_ids_out_of_range():
+    with pytest.raises(ValueError, match=r"target_layer_ids within \[0, 3\].*got \[0, 4\]"):
+        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
+                      target_layer_ids=[0, 4])
+
+
+def test_mask_token_inside_the_vocabulary():
+    with pytest.raises(ValueError, match="mask_token_id outside the target vocabulary"):
+        JetSpecConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      target_num_hidden_layers=4, mask_token_id=5)
+
+
+def test_unknown_block_attention():
+    with pytest.raises(ValueError, match="block_attention in .*got 'sideways'"):
+        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
+                      block_attention="sideways")
+
+
+def test_beam_search(pair):
+    with pytest.raises(ValueError, match="num_beams == 1 .*got 3"):
+        run(*pair, num_beams=3)
+
+
+def test_encoder_decoder_target(pair):
+    _, head = pair
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16))
+    with pytest.raises(ValueError, match="decoder-only target, got an encoder-decoder model"):
+        t5.generate(input_ids=torch.tensor([[1, 2, 3]]), assistant_model=head, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("max_new", [0, -2])
+def test_max_new_tokens_not_positive(pair, max_new):
+    with pytest.raises(ValueError, match=f"max_new_tokens >= 1, got {max_new}"):
+        run(*pair, max_new_tokens=max_new)
+
+
+def test_empty_prompt(pair):
+    target, head = pair
+    with pytest.raises(ValueError, match=r"non-empty prompt .*got shape \(1, 0\)"):
+        target.generate(input_ids=torch.zeros(1, 0, dtype=torch.long), assistant_model=head, max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "tree,message",
+    [
+        (dict(tree_budget=0), "tree_budget >= 1 draft node, got 0"),
+        (dict(tree_depth=8), r"tree_depth in \[1, 7\] \(block_size - 1 of this head\), got 8"),
+        (dict(tree_depth=0), r"tree_depth in \[1, 7\]"),
+        (dict(tree_width=0), "tree_width >= 1, got 0"),
+        (dict(tree_scoring="random"), "tree_scoring .*got 'random'"),
+    ],
+)
+def test_bad_tree_shape(pair, tree, message):
+    with pytest.raises(ValueError, match=message):
+        run(*pair, **tree)
+
+
+def test_attention_that_cannot_take_a_tree_mask():
+    AttentionInterface.register("opaque_test_attention", sdpa_attention_forward)
+    target = tiny_target("llama")
+    target.set_attn_implementation("opaque_test_attention")
+    with pytest.raises(ValueError, match="takes a 4D tree mask .*got 'opaque_test_attention'"):
+        run(target, tiny_head(target))
+
+
+def test_streamer_with_a_batch(pair):
+    target, head = pair
+    ids, mask = prompts(3)
+
+    class Sink:
+        def put(self, value): ...
+        def end(self): ...
+
+    with pytest.raises(ValueError, match="batch size 1 with a streamer .*got 3"):
+        target.generate(input_ids=ids, attention_mask=mask, assistant_model=head, streamer=Sink(), max_new_tokens=4)
+
+
+def test_head_without_a_target():
+    config = JetSpecConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           target_num_hidden_layers=2, intermediate_size=64)
+    head = JetSpecDraftModel(config)
+    m = config.mask_token_id
+    with pytest.raises(ValueError, match="expected a target attached to the head"):
+        head(torch.tensor([[1, m]]), torch.tensor([[3, 4]]), context_features=torch.randn(1, 3, 128))
+
+
+def test_head_mask_of_the_wrong_shape(pair):
+    _, head = pair
+    m = head.config.mask_token_id
+    feats = torch.randn(1, 3, head.fc.in_features)
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(1, 1, 2, 5\), got \(1, 1, 2, 2\)"):
+        head(torch.tensor([[1, m]]), torch.tensor([[3, 4]]), attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool),
+             context_features=feats)
+
+
+def test_binding_sliding_window():
+    target = tiny_target("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="within the target's sliding window \\(16\\)"):
+        run(target, tiny_head(target), max_new_tokens=20)

@@ -1,0 +1,88 @@
+"""The draft head: what it stores, how its masks behave, and path-conditioned MASK probes."""
+
+import torch
+
+from modeling_jetspec import JetSpecConfig, JetSpecDraftModel, default_target_layer_ids
+from tiny import tiny_head, tiny_target
+
+
+def random_context(head, batch=2, length=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(batch, length, head.fc.in_features, generator=g)
+    return features
+
+
+def test_default_target_layers_follow_the_paper():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B, as in the paper
+    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M
+    assert default_target_layer_ids(2) == [0, 1]
+
+
+def test_state_dict_holds_only_the_heads_own_weights():
+    target = tiny_target("qwen3")
+    head = tiny_head(target)
+    names = set(head.state_dict())
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
+    assert {n.split(".")[0] for n in names} == {"fc", "context_norm", "layers", "norm", "mask_embedding"}
+    assert "mask_embedding" in names and "fc.weight" in names
+    assert head.fc.in_features == len(head.config.target_layer_ids) * 64
+    assert head.config.vocab_size == target.config.vocab_size
+
+
+def test_causal_block_slot_ignores_later_slots_and_bidirectional_does_not():
+    target = tiny_target("llama")
+    feats = random_context(tiny_head(target))
+    for attention, should_change in (("causal", False), ("bidirectional", True)):
+        head = tiny_head(target, block_attention=attention)
+        m = head.config.mask_token_id
+        pos = torch.arange(6, 10).expand(2, 4)
+        a = head(torch.tensor([[5, m, m, m]] * 2), pos, context_features=feats).logits
+        b = head(torch.tensor([[5, m, 7, 9]] * 2), pos, context_features=feats).logits
+        torch.testing.assert_close(a[:, :2], b[:, :2]) if not should_change else None
+        assert (not torch.allclose(a[:, 1], b[:, 1])) == should_change
+
+
+def test_incremental_context_equals_one_shot_context():
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    feats = random_context(head, length=8)
+    pos = torch.arange(8).expand(2, 8)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    whole = head.extend_context(None, feats, pos, valid)
+    parts = head.extend_context(head.extend_context(None, feats[:, :5], pos[:, :5], valid[:, :5]), feats[:, 5:], pos[:, 5:], valid[:, 5:])
+    m = head.config.mask_token_id
+    block, bpos = torch.tensor([[3, m, m]] * 2), torch.arange(8, 11).expand(2, 3)
+    # same projections of the same rows, concatenated: identical up to fp32 rounding of the matmuls (~1e-7)
+    torch.testing.assert_close(head(block, bpos, context=whole).logits, head(block, bpos, context=parts).logits)
+
+
+def test_mask_probes_under_tree_branches_equal_linear_blocks():
+    """One tree-masked forward scores MASK probes that see their own branch's real tokens (DESIGN section 3).
+
+    Each probe must give the same logits as the causal block [anchor, branch tokens..., MASK] run on its own.
+    """
+    target = tiny_target("qwen3")
+    head = tiny_head(target)
+    feats = random_context(head, batch=1, length=6)
+    m, anchor, start = head.config.mask_token_id, 11, 6
+    # tree: node1=20 (d1), node2=21 (d1), node3=30 under node1 (d2); probes under nodes 1, 2, 3
+    tokens = torch.tensor([[anchor, 20, 21, 30, m, m, m]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
+    see = torch.zeros(7, 7, dtype=torch.bool)
+    ancestors = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5], 6: [0, 1, 3, 6]}
+    for q, keys in ancestors.items():
+        see[q, keys] = True
+    mask = torch.cat([torch.ones(7, 6, dtype=torch.bool), see], dim=1)[None, None]
+    probes = head(tokens, start + depth, attention_mask=mask, context_features=feats).logits[0, 4:]
+    for probe, branch in zip(probes, ([20], [21], [20, 30])):
+        block = torch.tensor([[anchor, *branch, m]])
+        linear = head(block, start + torch.arange(block.shape[1])[None], context_features=feats).logits[0, -1]
+        # same attention inputs, different padding of the softmax: equal to fp32 rounding
+        torch.testing.assert_close(probe, linear, rtol=1e-5, atol=1e-5)
+
+
+def test_config_round_trips_and_is_validated():
+    config = JetSpecConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           target_num_hidden_layers=4, block_size=6)
+    again = JetSpecConfig.from_dict(config.to_dict())
+    assert again.target_layer_ids == config.target_layer_ids and again.mask_token_id == 100

@@ -1,0 +1,188 @@
+"""The headline property: tree speculative decoding returns plain greedy's tokens, token for token (fp32).
+
+Settings, bracketing acceptance:
+  (a) a random untrained head: drafts are mostly wrong, occasionally right;
+  (b) a never-right drafter: every round commits exactly the bonus token (tau == 1);
+  (c) an always-right drafter (it knows the greedy continuation): every round commits depth + 1 tokens.
+"""
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+
+from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
+
+SHAPES = [  # (depth, width, budget)
+    (1, 1, 1),
+    (4, 3, 12),
+    (7, 2, 24),
+    (3, 8, 40),
+]
+CASES = [(arch, shape, batch) for arch in ARCHITECTURES for shape in SHAPES for batch in (1, 3)]
+
+
+def greedy(target, ids, mask, **kwargs):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("arch,shape,batch", CASES, ids=[f"{a}-d{s[0]}w{s[1]}b{s[2]}-bs{b}" for a, s, b in CASES])
+def test_random_head_matches_greedy(arch, shape, batch):  # (a)
+    target = tiny_target(arch)
+    head = tiny_head(target)
+    ids, mask = prompts(batch)
+    depth, width, budget = shape
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    tree = greedy(
+        target, ids, mask, max_new_tokens=24, assistant_model=head,
+        tree_depth=depth, tree_width=width, tree_budget=budget,
+    )
+    assert torch.equal(tree, plain)
+    stats = head.last_stats
+    assert stats.new_tokens == 24 * batch
+    assert stats.tau >= 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_never_right_drafter_commits_only_bonus_tokens(arch, batch):  # (b)
+    target = tiny_target(arch)
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=16)
+    head = oracle_head(target, plain, mask, mode="never")
+    tree = greedy(target, ids, mask, max_new_tokens=16, assistant_model=head)
+    assert torch.equal(tree, plain)
+    assert head.last_stats.tau == 1.0
+    assert head.last_stats.target_forwards == 16  # prefill + one verify per token
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_always_right_drafter_commits_whole_paths(arch, batch):  # (c)
+    target = tiny_target(arch)
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=31)
+    head = oracle_head(target, plain, mask, mode="always", tree_depth=5)
+    tree = greedy(target, ids, mask, max_new_tokens=31, assistant_model=head)
+    assert torch.equal(tree, plain)
+    # 1 token from the prefill, then 5 rounds of depth 5 + bonus = 30 tokens
+    assert head.last_stats.target_forwards == 6
+    assert head.last_stats.tau == 6.0
+    assert head.last_stats.acceptance_per_depth == [1.0] * 5
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_max_new_tokens_cuts_inside_an_accepted_path(batch):
+    target = tiny_target("qwen3")
+    ids, mask = prompts(batch)
+    plain_long = greedy(target, ids, mask, max_new_tokens=40)
+    head = oracle_head(target, plain_long, mask, tree_depth=7)
+    for max_new in (1, 2, 10, 13):  # 1 from the prefill, then rounds of 8: 10 and 13 end mid-path
+        plain = greedy(target, ids, mask, max_new_tokens=max_new)
+        tree = greedy(target, ids, mask, max_new_tokens=max_new, assistant_model=head)
+        assert torch.equal(tree, plain), max_new
+        assert head.last_stats.new_tokens == max_new * batch
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_eos_inside_an_accepted_path(arch):
+    target = tiny_target(arch)
+    ids, mask = prompts(3)
+    free = greedy(target, ids, mask, max_new_tokens=30)
+    eos = int(free[1, ids.shape[1] + 7])  # a token row 1 emits mid-answer; rows stop at different times
+    plain = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos)
+    head = oracle_head(target, free, mask, tree_depth=6, tree_budget=20)
+    tree = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos, assistant_model=head)
+    assert torch.equal(tree, plain)
+    assert (plain[:, ids.shape[1] :] == eos).any(), "the test needs at least one row that stops on EOS"
+    assert head.last_stats.tau > 2.0
+
+
+@pytest.mark.parametrize("block_attention", ["causal", "bidirectional"])
+@pytest.mark.parametrize("scoring", ["logprob", "entropy", "mixed"])
+def test_ablations_stay_lossless(block_attention, scoring):
+    target = tiny_target("llama")
+    head = tiny_head(target, block_attention=block_attention, tree_scoring=scoring)
+    ids, mask = prompts(3)
+    plain = greedy(target, ids, mask, max_new_tokens=20)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=head), plain)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_path_conditioned_drafting_stays_lossless(batch):
+    target = tiny_target("qwen3")
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=20)
+    head = tiny_head(target, path_conditioning=True)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=head), plain)
+    oracle = oracle_head(target, plain, mask, path_conditioning=True, tree_depth=4)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=oracle), plain)
+    assert oracle.last_stats.tau > 3.0
+
+
+def test_logits_processors_see_each_nodes_own_path():
+    # repetition penalty and no-repeat-ngram depend on the tokens before each node, not on the tree
+    target = tiny_target("llama")
+    ids, mask = prompts(3)
+    kwargs = dict(max_new_tokens=24, repetition_penalty=1.5, no_repeat_ngram_size=2)
+    plain = greedy(target, ids, mask, **kwargs)
+    head = oracle_head(target, greedy(target, ids, mask, **kwargs), mask)
+    assert torch.equal(greedy(target, ids, mask, assistant_model=head, **kwargs), plain)
+    assert head.last_stats.tau > 2.0
+
+
+def test_return_dict_and_scores():
+    target = tiny_target("llama")
+    ids, mask = prompts(1)
+    head = tiny_head(target)
+    kwargs = dict(max_new_tokens=8, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    plain = greedy(target, ids, mask, **kwargs)
+    tree = greedy(target, ids, mask, assistant_model=head, **kwargs)
+    assert torch.equal(tree.sequences, plain.sequences)
+    assert len(tree.scores) == len(plain.scores) == 8
+    for ours, theirs in zip(tree.logits, plain.logits):
+        # the same logits from a multi-token forward: fp32 reductions in another order, ~1e-6 apart
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_streamer_receives_prompt_then_tokens():
+    target = tiny_target("llama")
+    ids, mask = prompts(1)
+    head = tiny_head(target)
+
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    tree = greedy(target, ids, mask, max_new_tokens=12, assistant_model=head, streamer=streamer)
+    assert streamer.ended
+    assert streamer.chunks[0] == ids[0].tolist()
+    assert sum(streamer.chunks[1:], []) == tree[0, ids.shape[1] :].tolist()
+    assert TextIteratorStreamer is not None
+
+
+def test_flex_attention_target_is_verified_with_sdpa_and_restored():
+    target = tiny_target("llama")
+    ids, mask = prompts(1)
+    plain = greedy(target, ids, mask, max_new_tokens=10)
+    target.set_attn_implementation("flex_attention")
+    head = tiny_head(target)
+    tree = greedy(target, ids, mask, max_new_tokens=10, assistant_model=head)
+    assert torch.equal(tree, plain)
+    assert target.config._attn_implementation == "flex_attention"
+
+
+def test_plain_generate_is_untouched_by_the_hook():
+    target = tiny_target("llama")
+    ids, mask = prompts(1)
+    # transformers' own assisted decoding with an ordinary assistant still runs through transformers
+    assistant = tiny_target("llama", seed=3)
+    plain = greedy(target, ids, mask, max_new_tokens=10)
+    assisted = greedy(target, ids, mask, max_new_tokens=10, assistant_model=assistant)
+    assert torch.equal(assisted, plain)

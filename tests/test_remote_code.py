@@ -1,0 +1,79 @@
+"""A saved head is a complete Hub-style folder: it reloads through `AutoModel(..., trust_remote_code=True)` in a
+fresh process, decodes identically, and `custom_generate=<folder>` runs tree decoding from the folder alone."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors.torch import load_file
+
+from tiny import prompts, tiny_head, tiny_target
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import json, sys, torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    sys.modules.pop("modeling_jetspec", None)
+    target = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+    head = AutoModel.from_pretrained(sys.argv[2], trust_remote_code=True).eval()
+    ids = torch.tensor(json.loads(sys.argv[3])); mask = torch.tensor(json.loads(sys.argv[4]))
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                           assistant_model=head)
+    recipe = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                             custom_generate=sys.argv[2], trust_remote_code=True)
+    print(json.dumps({"plain": plain.tolist(), "tree": tree.tolist(), "recipe": recipe.tolist(),
+                      "head_module": type(head).__module__, "tau": head.last_stats.tau}))
+    """
+)
+
+
+def test_save_reload_in_a_fresh_process_decodes_identically(tmp_path):
+    target = tiny_target("qwen3")
+    ids, mask = prompts(3)
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    head = tiny_head(target)
+    ours = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                           assistant_model=head)
+    target.save_pretrained(tmp_path / "target")
+    head.save_pretrained(tmp_path / "head")
+
+    folder = tmp_path / "head"
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert {"config.json", "model.safetensors", "custom_generate/generate.py", "modeling_jetspec.py",
+            "configuration_jetspec.py", "generation_jetspec.py", "tree.py"} <= files
+    config = json.loads((folder / "config.json").read_text())
+    assert config["auto_map"]["AutoModel"] == "modeling_jetspec.JetSpecDraftModel"
+    weights = load_file(folder / "model.safetensors")
+    assert not any("embed_tokens" in k or "lm_head" in k for k in weights)  # the target's, never stored
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, str(tmp_path / "target"), str(folder),
+         json.dumps(ids.tolist()), json.dumps(mask.tolist())],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["head_module"].startswith("transformers_modules")  # the folder's code, not the installed package
+    assert out["plain"] == plain.tolist()
+    assert out["tree"] == ours.tolist() == plain.tolist()
+    assert out["recipe"] == plain.tolist()
+
+
+def test_reloaded_weights_draft_the_same_trees(tmp_path):
+    target = tiny_target("llama")
+    ids, mask = prompts(1)
+    head = tiny_head(target)
+    head.save_pretrained(tmp_path)
+    from modeling_jetspec import JetSpecDraftModel
+
+    again = JetSpecDraftModel.from_pretrained(tmp_path).eval()
+    for a, b in zip(head.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head)
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=again)
+    assert head.last_stats.accepted_at_depth == again.last_stats.accepted_at_depth

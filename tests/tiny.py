@@ -1,0 +1,119 @@
+"""Tiny random targets built in-process (fp32, CPU, no network) and drafters of known quality."""
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from modeling_jetspec import JetSpecDraftModel
+
+ARCHITECTURES = ("llama", "qwen3", "qwen3_moe", "mistral")
+
+
+def tiny_target(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **overrides):
+    """A 2-layer random decoder of the given family, eval mode, sdpa attention."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **common)
+        )
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": 256, **common}))
+    else:
+        raise ValueError(f"unknown test architecture {arch!r}")
+    return model.eval()
+
+
+def tiny_head(target, seed: int = 1, **overrides):
+    torch.manual_seed(seed)
+    fields = dict(num_hidden_layers=1, block_size=8, tree_depth=4, tree_width=3, tree_budget=12)
+    fields.update(overrides)
+    return JetSpecDraftModel.from_target(target, **fields).eval()
+
+
+class OracleHead(JetSpecDraftModel):
+    """A drafter that knows the target's greedy continuation (`reference`, left-padded rows as `generate` returns).
+
+    mode "always": slot at absolute position p puts all mass on the reference token at p (always right).
+    mode "never": the reference token gets the lowest logit (never drafted), so every round commits only the bonus.
+    """
+
+    reference: torch.Tensor = None  # (batch, length)
+    pads: list = None  # left pads per row
+    mode: str = "always"
+
+    def forward(self, input_ids, position_ids, *args, **kwargs):
+        out = super().forward(input_ids, position_ids, *args, **kwargs)
+        # always: the right token holds all the mass; never: the right token is the least likely of all, so no
+        # top-W set (W < vocab) contains it
+        logits = torch.full_like(out.logits, -1e4 if self.mode == "always" else 0.0)
+        for i, row in enumerate(self._rows_of(input_ids, position_ids)):
+            ref = self.reference[row]
+            for t in range(input_ids.shape[1]):
+                index = self.pads[row] + int(position_ids[i, t])
+                token = int(ref[index]) if index < ref.shape[0] else 0
+                logits[i, t, token] = 0.0 if self.mode == "always" else -1e9
+        out.logits = logits
+        return out
+
+    def _rows_of(self, input_ids, position_ids):
+        """Batch rows still decoding keep their order: match each to the next reference row holding its anchor."""
+        rows, start = [], 0
+        for i in range(input_ids.shape[0]):
+            anchor, pos = int(input_ids[i, 0]), int(position_ids[i, 0])
+            row = next(
+                (r for r in range(start, len(self.pads)) if int(self.reference[r, self.pads[r] + pos]) == anchor),
+                start,
+            )
+            rows.append(row)
+            start = row + 1
+        return rows
+
+
+def oracle_head(target, reference, attention_mask, mode="always", **overrides):
+    fields = dict(num_hidden_layers=1, block_size=8, tree_depth=4, tree_width=3, tree_budget=12)
+    fields.update(overrides)
+    head = OracleHead.from_target(target, **fields).eval()
+    head.reference = torch.nn.functional.pad(reference, (0, 64))  # room for drafts past the end
+    head.pads = (attention_mask == 0).sum(-1).tolist()
+    head.mode = mode
+    return head
+
+
+def prompts(batch: int, lengths=(9, 5, 13), vocab_size: int = 128, seed: int = 0):
+    """Left-padded random prompts of different lengths: `(input_ids, attention_mask)`, pad id 0."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(lengths[:batch])
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    mask = torch.zeros(batch, longest, dtype=torch.long)
+    for row in range(batch):
+        n = lengths[row]
+        ids[row, longest - n :] = torch.randint(1, vocab_size, (n,), generator=g)
+        mask[row, longest - n :] = 1
+    return ids, mask
+
