@@ -23,7 +23,17 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .tree import Tree, accept_walk, ancestor_mask, build_tree, children_map, entropy, marginal_children
+from .budget import DEFAULT_CANDIDATES, BudgetController, measure_verify_seconds
+from .tree import (
+    Tree,
+    accept_walk,
+    ancestor_mask,
+    build_tree,
+    children_map,
+    entropy,
+    marginal_children,
+    max_tree_nodes,
+)
 
 TREE_ARGUMENTS = ("tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning")
 MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
@@ -33,7 +43,7 @@ MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
 class TreeShape:
     depth: int  # N, maximum depth of a draft node
     width: int  # W, candidates per node
-    budget: int  # B, draft nodes per tree (root excluded)
+    budget: int | str  # B, draft nodes per tree (root excluded), or "auto" (chosen per round, see `budget.py`)
     scoring: str  # best-first key, see `tree.tree_key`
     path_conditioning: bool  # second draft pass with MASK probes under the tree's real tokens
 
@@ -48,6 +58,7 @@ class JetSpecStats:
     new_tokens: int = 0  # committed tokens, all rows
     round_tokens: int = 0  # committed tokens produced by verify rounds
     accepted_at_depth: list = field(default_factory=list)  # (N,) row-rounds whose accepted path reached depth d
+    budgets: list = field(default_factory=list)  # budget verified in each round
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -67,6 +78,7 @@ class JetSpecStats:
             "new_tokens": self.new_tokens,
             "tau": self.tau,
             "acceptance_per_depth": self.acceptance_per_depth,
+            "budgets": self.budgets,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
@@ -92,8 +104,8 @@ def resolve_tree_shape(config, **given) -> TreeShape:
         )
     if shape.width < 1:
         raise ValueError(f"expected tree_width >= 1, got {shape.width}")
-    if shape.budget < 1:
-        raise ValueError(f"expected tree_budget >= 1 draft node, got {shape.budget}")
+    if shape.budget != "auto" and (not isinstance(shape.budget, int) or shape.budget < 1):
+        raise ValueError(f"expected tree_budget >= 1 draft node or 'auto', got {shape.budget!r}")
     if shape.scoring not in ("logprob", "entropy", "mixed"):
         raise ValueError(f"expected tree_scoring 'logprob', 'entropy' or 'mixed', got {shape.scoring!r}")
     return shape
@@ -273,19 +285,23 @@ def _decode(
         cache, valid, context = _select_rows(cache, keep), valid[keep], context.select_rows(keep)
     anchors = seq[keep, prompt_length]  # (A,) last committed token, not yet seen by the target
     anchor_pos = valid.long().sum(-1)  # (A,) its position
+    controller = _budget_controller(head, target, shape, len(rows)) if shape.budget == "auto" and rows else None
     greedy_fast = not do_sample and not len(logits_processor) and not (want_scores or want_logits)
 
     while rows:
         a = len(rows)
         # ---- draft: one head forward over [anchor, MASK x N], then a best-first tree per row
         t0 = time.perf_counter()
-        trees = _draft_trees(head, context, anchors, anchor_pos, shape)
+        budget = controller.next_budget() if controller is not None else shape.budget
+        trees = _draft_trees(head, context, anchors, anchor_pos, shape, budget)
         n = len(trees[0].tokens)
         tokens = torch.tensor([t.tokens for t in trees], dtype=torch.long, device=device)  # (A, n)
         parents = torch.tensor([t.parents for t in trees], dtype=torch.long, device=device)  # (A, n)
         depths = torch.tensor([[0] + t.depths for t in trees], dtype=torch.long, device=device)  # (A, n+1)
         anc = ancestor_mask(parents)  # (A, n+1, n+1)
-        stats.draft_seconds += time.perf_counter() - t0
+        draft_seconds = time.perf_counter() - t0
+        stats.draft_seconds += draft_seconds
+        stats.budgets.append(budget)
 
         # ---- verify: the target reads root + n nodes under the tree-causal mask
         t0 = time.perf_counter()
@@ -331,6 +347,8 @@ def _decode(
             depth = len(accepted) - 1
             for d in range(min(depth, shape.depth)):
                 stats.accepted_at_depth[d] += 1
+        if controller is not None:
+            controller.update([acc for _, acc in walks], budget, draft_seconds)
 
         # ---- compact: the target cache keeps root + accepted nodes; their features extend the head's context
         t0 = time.perf_counter()
@@ -391,7 +409,19 @@ def _decode(
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def _draft_trees(head, context, anchors, anchor_pos, shape: TreeShape) -> list[Tree]:
+def _budget_controller(head, target, shape: TreeShape, batch: int) -> BudgetController:
+    """Verify costs are measured once per (target, device, batch size) and kept on the head."""
+    largest = max_tree_nodes(shape.depth, shape.width)
+    candidates = sorted({min(b, largest) for b in DEFAULT_CANDIDATES})
+    key = (id(target), str(target.device), batch, tuple(candidates))
+    costs = head.verify_cost_cache.get(key)
+    if costs is None:
+        costs = measure_verify_seconds(target, candidates, batch_size=batch)
+        head.verify_cost_cache[key] = costs
+    return BudgetController(candidates, costs)
+
+
+def _draft_trees(head, context, anchors, anchor_pos, shape: TreeShape, budget: int) -> list[Tree]:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a tree per row."""
     a = anchors.shape[0]
     length = shape.depth + 1 if head.config.block_attention == "causal" else head.config.block_size
@@ -403,15 +433,15 @@ def _draft_trees(head, context, anchors, anchor_pos, shape: TreeShape) -> list[T
     top_lp, top_tok = logp.topk(shape.width, dim=-1)  # (A, N, W)
     ent = entropy(logp) if shape.scoring != "logprob" else torch.zeros(logp.shape[:2])  # (A, N)
     trees = [
-        build_tree(marginal_children(top_lp[i], top_tok[i], ent[i]), shape.budget, shape.depth, shape.scoring)
+        build_tree(marginal_children(top_lp[i], top_tok[i], ent[i]), budget, shape.depth, shape.scoring)
         for i in range(a)
     ]
     if shape.path_conditioning:
-        trees = _path_conditioned_trees(head, context, anchors, anchor_pos, trees, top_lp, top_tok, ent, shape)
+        trees = _path_conditioned_trees(head, context, anchors, anchor_pos, trees, top_lp, top_tok, ent, shape, budget)
     return trees
 
 
-def _path_conditioned_trees(head, context, anchors, anchor_pos, trees, top_lp, top_tok, ent, shape) -> list[Tree]:
+def _path_conditioned_trees(head, context, anchors, anchor_pos, trees, top_lp, top_tok, ent, shape, budget):
     """Second draft pass (DESIGN section 3): real tokens at the tree's nodes plus one MASK probe under every node.
 
     Probe j sits at depth(j) + 1 and sees the context, the anchor, node j's ancestors and node j: its output is
@@ -450,7 +480,7 @@ def _path_conditioned_trees(head, context, anchors, anchor_pos, trees, top_lp, t
         def children(path, probed=probed, marginal=marginal):
             return probed.get(path) or marginal(path)
 
-        rebuilt.append(build_tree(children, shape.budget, shape.depth, shape.scoring))
+        rebuilt.append(build_tree(children, budget, shape.depth, shape.scoring))
     return rebuilt
 
 

@@ -162,6 +162,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self._target_io = None  # (input embeddings, LM head) of the attached target; deliberately not submodules
         self.last_stats = None  # JetSpecStats of the latest generate call
+        self.verify_cost_cache = {}  # (target, device, batch, budgets) -> verify seconds, for tree_budget="auto"
         self.post_init()
 
     # ----------------------------------------------------------------------------------------------- construction

@@ -79,7 +79,8 @@ def test_empty_prompt(pair):
 @pytest.mark.parametrize(
     "tree,message",
     [
-        (dict(tree_budget=0), "tree_budget >= 1 draft node, got 0"),
+        (dict(tree_budget=0), "tree_budget >= 1 draft node or 'auto', got 0"),
+        (dict(tree_budget="many"), "tree_budget >= 1 draft node or 'auto', got 'many'"),
         (dict(tree_depth=8), r"tree_depth in \[1, 7\] \(block_size - 1 of this head\), got 8"),
         (dict(tree_depth=0), r"tree_depth in \[1, 7\]"),
         (dict(tree_width=0), "tree_width >= 1, got 0"),

@@ -1,0 +1,62 @@
+"""The measured budget chooser: argmax of expected tokens per second, exact counterfactual acceptance."""
+
+import torch
+
+from modeling_jetspec.budget import BudgetController, choose_budget, committed_under_budgets, measure_verify_seconds
+from modeling_jetspec.tree import build_tree, entropy, marginal_children
+from tiny import oracle_head, prompts, tiny_target
+
+
+def test_choose_budget_is_the_argmax_of_tokens_per_second():
+    tau = {8: 3.0, 16: 4.0, 32: 4.6, 64: 5.0}
+    verify = {8: 1.2, 16: 1.4, 32: 2.0, 64: 3.5}
+    # tokens per second: 8 -> 3/1.4=2.14, 16 -> 4/1.6=2.5, 32 -> 4.6/2.2=2.09, 64 -> 5/3.7=1.35
+    assert choose_budget(tau, verify, draft_seconds=0.2) == 16
+    # free verification makes the largest tree best
+    assert choose_budget(tau, {b: 1.0 for b in tau}, draft_seconds=0.0) == 64
+    # a costly draft flattens differences in verify cost: 32 wins at draft 10 (4.6/12 > 4/11.4 > 5/13.5)
+    assert choose_budget(tau, verify, draft_seconds=10.0) == 32
+
+
+def test_smaller_best_first_trees_are_prefixes_of_larger_ones():
+    g = torch.Generator().manual_seed(3)
+    logp = torch.log_softmax(torch.randn(6, 40, generator=g) * 2, dim=-1)
+    top_lp, top_tok = logp.topk(4, dim=-1)
+    children = marginal_children(top_lp, top_tok, entropy(logp))
+    big = build_tree(children, 64, 6)
+    for b in (1, 8, 16, 32):
+        small = build_tree(children, b, 6)
+        assert small.tokens == big.tokens[:b] and small.parents == big.parents[:b]
+
+
+def test_committed_under_budgets_counts_the_surviving_prefix():
+    # accepted path: root, node 2, node 9, node 40 -> under budget 8 only node 2 survives
+    assert committed_under_budgets([0, 2, 9, 40], (1, 8, 16, 64)) == {1: 1, 8: 2, 16: 3, 64: 4}
+
+
+def test_controller_explores_then_exploits():
+    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 3.0}, explore_every=4)
+    used = []
+    for _ in range(8):
+        b = controller.next_budget()
+        used.append(b)
+        # every accepted path reaches node 12 at most: budgets >= 16 commit 3 tokens, budget 8 commits 2
+        controller.update([[0, 3, 12]], b, draft_seconds=0.1)
+    assert used[:2] == [32, 32] and used[4] == 32  # warm-up and exploration rounds use the largest budget
+    assert used[2] == used[3] == 16  # 3/1.2 beats 2/1.1 and 3/3.1
+
+
+def test_verify_costs_are_measured_for_every_budget():
+    seconds = measure_verify_seconds(tiny_target("llama"), [4, 16], batch_size=2, context_length=16, repeats=1)
+    assert set(seconds) == {0, 4, 16} and all(v > 0 for v in seconds.values())
+
+
+def test_auto_budget_decodes_losslessly():
+    target = tiny_target("qwen3")
+    ids, mask = prompts(3)
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    head = oracle_head(target, plain, mask, tree_depth=5, tree_width=3)
+    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30,
+                           assistant_model=head, tree_budget="auto")
+    assert torch.equal(tree, plain)
+    assert set(head.last_stats.budgets) <= {8, 16, 32, 64}
