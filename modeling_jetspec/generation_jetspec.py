@@ -374,7 +374,7 @@ def _decode(
             start = lengths[row]
             count, done = commit(row, len(committed))
             stats.new_tokens += count
-            stats.round_tokens += len(committed)
+            stats.round_tokens += count
             if streamer is not None:
                 streamer.put(seq[row, start : start + count].cpu())
             if not done:

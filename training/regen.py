@@ -1,0 +1,368 @@
+"""Data regeneration: the target writes its own answers to the training prompts.
+
+A drafter distilled on the target's own outputs learns the distribution it has to
+predict at inference time, rather than that of whichever model wrote the original
+dataset. Each prompt is formatted with the chat template shared by every method
+([`jetspec.targets.apply_chat_template`]) and answered by plain `model.generate`.
+
+Output layout of `out_dir` (resumable, one writer at a time):
+
+- `shard-00000.jsonl`, `shard-00001.jsonl`, ...: completed shards, each written
+  atomically, one row per prompt: `{"id", "prompt", "input_ids", "prompt_length", "answer"}`.
+- `progress.json`: the generation settings, checked on restart, and a summary of the shards.
+
+Shards are consecutive chunks of the prompts not yet written, and an interrupted
+shard is dropped whole, so a resumed run regenerates exactly the batches an
+uninterrupted run would have: same rows, same order, same tokens.
+"""
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from jetspec.targets import apply_chat_template
+
+
+MANIFEST_NAME = "progress.json"
+SHARD_GLOB = "shard-*.jsonl"
+HUMAN_ROLES = ("human", "user")
+
+
+def _prompt_of(record: Any, where: str) -> str:
+    """The user prompt of one record: its `"prompt"` field, or the first human turn of `"conversations"`."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object at {where}, got {type(record).__name__}")
+    if "prompt" in record:
+        prompt = record["prompt"]
+    elif "conversations" in record:
+        turns = record["conversations"]
+        if not isinstance(turns, list):
+            raise ValueError(f"expected `conversations` to be a list at {where}, got {type(turns).__name__}")
+        # ShareGPT turns are {"from": "human", "value": ...}; chat-style turns are {"role": "user", "content": ...}
+        human = [
+            turn.get("value", turn.get("content"))
+            for turn in turns
+            if isinstance(turn, dict) and turn.get("from", turn.get("role")) in HUMAN_ROLES
+        ]
+        if not human:
+            raise ValueError(f"expected a human/user turn in `conversations` at {where}, got roles "
+                             f"{[turn.get('from', turn.get('role')) for turn in turns if isinstance(turn, dict)]}")
+        prompt = human[0]
+    else:
+        raise ValueError(f"expected a `prompt` or `conversations` field at {where}, got fields {sorted(record)}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"expected a non-empty string prompt at {where}, got {prompt!r}")
+    return prompt
+
+
+def read_prompts(path: Union[str, os.PathLike], limit: Optional[int] = None) -> list[dict[str, str]]:
+    """
+    Reads the prompts to regenerate answers for.
+
+    Args:
+        path (`str` or `os.PathLike`):
+            Either a jsonl file with one JSON object per line, holding a `"prompt"` string or a
+            ShareGPT-style `"conversations"` list (the first human/user turn is the prompt), or a
+            folder written by `datasets.Dataset.save_to_disk` with a `"prompt"` column. An `"id"`
+            field/column is kept; rows without one are numbered by their position.
+        limit (`int`, *optional*):
+            Keep only the first `limit` prompts.
+
+    Returns:
+        `list[dict[str, str]]`: records `{"id": str, "prompt": str}` in file order, with unique ids.
+    """
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise ValueError(f"expected limit to be a positive int or None, got {limit}")
+    records: list[dict[str, str]] = []
+    if path.is_dir():
+        dataset = datasets.load_from_disk(str(path))
+        if not isinstance(dataset, datasets.Dataset):
+            raise ValueError(f"expected a single Dataset saved with save_to_disk in {path}, got {type(dataset).__name__}")
+        if "prompt" not in dataset.column_names:
+            raise ValueError(f"expected a `prompt` column in {path}, got columns {dataset.column_names}")
+        if limit is not None:
+            dataset = dataset.select(range(min(limit, len(dataset))))
+        ids = dataset["id"] if "id" in dataset.column_names else range(len(dataset))
+        for index, (id_, prompt) in enumerate(zip(ids, dataset["prompt"])):
+            records.append({"id": str(id_), "prompt": _prompt_of({"prompt": prompt}, f"{path} row {index}")})
+    elif path.is_file():
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if limit is not None and len(records) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                where = f"{path} line {line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"expected valid JSON at {where}, got {error.msg}: {line[:80]!r}") from None
+                prompt = _prompt_of(record, where)
+                records.append({"id": str(record.get("id", len(records))), "prompt": prompt})
+    else:
+        raise ValueError(f"expected a jsonl file or a datasets folder, got {path} which does not exist")
+    if not records:
+        raise ValueError(f"expected at least one prompt in {path}, got none")
+    seen: set[str] = set()
+    for record in records:
+        if record["id"] in seen:
+            raise ValueError(f"expected unique prompt ids in {path}, got {record['id']!r} twice")
+        seen.add(record["id"])
+    return records
+
+
+def _shard_files(out_dir: Path) -> list[Path]:
+    return sorted(out_dir.glob(SHARD_GLOB))
+
+
+def _read_shard(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file and a rename, so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _eos_ids(model: PreTrainedModel) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _batches(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@torch.inference_mode()
+def _generate_shard(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    shard: list[dict[str, Any]],
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+    sample_temperature: float,
+    pad_token_id: int,
+    on_batch: Callable[[int, int], None],
+) -> list[dict[str, Any]]:
+    """Answers the prompts of one shard; rows come back in the shard's order."""
+    eos_ids = _eos_ids(model)
+    device = model.device
+    # batches of similar length waste less compute on padding; the order is deterministic
+    order = sorted(range(len(shard)), key=lambda i: (len(shard[i]["prompt_ids"]), i))
+    rows: dict[int, dict[str, Any]] = {}
+    sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0} if sample_temperature > 0 else {"do_sample": False}
+    for batch in _batches(order, batch_size):
+        prompt_ids = [shard[i]["prompt_ids"] for i in batch]
+        width = max(len(ids) for ids in prompt_ids)
+        # left padding: every prompt ends at the same column, where generation starts
+        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, T)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        output = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
+            **sampling,
+        )  # (B, T + new)
+        new_tokens = 0
+        for row, i in enumerate(batch):
+            answer_ids = output[row, width:].tolist()
+            # keep the answer up to and including its first EOS; what follows is padding
+            for position, token in enumerate(answer_ids):
+                if token in eos_ids:
+                    answer_ids = answer_ids[: position + 1]
+                    break
+            new_tokens += len(answer_ids)
+            rows[i] = {
+                "id": shard[i]["id"],
+                "prompt": shard[i]["prompt"],
+                "input_ids": shard[i]["prompt_ids"] + answer_ids,
+                "prompt_length": len(shard[i]["prompt_ids"]),
+                "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
+            }
+        on_batch(len(batch), new_tokens)
+    return [rows[i] for i in range(len(shard))]
+
+
+def regenerate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[dict[str, str]],
+    out_dir: Union[str, os.PathLike],
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    seed: int = 0,
+    sample_temperature: float = 0.0,
+    shard_size: int = 64,
+    target: Optional[str] = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """
+    Answers every prompt with the target and writes the rows as shards in `out_dir`, resuming
+    from the shards already there.
+
+    Args:
+        model (`PreTrainedModel`):
+            The target causal LM, in eval mode.
+        tokenizer (`PreTrainedTokenizerBase`):
+            Its tokenizer, with a chat template and a pad (or EOS) token.
+        prompts (`list[dict[str, str]]`):
+            Records `{"id", "prompt"}` as returned by [`read_prompts`].
+        out_dir (`str` or `os.PathLike`):
+            Folder of the shards and of `progress.json`; created if missing.
+        max_new_tokens (`int`, *optional*, defaults to 256):
+            Longest answer, in tokens.
+        batch_size (`int`, *optional*, defaults to 8):
+            Prompts per `generate` call, left padded.
+        seed (`int`, *optional*, defaults to 0):
+            Seed of shard `k` is `seed + k`; only matters when sampling.
+        sample_temperature (`float`, *optional*, defaults to 0.0):
+            0 decodes greedily; a positive value samples from the target's distribution at that
+            temperature instead (no top-k / top-p truncation).
+        shard_size (`int`, *optional*, defaults to 64):
+            Rows per shard file, i.e. the most work an interruption can lose.
+        target (`str`, *optional*):
+            Name of the target, recorded in `progress.json` and checked on restart.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a tqdm bar with rows and generated tokens/s.
+
+    Returns:
+        `dict[str, Any]`: `{"rows": rows in out_dir, "new_rows": rows written by this call,
+        "new_tokens": tokens generated by this call, "seconds": wall time of this call}`.
+    """
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected {name} to be a positive int, got {value!r}")
+    if sample_temperature < 0:
+        raise ValueError(f"expected sample_temperature >= 0 (0 is greedy), got {sample_temperature}")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_token_id is None:
+        raise ValueError(f"expected the tokenizer to have a pad or EOS token for left padding, got neither on {type(tokenizer).__name__}")
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "target": target,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "seed": seed,
+        "sample_temperature": sample_temperature,
+        "shard_size": shard_size,
+    }
+    manifest_path = out_dir / MANIFEST_NAME
+    if manifest_path.exists():
+        previous = json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]
+        if previous != settings:
+            raise ValueError(
+                f"expected the settings of the run being resumed in {out_dir}, {previous}, got {settings}; "
+                "use a fresh output folder to change them"
+            )
+
+    shard_files = _shard_files(out_dir)
+    done_ids: set[str] = set()
+    shards_summary = []
+    for path in shard_files:
+        rows = _read_shard(path)
+        done_ids.update(row["id"] for row in rows)
+        shards_summary.append({"file": path.name, "rows": len(rows)})
+    pending = [record for record in prompts if record["id"] not in done_ids]
+
+    def write_manifest() -> None:
+        summary = {"settings": settings, "rows": sum(s["rows"] for s in shards_summary), "shards": shards_summary}
+        _write_atomic(manifest_path, json.dumps(summary, indent=1) + "\n")
+
+    write_manifest()
+    start = time.perf_counter()
+    new_tokens = 0
+    bar = tqdm(total=len(pending), unit="row", desc="regenerate", disable=not progress, dynamic_ncols=True)
+
+    def on_batch(rows: int, tokens: int) -> None:
+        nonlocal new_tokens
+        new_tokens += tokens
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}", tokens=new_tokens, refresh=False)
+        bar.update(rows)
+
+    try:
+        # shards are consecutive chunks of the pending prompts: after an interruption the completed
+        # shards form a prefix, so the remaining chunks are exactly those of an uninterrupted run
+        for shard_records in _batches(pending, shard_size):
+            index = len(shards_summary)
+            shard = [
+                {**record, "prompt_ids": tokenizer(apply_chat_template(tokenizer, record["prompt"]), add_special_tokens=False)["input_ids"]}
+                for record in shard_records
+            ]
+            torch.manual_seed(seed + index)
+            rows = _generate_shard(
+                model,
+                tokenizer,
+                shard,
+                batch_size=batch_size,
+                max_new_tokens=max_new_tokens,
+                sample_temperature=sample_temperature,
+                pad_token_id=pad_token_id,
+                on_batch=on_batch,
+            )
+            path = out_dir / f"shard-{index:05d}.jsonl"
+            _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+            shards_summary.append({"file": path.name, "rows": len(rows)})
+            write_manifest()
+    finally:
+        bar.close()
+    return {
+        "rows": sum(s["rows"] for s in shards_summary),
+        "new_rows": len(pending),
+        "new_tokens": new_tokens,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
+    """
+    Loads the rows written by [`regenerate`] as one dataset, in shard order.
+
+    Args:
+        out_dir (`str` or `os.PathLike`):
+            The output folder of [`regenerate`].
+
+    Returns:
+        `datasets.Dataset`: columns `id` (`str`), `prompt` (`str`), `input_ids` (`list[int]`, prompt then
+        answer tokens), `prompt_length` (`int`) and `answer` (`str`).
+    """
+    out_dir = Path(out_dir)
+    shard_files = _shard_files(out_dir)
+    if not shard_files:
+        raise ValueError(f"expected {SHARD_GLOB} files from regenerate in {out_dir}, got none")
+    rows = [row for path in shard_files for row in _read_shard(path)]
+    features = datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "prompt": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "prompt_length": datasets.Value("int64"),
+            "answer": datasets.Value("string"),
+        }
+    )
+    return datasets.Dataset.from_list(rows, features=features)

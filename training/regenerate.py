@@ -1,0 +1,73 @@
+"""Regenerates training data with the target's own answers (see `training/regen.py`).
+
+Example:
+
+```bash
+python training/regenerate.py --target smollm2-135m --prompts jetspec/prompts/sharegpt_train.jsonl \
+    --out data/regen --max_new_tokens 192 --batch_size 16 --limit 1200
+```
+
+Rerunning the same command resumes after the last completed shard.
+"""
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+# runnable as `python training/regenerate.py` from the repo root, without installing the package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transformers import HfArgumentParser  # noqa: E402
+
+from jetspec.targets import load_target  # noqa: E402
+from training.regen import read_prompts, regenerate  # noqa: E402
+
+
+@dataclass
+class RegenerateArguments:
+    target: str = field(
+        default="smollm2-135m", metadata={"help": "Target alias (`smollm2-135m`), local folder or Hub id."}
+    )
+    prompts: str = field(
+        default=None,
+        metadata={"help": "jsonl file with a `prompt` (or ShareGPT `conversations`) field, or a save_to_disk folder."},
+    )
+    out: str = field(default="data/regen", metadata={"help": "Output folder of the shards; rerun to resume."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Longest answer, in tokens."})
+    batch_size: int = field(default=8, metadata={"help": "Prompts per generate call (left padded)."})
+    limit: Optional[int] = field(default=None, metadata={"help": "Use only the first N prompts."})
+    seed: int = field(default=0, metadata={"help": "Seed of shard k is seed + k (matters only when sampling)."})
+    sample_temperature: float = field(
+        default=0.0, metadata={"help": "0 decodes greedily; > 0 samples at this temperature instead."}
+    )
+    shard_size: int = field(default=64, metadata={"help": "Rows per shard file (the most an interruption loses)."})
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    (args,) = HfArgumentParser(RegenerateArguments).parse_args_into_dataclasses(args=argv)
+    if args.prompts is None:
+        raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
+    prompts = read_prompts(args.prompts, limit=args.limit)
+    model, tokenizer = load_target(args.target)
+    stats = regenerate(
+        model,
+        tokenizer,
+        prompts,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        sample_temperature=args.sample_temperature,
+        shard_size=args.shard_size,
+        target=args.target,
+    )
+    print(
+        f"{stats['rows']} rows in {args.out} ({stats['new_rows']} new, {stats['new_tokens']} tokens "
+        f"in {stats['seconds']:.0f} s, {stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
