@@ -186,3 +186,21 @@ def test_plain_generate_is_untouched_by_the_hook():
     plain = greedy(target, ids, mask, max_new_tokens=10)
     assisted = greedy(target, ids, mask, max_new_tokens=10, assistant_model=assistant)
     assert torch.equal(assisted, plain)
+
+
+def test_peft_adapted_target():
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_target("llama")
+    torch.manual_seed(5)
+    adapted = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    adapted.eval()
+    ids, mask = prompts(3)
+    plain = adapted.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    head = tiny_head(base)
+    tree = adapted.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                            assistant_model=head)
+    assert torch.equal(tree, plain)
+    # the adapter changes the output, so the test compares against the adapted model, not the base
+    with adapted.disable_adapter():
+        assert not torch.equal(plain, greedy(adapted, ids, mask, max_new_tokens=16))
