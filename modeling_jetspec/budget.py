@@ -13,6 +13,8 @@ from collections import deque
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .tree import verification_mask
+
 DEFAULT_CANDIDATES = (8, 16, 32, 64)
 
 
@@ -45,15 +47,13 @@ def measure_verify_seconds(target, budgets, batch_size: int = 1, context_length:
     cache = DynamicCache()
     target(input_ids=prompt, past_key_values=cache, use_cache=True)
     dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+    past_valid = torch.ones(batch_size, context_length, dtype=torch.bool, device=device)
     seconds = {}
     for b in sorted({0, *budgets}):
         n = b + 1
         ids = torch.randint(0, vocab, (batch_size, n), generator=g).to(device)
-        allowed = torch.cat(
-            [torch.ones(n, context_length, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1
-        ).to(device)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-        mask = mask.expand(batch_size, 1, -1, -1)
+        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch_size, n, n)  # cost ~ any tree
+        mask = verification_mask(past_valid, chain, dtype)
         positions = (context_length + torch.arange(n, device=device)).expand(batch_size, n)
         times = []
         for _ in range(repeats + 1):  # the first run warms up

@@ -65,8 +65,8 @@ class JetSpecConfig(PretrainedConfig):
             transformers' config check warns once that it lies outside the vocabulary: that is intended.
         block_attention (`str`, *optional*, defaults to `"causal"`):
             `"causal"` (JetSpec: slot i sees the context and slots <= i) or `"bidirectional"` (the DFlash ablation).
-        tree_depth (`int`, *optional*, defaults to 7):
-            Default maximum depth N of the candidate tree.
+        tree_depth (`int`, *optional*):
+            Default maximum depth N of the candidate tree, defaults to `min(7, block_size - 1)`.
         tree_width (`int`, *optional*, defaults to 4):
             Default number of candidates W per depth.
         tree_budget (`int`, *optional*, defaults to 32):
@@ -96,7 +96,7 @@ class JetSpecConfig(PretrainedConfig):
         block_size: int = 16,
         mask_token_id: int | None = None,
         block_attention: str = "causal",
-        tree_depth: int = 7,
+        tree_depth: int | None = None,
         tree_width: int = 4,
         tree_budget: int = 32,
         tree_scoring: str = "logprob",
@@ -123,7 +123,7 @@ class JetSpecConfig(PretrainedConfig):
         self.block_size = block_size
         self.mask_token_id = mask_token_id if mask_token_id is not None else vocab_size
         self.block_attention = block_attention
-        self.tree_depth = tree_depth
+        self.tree_depth = tree_depth if tree_depth is not None else min(7, block_size - 1)
         self.tree_width = tree_width
         self.tree_budget = tree_budget
         self.tree_scoring = tree_scoring
@@ -139,6 +139,10 @@ class JetSpecConfig(PretrainedConfig):
             raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {self.tree_scoring!r}")
         if self.block_size < 2:
             raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
+        if not 1 <= self.tree_depth <= self.block_size - 1:
+            raise ValueError(
+                f"expected tree_depth in [1, {self.block_size - 1}] (block_size - 1), got {self.tree_depth}"
+            )
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_hidden_layers]
         if bad or not self.target_layer_ids:
             raise ValueError(

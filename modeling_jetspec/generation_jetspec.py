@@ -33,6 +33,7 @@ from .tree import (
     entropy,
     marginal_children,
     max_tree_nodes,
+    verification_mask,
 )
 
 TREE_ARGUMENTS = ("tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning")
@@ -306,12 +307,9 @@ def _decode(
         # ---- verify: the target reads root + n nodes under the tree-causal mask
         t0 = time.perf_counter()
         past = valid.shape[1]
-        allowed = torch.cat([valid[:, None, :].expand(a, n + 1, past), anc], dim=-1)  # (A, n+1, S+n+1)
-        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
         out = target(
             input_ids=torch.cat([anchors[:, None], tokens], dim=1),
-            attention_mask=mask[:, None],
+            attention_mask=verification_mask(valid, anc, _float_dtype(target)),  # (A, 1, n+1, S+n+1)
             position_ids=anchor_pos[:, None] + depths,
             past_key_values=cache,
             use_cache=True,
@@ -496,6 +494,10 @@ def _as_row(fn, row: int, batch: int, ids: torch.Tensor, scores: torch.Tensor | 
     if scores is None:
         return bool(fn(ids, None)[row])
     return fn(ids, scores.repeat(batch, 1))[row : row + 1]  # a copy: processors may write in place
+
+
+def _float_dtype(target) -> torch.dtype:
+    return target.dtype if target.dtype.is_floating_point else torch.float32
 
 
 def _logits_to_keep(target, count: int) -> dict:

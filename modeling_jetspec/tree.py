@@ -125,6 +125,24 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+def verification_mask(past_valid: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask for the target's verify forward over the tree (root first) after a cache.
+
+    Args:
+        past_valid (`torch.BoolTensor` of shape `(B, S)`): cache entries each row may see (False: padding, holes).
+        ancestors (`torch.BoolTensor` of shape `(B, T, T)`): from [`ancestor_mask`].
+        dtype (`torch.dtype`): the target's floating dtype.
+
+    Returns:
+        `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
+        (an additive float mask: a boolean one would be added to the scores by eager attention).
+    """
+    b, t, _ = ancestors.shape
+    allowed = torch.cat([past_valid[:, None, :].expand(b, t, -1), ancestors], dim=-1)  # (B, T, S+T)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def children_map(tree: Tree) -> list[dict[int, int]]:
     """For each node (root first), a map from a child's token to the child's node index."""
     kids = [{} for _ in range(len(tree.tokens) + 1)]

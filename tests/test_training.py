@@ -1,0 +1,413 @@
+"""Distillation of a JetSpec head with the HF Trainer (training/): losses, packed blocks, a real (tiny) training run
+that reloads and decodes losslessly, LoRA, 1 vs 2 processes, shipping, and bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import AutoModel, PreTrainedTokenizerFast, TrainingArguments
+
+from tiny import tiny_head, tiny_target
+from training import run_trainer
+from training.losses import block_loss, chain_accept_length, depth_weights
+from training.shipping import push_folder, render_card, write_card
+from training.trainer import JetSpecArguments, JetSpecCollator, JetSpecTrainer, draw_anchors, pack_blocks
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 128
+
+
+# ------------------------------------------------------------------------------------------------------ fixtures
+def sharp_target(seed: int = 0):
+    """A tiny random Llama whose LM head is scaled up: peaked next-token distributions, so distillation has
+    something to learn within a few steps (a plain random target is almost uniform, with KL ~ 0.01)."""
+    target = tiny_target("llama", vocab_size=VOCAB, seed=seed)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)
+    return target
+
+
+def regenerated_rows(target, count: int = 16, prompt_length: int = 6, seed: int = 0):
+    """Rows in `load_regenerated`'s format: random prompts answered greedily by the target, of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, VOCAB, (count, prompt_length), generator=g)
+    out = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                          max_new_tokens=30, pad_token_id=0)  # (count, prompt_length + 30)
+    return [
+        {"id": f"row-{i}", "prompt": f"prompt {i}", "input_ids": out[i, : prompt_length + 12 + (i * 5) % 19].tolist(),
+         "prompt_length": prompt_length, "answer": ""}
+        for i in range(count)
+    ]
+
+
+def write_shards(folder: Path, rows) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def save_target_folder(target, folder: Path) -> Path:
+    """The tiny target and a word-level tokenizer over its ids, so `load_target(folder)` works offline."""
+    target.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", unk_token="t1").save_pretrained(folder)
+    return folder
+
+
+def training_args(tmp_path, **overrides):
+    fields = dict(output_dir=str(tmp_path / "out"), max_steps=12, learning_rate=3e-3, per_device_train_batch_size=4,
+                  logging_steps=1, report_to="none", use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+                  save_strategy="no", seed=0, lr_scheduler_type="constant")
+    fields.update(overrides)
+    return TrainingArguments(**fields)
+
+
+def losses_of(log_history):
+    return [entry["loss"] for entry in log_history if "loss" in entry]
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    # the CPU is shared: one thread keeps the tiny runs fast and deterministic
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -------------------------------------------------------------------------------------------------------- losses
+def test_losses_match_hand_computed_values():
+    # two depths, vocabulary of 2; the draft is uniform, the target puts 0.75 / 0.25
+    student = torch.zeros(1, 2, 2)
+    teacher = torch.log(torch.tensor([[[0.75, 0.25], [0.25, 0.75]]]))
+    labels = torch.tensor([[0, 1]])
+    everything = torch.ones(1, 2, dtype=torch.bool)
+    fkl = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    rkl = 0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25)
+    # (exact up to fp32 rounding of the logs)
+    torch.testing.assert_close(block_loss(student, teacher, labels, everything, "fkl"), torch.tensor(fkl))
+    torch.testing.assert_close(block_loss(student, teacher, labels, everything, "rkl"), torch.tensor(rkl))
+    torch.testing.assert_close(block_loss(student, None, labels, everything, "sft"), torch.tensor(math.log(2.0)))
+    # the draft equals the target: zero KL both ways
+    torch.testing.assert_close(block_loss(teacher, teacher, labels, everything, "fkl"), torch.tensor(0.0))
+
+    # depth 1 has loss l1, depth 2 loss l2 (sft on a skewed draft); gamma weights them 1 and exp(-1/gamma)
+    student = torch.log(torch.tensor([[[0.9, 0.1], [0.9, 0.1]]]))
+    l1, l2 = -math.log(0.9), -math.log(0.1)
+    for gamma in (1.0, 4.0):
+        w2 = math.exp(-1.0 / gamma)
+        expected = (l1 + w2 * l2) / (1.0 + w2)
+        torch.testing.assert_close(block_loss(student, None, labels, everything, "sft", gamma=gamma),
+                                   torch.tensor(expected))
+    # a masked-out slot does not count, whatever its loss
+    only_first = torch.tensor([[True, False]])
+    torch.testing.assert_close(block_loss(student, None, labels, only_first, "sft", gamma=1.0), torch.tensor(l1))
+    torch.testing.assert_close(depth_weights(3, 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+    assert chain_accept_length([1.0, 0.5, 0.5]) == 1 + 1 + 0.5 + 0.25
+
+
+def test_unknown_loss_name_is_refused_with_the_valid_names():
+    with pytest.raises(ValueError, match=r"expected loss in \('fkl', 'sft', 'rkl'\).*got 'mse'"):
+        JetSpecArguments(loss="mse")
+    with pytest.raises(ValueError, match="fkl"):
+        block_loss(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long),
+                   torch.ones(1, 1, dtype=torch.bool), kind="kl")
+
+
+# ------------------------------------------------------------------------------------------------- packed blocks
+def test_packed_blocks_equal_one_forward_per_block():
+    """One packed forward gives each block exactly the logits it gets alone, with only the context before its
+    anchor: the block-diagonal mask leaks nothing between blocks, nor from the future of the sequence."""
+    target = sharp_target()
+    head = tiny_head(target)
+    rows = regenerated_rows(target, count=2)
+    batch = JetSpecCollator(max_length=64)(rows)
+    lengths = batch["attention_mask"].sum(-1)
+    with torch.no_grad():
+        hidden = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
+        features = head.target_features(hidden.hidden_states)  # (B, L, k*H)
+        anchors, _ = draw_anchors(lengths, batch["prompt_length"], batch["sample_key"], 3, seed=0, answer_prob=0.5)
+        blocks = pack_blocks(batch["input_ids"], lengths, anchors, 8, head.config.mask_token_id)
+        valid = torch.arange(features.shape[1]) < lengths.unsqueeze(-1)
+        packed = head(blocks.input_ids, blocks.position_ids, blocks.attention_mask, context_features=features,
+                      context_valid=valid).logits.view(2, 3, 8, -1)
+        for b in range(2):
+            for j, a in enumerate(anchors[b].tolist()):
+                assert 1 <= a <= int(lengths[b]) - 2
+                ids = blocks.input_ids[b, j * 8 : (j + 1) * 8].unsqueeze(0)
+                assert int(ids[0, 0]) == int(batch["input_ids"][b, a])  # the anchor is the real token
+                alone = head(ids, torch.arange(a, a + 8).unsqueeze(0), context_features=features[b : b + 1, :a])
+                # same math, different key counts: only summation order differs (fp32)
+                torch.testing.assert_close(packed[b, j], alone.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_revealed_slots_carry_real_tokens_and_get_no_loss():
+    target = sharp_target()
+    head = tiny_head(target)
+    mask_id = head.config.mask_token_id
+    rows = regenerated_rows(target, count=4)
+    batch = JetSpecCollator()(rows)
+    lengths = batch["attention_mask"].sum(-1)
+    anchors, generators = draw_anchors(lengths, batch["prompt_length"], batch["sample_key"], 4, 0, 1.0)
+    blocks = pack_blocks(batch["input_ids"], lengths, anchors, 8, mask_id, reveal_prob=0.5, generators=generators)
+    ids = blocks.input_ids.view(4, 4, 8)[..., 1:]  # the D slots after each anchor
+    positions = anchors.unsqueeze(-1) + torch.arange(1, 8)  # (B, n, D)
+    real = batch["input_ids"].gather(1, positions.clamp_max(batch["input_ids"].shape[1] - 1).view(4, -1)).view(4, 4, 7)
+    revealed = (ids != mask_id) & blocks.valid
+    assert revealed.any() and (blocks.valid & ~revealed).any()  # p = 0.5 over 112 slots: both kinds occur
+    assert torch.equal(ids[revealed], real[revealed])  # a revealed slot holds its real token
+    assert not blocks.loss_mask[revealed].any()  # ... and carries no loss
+    assert torch.equal(blocks.loss_mask, blocks.valid & (ids == mask_id))  # every MASK inside the sequence does
+    assert torch.equal(blocks.labels[blocks.valid], real[blocks.valid])
+    # the loss ignores whatever the head predicts at revealed slots
+    student = torch.randn(16, 7, VOCAB)
+    teacher = torch.randn(16, 7, VOCAB)
+    labels, loss_mask = blocks.labels.view(16, 7), blocks.loss_mask.view(16, 7)
+    changed = student.clone()
+    changed[revealed.view(16, 7)] += 5 * torch.randn(int(revealed.sum()), VOCAB)
+    torch.testing.assert_close(block_loss(changed, teacher, labels, loss_mask), block_loss(student, teacher, labels, loss_mask))
+
+
+# ------------------------------------------------------------------------------------------------------ training
+def test_training_lowers_the_loss_changes_every_head_parameter_and_leaves_the_target(tmp_path):
+    target = sharp_target()
+    target_before = {k: v.clone() for k, v in target.state_dict().items()}
+    head = tiny_head(target).train()
+    head_before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    rows = datasets.Dataset.from_list(regenerated_rows(target))
+    trainer = JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=rows,
+                             eval_dataset=rows.select(range(4)), target=target,
+                             jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, reveal_prob=0.2))
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+
+    losses = losses_of(trainer.state.log_history)
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses  # fell by more than step-to-step noise
+    assert after["eval_loss"] < before["eval_loss"]
+    assert 1.0 <= after["eval_tau_chain"] <= 8.0 and set(f"eval_acc_depth_{k}" for k in range(1, 8)) <= set(after)
+    trainable = [n for n, p in head.named_parameters() if p.requires_grad]
+    assert trainable == [n for n, _ in head.named_parameters()]  # the whole head trains
+    unchanged = [n for n in trainable if torch.equal(head_before[n], dict(head.named_parameters())[n])]
+    assert unchanged == []
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, target_before[k]), k  # bit-identical, and never part of the head
+    assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    data = write_shards(tmp_path / "regen", regenerated_rows(target))
+    out = tmp_path / "head"
+    metrics = run_trainer.main([
+        "--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "6",
+        "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+        "--eval_fraction", "0.25", "--block_size", "6", "--num_hidden_layers", "1", "--use_cpu",
+        "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--measure_tau_prompts", "2",
+        "--measure_tau_new_tokens", "12",
+    ])
+    assert metrics["train_target_tokens_per_second"] > 0 and "eval_tau_chain" in metrics
+    log = json.loads((out / "training_log.json").read_text())
+    assert len(losses_of(log)) == 6
+    card = (out / "README.md").read_text()
+    assert "base_model: " + str(target_dir) in card and "{{" not in card and "| tau, tree decoding" in card
+
+    head = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    assert head.config.block_size == 6
+    prompt = torch.tensor([regenerated_rows(target, count=1, seed=7)[0]["input_ids"][:6]])
+    mask = torch.ones_like(prompt)
+    plain = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    tree = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                           assistant_model=head)
+    assert tree.tolist() == plain.tolist()
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
+    """Steps 3-4 resumed from checkpoint-2 log the losses of the uninterrupted run: the weights, optimizer, data
+    position and anchor draws (seeded by step) all come back."""
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    data = write_shards(tmp_path / "regen", regenerated_rows(target))
+    out = tmp_path / "run"
+    args = ["--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "4",
+            "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+            "--eval_fraction", "0", "--block_size", "6", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+            "--save_strategy", "steps", "--save_steps", "2"]
+    run_trainer.main(args)
+    full = losses_of(json.loads((out / "training_log.json").read_text()))
+    assert (out / "checkpoint-2" / "config.json").is_file()
+    run_trainer.main([*args, "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    log = json.loads((out / "training_log.json").read_text())
+    resumed = [(e["step"], e["loss"]) for e in log if "loss" in e and e["step"] > 2]
+    assert [step for step, _ in resumed] == [3, 4]
+    # same computation in the same order, in a process that reloaded fp32 weights: equal to fp32 rounding
+    torch.testing.assert_close(torch.tensor([loss for _, loss in resumed]), torch.tensor(full[2:]),
+                               rtol=1e-5, atol=0.0)
+
+
+def test_lora_trains_only_the_adapters(tmp_path):
+    target = sharp_target()
+    jargs = JetSpecArguments(use_lora=True, lora_r=4, num_blocks_per_sequence=2, block_size=8, num_hidden_layers=1)
+    model = run_trainer.build_head(jargs, target)  # a peft model around a new head
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any(".fc." in n for n in trainable) and any("q_proj" in n for n in trainable)
+    trainer = JetSpecTrainer(model=model, args=training_args(tmp_path, max_steps=4),
+                             train_dataset=datasets.Dataset.from_list(regenerated_rows(target)),
+                             target=target, jetspec_args=jargs)
+    trainer.train()
+    after = dict(model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == trainable  # every adapter moved (lora_B from zero at step 1, lora_A from step 2) ...
+    # ... and nothing else: the head's own weights, norms and MASK vector are as initialised
+
+
+# ---------------------------------------------------------------------------------------------- 1 vs 2 processes
+# relative; the two runs add the same fp32 numbers in other orders (padding widths, all-reduce): measured ~2e-6
+TWO_PROCESS_TOLERANCE = 1e-4
+
+
+@pytest.mark.multiprocess
+def test_two_process_run_matches_one_process_with_the_doubled_batch(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo DDP) with 2 rows per process follows the same loss curve
+    as one process with 4 rows: same rows per step, same anchors per row (seeded by row id and step), and the loss
+    normalised by the slot count of all processes."""
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    data = write_shards(tmp_path / "regen", regenerated_rows(target))
+    common = ["--target", str(target_dir), "--data", str(data), "--max_steps", "4", "--learning_rate", "3e-3",
+              "--logging_steps", "1", "--eval_fraction", "0", "--use_cpu", "--report_to", "none",
+              "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0", "--num_blocks_per_sequence", "2",
+              "--ddp_find_unused_parameters", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    # accelerate 1.15: `--cpu` runs a single process whatever --num_processes says; `--multi_gpu` starts torchrun,
+    # and ACCELERATE_USE_CPU=1 with --use_cpu makes it a gloo process group on CPU
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(REPO / "training" / "run_trainer.py"), *common, "--output_dir", str(tmp_path / "two"),
+               "--per_device_train_batch_size", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    two = losses_of(json.loads((tmp_path / "two" / "training_log.json").read_text()))
+
+    run_trainer.main([*common, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "4"])
+    one = losses_of(json.loads((tmp_path / "one" / "training_log.json").read_text()))
+    assert len(one) == len(two) == 4
+    assert "world size 2" in result.stdout + result.stderr  # really two processes, not one of each
+    assert len(set(one)) > 1  # the head learns; a flat curve would match trivially
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=TWO_PROCESS_TOLERANCE, atol=0.0)
+
+
+# -------------------------------------------------------------------------------------------------------- shipping
+class FakeApi:
+    """Records what `upload_folder` would send."""
+
+    def __init__(self):
+        self.created, self.uploaded = [], None
+
+    def create_repo(self, repo_id, exist_ok=False, private=None):
+        self.created.append(repo_id)
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None):
+        root = Path(folder_path)
+        self.uploaded = (repo_id, {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()})
+        return "commit"
+
+
+CARD_VALUES = dict(base_model="org/target", repo_id="org/head", max_depth=7, num_hidden_layers=1, block_size=8,
+                   training_data="data/regen", loss="fkl", steps=10, num_train_rows=9, num_eval_rows=1,
+                   tau_table="| a | b |", licence="Apache-2.0")
+
+
+def test_push_uploads_exactly_the_head_files(tmp_path):
+    head = tiny_head(tiny_target("llama"))
+    folder = tmp_path / "head"
+    head.save_pretrained(folder)
+    write_card(folder, **CARD_VALUES)
+    (folder / "training_log.json").write_text("[]")  # outputs of the run that are not shipped
+    (folder / "checkpoint-5").mkdir()
+    (folder / "checkpoint-5" / "model.safetensors").write_text("x")
+    api = FakeApi()
+    push_folder(folder, "org/head", api=api)
+    code = {p.name for p in folder.glob("*.py")}  # the flat code files save_pretrained copied
+    assert {"configuration_jetspec.py", "modeling_jetspec.py", "generation_jetspec.py", "tree.py"} <= code
+    assert api.created == ["org/head"]
+    assert api.uploaded[0] == "org/head"
+    assert api.uploaded[1] == code | {"config.json", "model.safetensors", "custom_generate/generate.py", "README.md"}
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\nlicense: apache-2.0\nbase_model: org/target\n")
+    assert 'AutoModel.from_pretrained("org/head", trust_remote_code=True)' in card
+    assert 'custom_generate="org/head"' in card and "assistant_model=head" in card
+
+
+def test_push_offline_raises_instead_of_hanging(tmp_path):
+    head = tiny_head(tiny_target("llama"))
+    folder = tmp_path / "head"
+    head.save_pretrained(folder)
+    write_card(folder, **CARD_VALUES)
+    script = ("import sys; from training.shipping import push_folder\n"
+              "try:\n    push_folder(sys.argv[1], 'org/head')\n"
+              "except Exception as e:\n    print(type(e).__name__, str(e)[:200]); sys.exit(3)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_fake"}
+    result = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 3, (result.stdout, result.stderr[-2000:])
+    assert "offline" in result.stdout.lower()
+
+
+def test_card_needs_every_placeholder(tmp_path):
+    values = dict(CARD_VALUES)
+    del values["tau_table"]
+    with pytest.raises(ValueError, match=r"placeholders \['tau_table'\]"):
+        render_card(REPO / "hub_cards" / "jetspec-head.md", **values)
+    with pytest.raises(ValueError, match="missing"):
+        push_folder(tmp_path, "org/head", api=FakeApi())  # not a saved head
+
+
+# ----------------------------------------------------------------------------------------------------- bad input
+def test_bad_input_is_refused_with_clear_messages(tmp_path):
+    target = sharp_target()
+    head = tiny_head(target)
+    head.save_pretrained(tmp_path / "head")
+    rows = datasets.Dataset.from_list(regenerated_rows(target, count=4))
+
+    # a head built for another target (vocabulary 99) cannot resume on this one
+    other = tiny_target("llama", vocab_size=99)
+    with pytest.raises(ValueError, match="built for a target with vocab size 128, got a target with vocab size 99"):
+        run_trainer.build_head(JetSpecArguments(init_head=str(tmp_path / "head")), other)
+
+    # a block longer than the head's
+    with pytest.raises(ValueError, match=r"expected block_size <= 8 .*got 16"):
+        run_trainer.build_head(JetSpecArguments(init_head=str(tmp_path / "head"), block_size=16), target)
+    with pytest.raises(ValueError, match=r"expected block_size <= 8 .*got 16"):
+        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=rows, target=target,
+                       jetspec_args=JetSpecArguments(block_size=16))
+
+    # no data
+    empty = rows.select([])
+    with pytest.raises(ValueError, match="expected a non-empty train_dataset, got an empty dataset"):
+        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=empty, target=target,
+                       jetspec_args=JetSpecArguments())
+    (tmp_path / "regen").mkdir()
+    (tmp_path / "regen" / "shard-00000.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty dataset"):
+        run_trainer.load_data(JetSpecArguments(data=[str(tmp_path / "regen")]), seed=0)
+
+    with pytest.raises(ValueError, match="remove_unused_columns=False"):
+        JetSpecTrainer(model=head, args=training_args(tmp_path, remove_unused_columns=True), train_dataset=rows,
+                       target=target, jetspec_args=JetSpecArguments())

@@ -1,0 +1,124 @@
+"""Distillation losses of the draft head over block slots (arXiv 2606.18394, section 3.3 "Training").
+
+Every MASK slot k = 1..D of a block is a separate prediction of the token at depth k. The paper trains with
+soft labels, forward KL(p_target || q_draft): a tree ranks whole distributions, so the draft must cover the
+target's mass, not only its mode. Hard-label cross-entropy ("sft") is about as good; reverse KL ("rkl",
+mode seeking) is 36-46% worse and is kept as the ablation. An optional position decay
+w_k = exp(-(k - 1) / gamma) weights shallow depths more (the bidirectional DFlash head needs it; the causal head
+is insensitive to it).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSS_KINDS = ("fkl", "sft", "rkl")
+
+
+def check_loss_kind(kind: str) -> None:
+    """Raise a `ValueError` naming the valid loss kinds when `kind` is not one of them."""
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"expected loss in {LOSS_KINDS} (forward KL, hard-label CE, reverse KL), got {kind!r}")
+
+
+def depth_weights(depth: int, gamma: float | None = None, device=None) -> torch.Tensor:
+    """Position-decay weights `w_k = exp(-(k - 1) / gamma)` for depths k = 1..`depth`; all ones without `gamma`.
+
+    Returns:
+        `torch.Tensor` of shape `(depth,)`, float32.
+    """
+    if gamma is not None and not gamma > 0:
+        raise ValueError(f"expected gamma > 0 or None (no decay), got {gamma}")
+    k = torch.arange(depth, dtype=torch.float32, device=device)  # k - 1
+    return torch.ones(depth, device=device) if gamma is None else torch.exp(-k / gamma)
+
+
+def slot_losses(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    kind: str = "fkl",
+) -> torch.Tensor:
+    r"""Per-slot loss, unreduced.
+
+    Args:
+        student_logits (`torch.Tensor` of shape `(N, D, V)`): the head's logits at the MASK slots.
+        teacher_logits (`torch.Tensor` of shape `(N, D, V)`, *optional*): the target's logits predicting the same
+            tokens (position a + k - 1 for slot k of the block anchored at a). Unused by `"sft"`.
+        labels (`torch.LongTensor` of shape `(N, D)`): the real tokens at those depths (any value where masked out).
+        kind (`str`, *optional*, defaults to `"fkl"`): `"fkl"` = KL(p || q), `"sft"` = -log q(label),
+            `"rkl"` = KL(q || p), with p the target's and q the draft's softmax.
+
+    Returns:
+        `torch.Tensor` of shape `(N, D)`, float32.
+    """
+    check_loss_kind(kind)
+    log_q = F.log_softmax(student_logits.float(), dim=-1)  # (N, D, V)
+    if kind == "sft":
+        index = labels.clamp_min(0).unsqueeze(-1)  # masked-out slots may hold -100
+        return -log_q.gather(-1, index).squeeze(-1)
+    if teacher_logits is None:
+        raise ValueError(f"expected teacher_logits for loss {kind!r}, got None")
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"expected teacher_logits of the student's shape {tuple(student_logits.shape)}, "
+            f"got {tuple(teacher_logits.shape)}"
+        )
+    log_p = F.log_softmax(teacher_logits.float(), dim=-1)  # (N, D, V)
+    if kind == "fkl":
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def block_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    kind: str = "fkl",
+    gamma: float | None = None,
+) -> torch.Tensor:
+    r"""Weighted mean of [`slot_losses`] over the MASK slots that count.
+
+    `loss = sum_{n,k} m_{n,k} w_k l_{n,k} / sum_{n,k} m_{n,k} w_k`, with `m` the `loss_mask` and `w` the
+    [`depth_weights`]. A batch without any counted slot gives a zero that still depends on the student (so a
+    distributed backward sees every parameter).
+
+    Args:
+        student_logits (`torch.Tensor` of shape `(N, D, V)`): see [`slot_losses`].
+        teacher_logits (`torch.Tensor` of shape `(N, D, V)`, *optional*): see [`slot_losses`].
+        labels (`torch.LongTensor` of shape `(N, D)`): see [`slot_losses`].
+        loss_mask (`torch.BoolTensor` of shape `(N, D)`): True for MASK slots inside the sequence; False for
+            revealed slots and slots past the end.
+        kind (`str`, *optional*, defaults to `"fkl"`): one of `"fkl"`, `"sft"`, `"rkl"`.
+        gamma (`float`, *optional*): position decay; none by default (the paper's causal head).
+
+    Returns:
+        `torch.Tensor`: a scalar.
+    """
+    total, weight = block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind, gamma)
+    return total / weight.clamp_min(1e-12) if weight > 0 else total * 0.0
+
+
+def block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind="fkl", gamma=None):
+    """Numerator and denominator of [`block_loss`], for a normalisation across processes or micro-batches.
+
+    Returns:
+        `(weighted_sum, weight_total)`: two scalars; `weight_total` carries no gradient.
+    """
+    if student_logits.dim() != 3:
+        raise ValueError(f"expected student_logits of shape (N, D, V), got {tuple(student_logits.shape)}")
+    if labels.shape != student_logits.shape[:2] or loss_mask.shape != student_logits.shape[:2]:
+        raise ValueError(
+            f"expected labels and loss_mask of shape {tuple(student_logits.shape[:2])}, got "
+            f"{tuple(labels.shape)} and {tuple(loss_mask.shape)}"
+        )
+    losses = slot_losses(student_logits, teacher_logits, labels, kind)  # (N, D)
+    w = depth_weights(losses.shape[1], gamma, device=losses.device) * loss_mask.float()  # (N, D)
+    return (losses * w).sum(), w.sum().detach()
+
+
+def chain_accept_length(acceptance: list[float]) -> float:
+    """Expected committed tokens per round of a chain draft: `1 + sum_d prod_{k<=d} acc_k` (bonus included)."""
+    return 1.0 + sum(math.prod(acceptance[: d + 1]) for d in range(len(acceptance)))
