@@ -1,0 +1,7 @@
+"""`python -m jetspec ...` runs the `jetspec` command (see `jetspec.cli`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,227 @@
+"""The `jetspec` command: answer a prompt with tree speculative decoding, or benchmark it.
+
+    jetspec generate "What is 17 * 23?" [--max-new-tokens 256] [--head DIR] [--target smollm2-135m] [--budget N]
+    jetspec bench --suite gsm8k,humaneval,mtbench --budgets 8,16,32,64 --max-new-tokens 256 --limit 10 \
+        --out results/ [--head DIR] [--target smollm2-135m]
+
+Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
+exit with status 2 and a one-line message.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .prompts import SUITES
+
+# Bad input is reported before torch and transformers are imported (seconds): models load lazily.
+DEFAULT_TARGET = "smollm2-135m"  # `jetspec.targets.SMOLLM2_ALIAS`
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+DEFAULT_HEADS = {DEFAULT_TARGET: HEADS_DIR / "smollm2-135m"}  # target alias -> head committed in this package
+DEFAULT_SUITES = "gsm8k,humaneval,mtbench"
+DEFAULT_BUDGETS = "8,16,32,64"
+TARGET_HELP = f"target alias, folder or Hub id (default {DEFAULT_TARGET})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors reported on one line (`jetspec: error: ...`) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def parse_budgets(text: str) -> list[int]:
+    """`"8,16,32"` -> `[8, 16, 32]`; raises `ValueError` on an empty list, a non-integer or a budget < 1."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"expected a comma-separated list of tree budgets (integers >= 1), got {text!r}")
+    budgets = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"expected tree budgets that are integers >= 1, got {item!r} in {text!r}") from None
+        if value < 1:
+            raise ValueError(f"expected tree budgets that are integers >= 1, got {value} in {text!r}")
+        budgets.append(value)
+    if len(set(budgets)) != len(budgets):
+        raise ValueError(f"expected distinct tree budgets, got {text!r}")
+    return budgets
+
+
+def parse_suites(text: str) -> list[str]:
+    """`"gsm8k,mtbench"` -> `["gsm8k", "mtbench"]`; raises `ValueError` naming the valid suites otherwise."""
+    suites = [item.strip() for item in text.split(",") if item.strip()]
+    if not suites:
+        raise ValueError(f"expected at least one suite among {', '.join(SUITES)}, got {text!r}")
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite {', '.join(map(repr, unknown))}: expected one of {', '.join(SUITES)}")
+    return suites
+
+
+def resolve_head_path(head: Optional[str], target: str) -> Path:
+    """The head folder to load: `--head`, else the head committed for `target`; it must hold a saved head."""
+    if head is None:
+        if target not in DEFAULT_HEADS:
+            raise ValueError(
+                f"expected --head DIR for target {target!r}: a committed head exists only for "
+                f"{', '.join(DEFAULT_HEADS)}"
+            )
+        path = DEFAULT_HEADS[target]
+    else:
+        path = Path(head).expanduser()
+    if not (path / "config.json").is_file():
+        found = "no such folder" if not path.exists() else "a folder without config.json"
+        raise ValueError(
+            f"expected a trained JetSpec head at {path} (config.json + model.safetensors from "
+            f"`head.save_pretrained`), got {found}; train one for target {target!r} (regenerate data with "
+            f"`python training/regenerate.py --target {target} ...`, then `python training/run_trainer.py "
+            f"--target {target} --data data/regen --output_dir {path}`) or pass --head DIR"
+        )
+    return path
+
+
+def load_head(path: Path, target):
+    """A saved head, on the target's device and dtype, attached to it (raises `ValueError` on a mismatch)."""
+    from modeling_jetspec import JetSpecDraftModel
+
+    head = JetSpecDraftModel.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+    head.attach_target(target)
+    return head
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jetspec", description="Lossless tree speculative decoding with a JetSpec draft head.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = commands.add_parser("generate", help="answer one prompt, with and without the head, and compare speed")
+    gen.add_argument("prompt", help="the user's message (the target's chat template is applied)")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
+    gen.add_argument("--head", default=None, help="saved head folder (default: the committed head of --target)")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    gen.add_argument("--budget", type=_positive_int, default=None, help="tree budget B (default: the head's config)")
+
+    bench = commands.add_parser("bench", help="benchmark every method against plain greedy on prompt suites")
+    bench.add_argument("--suite", default=DEFAULT_SUITES, help=f"comma-separated suites (default {DEFAULT_SUITES})")
+    bench.add_argument(
+        "--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated tree budgets (default {DEFAULT_BUDGETS})"
+    )
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=256, help="tokens per answer (default 256)")
+    bench.add_argument("--limit", type=_positive_int, default=10, help="first N prompts of each suite (default 10)")
+    bench.add_argument("--out", default="results", help="output folder (default results/)")
+    bench.add_argument("--head", default=None, help="saved head folder (default: the committed head of --target)")
+    bench.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    bench.add_argument(
+        "--methods", default=None,
+        help="comma-separated method kinds among plain, prompt_lookup, chain, tree, auto (default: all)",
+    )
+    bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every method")
+    for sub in (gen, bench):
+        sub.add_argument(
+            "--threads", type=_positive_int, default=None,
+            help="torch CPU threads (default: torch's choice; on a busy shared CPU, 1 avoids threads that only spin)",
+        )
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = "jetspec " + " ".join(sys.argv[1:] if argv is None else list(argv))
+    # validate everything cheap before loading any model; bad input -> exit status 2, one line
+    try:
+        if args.command == "bench":
+            suites = parse_suites(args.suite)
+            budgets = parse_budgets(args.budgets)
+        head_path = resolve_head_path(args.head, args.target)
+        if args.command == "bench":
+            from .bench import METHOD_KINDS, build_methods
+
+            methods = (
+                [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None
+                else list(METHOD_KINDS)
+            )
+            build_methods(methods, budgets, chain_depth=1)
+    except ValueError as error:
+        parser.error(str(error))
+
+    import torch
+
+    from .targets import load_target
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target)
+    try:
+        head = load_head(head_path, target)
+    except ValueError as error:
+        parser.error(str(error))
+
+    if args.command == "generate":
+        return _generate(args, target, tokenizer, head)
+    from .bench import run_benchmark
+
+    results = run_benchmark(
+        target, tokenizer, head, suites, budgets, args.max_new_tokens, args.limit, args.out,
+        methods=methods, warmup=not args.no_warmup, command=command,
+    )
+    out = Path(args.out)
+    print((out / "results.md").read_text())
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, " + ", ".join(str(out / p) for p in results["plots"]))
+    return 0
+
+
+def _generate(args, target, tokenizer, head) -> int:
+    import torch
+
+    from .bench import LosslessError, _first_difference
+    from .targets import apply_chat_template
+
+    enc = tokenizer(apply_chat_template(tokenizer, args.prompt), return_tensors="pt", add_special_tokens=False)
+    ids, mask = enc["input_ids"].to(target.device), enc["attention_mask"].to(target.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
+    if pad is not None:
+        common["pad_token_id"] = pad
+    tree = {"assistant_model": head} if args.budget is None else {"assistant_model": head, "tree_budget": args.budget}
+
+    def timed(**kwargs):
+        started = time.perf_counter()
+        out = target.generate(input_ids=ids, attention_mask=mask, **common, **kwargs)
+        return out[0, ids.shape[1] :].cpu(), time.perf_counter() - started
+
+    with torch.no_grad():  # untimed warm-up of both paths, then one timed run each
+        target.generate(input_ids=ids, attention_mask=mask, **dict(common, max_new_tokens=4))
+        target.generate(input_ids=ids, attention_mask=mask, **dict(common, max_new_tokens=4), **tree)
+        spec, spec_seconds = timed(**tree)
+        stats = head.last_stats
+        plain, plain_seconds = timed()
+    if not torch.equal(spec, plain):
+        at = _first_difference(spec, plain)
+        raise LosslessError(
+            f"expected the head's answer to equal plain greedy decoding, got a difference at new token {at}"
+        )
+    print(tokenizer.decode(spec, skip_special_tokens=True))
+    print()
+    budget = args.budget if args.budget is not None else head.config.tree_budget
+    plain_tps, spec_tps = len(plain) / plain_seconds, len(spec) / spec_seconds
+    print(f"plain greedy:   {plain_tps:8.1f} tok/s ({len(plain)} tokens in {plain_seconds:.2f} s)")
+    print(
+        f"jetspec (B={budget}): {spec_tps:8.1f} tok/s ({len(spec)} tokens in {spec_seconds:.2f} s), "
+        f"speedup {spec_tps / plain_tps:.2f}x, tau {stats.tau:.2f} ({stats.target_forwards} target forwards); "
+        "same tokens as plain greedy"
+    )
+    return 0
