@@ -45,7 +45,7 @@ from transformers.cache_utils import DynamicCache
 
 from modeling_jetspec import JetSpecDraftModel, ancestor_mask, build_tree, marginal_children
 
-from .prompts import SUITES, load_prompts
+from .prompts import check_suites, load_prompts
 from .targets import apply_chat_template
 
 
@@ -123,16 +123,6 @@ def check_budgets(budgets: Sequence[int]) -> list[int]:
     if len(set(budgets)) != len(budgets):
         raise ValueError(f"expected distinct tree budgets, got {budgets}")
     return budgets
-
-
-def check_suites(suites: Sequence[str]) -> list[str]:
-    suites = list(suites)
-    if not suites:
-        raise ValueError(f"expected at least one suite among {', '.join(SUITES)}, got none")
-    unknown = [s for s in suites if s not in SUITES]
-    if unknown:
-        raise ValueError(f"unknown suite {', '.join(map(repr, unknown))}: expected one of {', '.join(SUITES)}")
-    return suites
 
 
 # ------------------------------------------------------------------------------------------------ one generate call

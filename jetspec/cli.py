@@ -1,6 +1,6 @@
 """The `jetspec` command: answer a prompt with tree speculative decoding, or benchmark it.
 
-    jetspec generate "What is 17 * 23?" [--max-new-tokens 256] [--head DIR] [--target smollm2-135m] [--budget N]
+    jetspec generate "What is 17 * 23?" [--max-new-tokens 256] [--head DIR] [--target smollm2-135m] [--budget N|auto]
     jetspec bench --suite gsm8k,humaneval,mtbench --budgets 8,16,32,64 --max-new-tokens 256 --limit 10 \
         --out results/ [--head DIR] [--target smollm2-135m]
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .prompts import SUITES
+from .prompts import check_suites
 
 # Bad input is reported before torch and transformers are imported (seconds): models load lazily.
 DEFAULT_TARGET = "smollm2-135m"  # `jetspec.targets.SMOLLM2_ALIAS`
@@ -42,6 +42,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str):
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def parse_budgets(text: str) -> list[int]:
     """`"8,16,32"` -> `[8, 16, 32]`; raises `ValueError` on an empty list, a non-integer or a budget < 1."""
     items = [item.strip() for item in text.split(",") if item.strip()]
@@ -63,13 +67,7 @@ def parse_budgets(text: str) -> list[int]:
 
 def parse_suites(text: str) -> list[str]:
     """`"gsm8k,mtbench"` -> `["gsm8k", "mtbench"]`; raises `ValueError` naming the valid suites otherwise."""
-    suites = [item.strip() for item in text.split(",") if item.strip()]
-    if not suites:
-        raise ValueError(f"expected at least one suite among {', '.join(SUITES)}, got {text!r}")
-    unknown = [s for s in suites if s not in SUITES]
-    if unknown:
-        raise ValueError(f"unknown suite {', '.join(map(repr, unknown))}: expected one of {', '.join(SUITES)}")
-    return suites
+    return check_suites(item.strip() for item in text.split(",") if item.strip())
 
 
 def resolve_head_path(head: Optional[str], target: str) -> Path:
@@ -112,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
     gen.add_argument("--head", default=None, help="saved head folder (default: the committed head of --target)")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    gen.add_argument("--budget", type=_positive_int, default=None, help="tree budget B (default: the head's config)")
+    gen.add_argument(
+        "--budget", type=_budget, default=None, help="tree budget B or 'auto' (default: the head's config)"
+    )
 
     bench = commands.add_parser("bench", help="benchmark every method against plain greedy on prompt suites")
     bench.add_argument("--suite", default=DEFAULT_SUITES, help=f"comma-separated suites (default {DEFAULT_SUITES})")

@@ -46,13 +46,6 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on a shared CPU: extra threads only spin (10x slower here); restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_pair():

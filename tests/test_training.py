@@ -77,13 +77,6 @@ def losses_of(log_history):
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    # the CPU is shared: one thread keeps the tiny runs fast and deterministic
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -------------------------------------------------------------------------------------------------------- losses

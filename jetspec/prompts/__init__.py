@@ -24,6 +24,17 @@ def _read_jsonl(filename: str, limit: int | None) -> list[dict]:
     return rows if limit is None else rows[:limit]
 
 
+def check_suites(suites) -> list[str]:
+    """The suites as a list; raises `ValueError` on an empty list or an unknown name (naming the valid ones)."""
+    suites = list(suites)
+    if not suites:
+        raise ValueError(f"expected at least one suite among {', '.join(SUITES)}, got none")
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite {', '.join(map(repr, unknown))}: expected one of {', '.join(SUITES)}")
+    return suites
+
+
 def load_prompts(suite: str, limit: int | None = None) -> list[dict]:
     """Return the prompts of a benchmark suite (the first ``limit`` if given)."""
     if suite not in SUITES:
