@@ -188,7 +188,25 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         head = cls(JetSpecConfig(**fields))
         head.to(device=target.device, dtype=target.dtype)
         head.attach_target(target)
+        head._init_output_gain(target)
         return head
+
+    @torch.no_grad()
+    def _init_output_gain(self, target: PreTrainedModel):
+        """Start the head's final norm at the target's effective final-norm gain.
+
+        The head's output feeds the target's LM head, which expects the per-channel scale of the target's own final
+        norm (SmolLM2: gains from -2.1 to 3.3). Learning that scale from 1 at a small learning rate takes thousands
+        of steps; `norm(ones) = gain` reads it for any RMSNorm convention (`w * x` or `(1 + w) * x`). Targets whose
+        decoder has no final `norm` keep the default.
+        """
+        final_norm = getattr(target.get_decoder(), "norm", None)
+        if not isinstance(final_norm, nn.Module):
+            return
+        ones = torch.ones(1, 1, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        gain = final_norm(ones).reshape(-1)
+        if gain.shape == self.norm.weight.shape and torch.isfinite(gain).all():
+            self.norm.weight.copy_(gain.to(self.norm.weight.dtype))
 
     def check_target(self, target: PreTrainedModel):
         """Raise a `ValueError` when `target` is not the kind of model this head was built for."""

@@ -86,3 +86,11 @@ def test_config_round_trips_and_is_validated():
                            target_num_hidden_layers=4, block_size=6)
     again = JetSpecConfig.from_dict(config.to_dict())
     assert again.target_layer_ids == config.target_layer_ids and again.mask_token_id == 100
+
+
+def test_new_head_starts_at_the_targets_final_norm_gain():
+    target = tiny_target("qwen3")
+    with torch.no_grad():
+        target.model.norm.weight.copy_(torch.linspace(-2.0, 3.0, 64))  # a trained-looking per-channel gain
+    head = tiny_head(target)
+    torch.testing.assert_close(head.norm.weight.detach(), torch.linspace(-2.0, 3.0, 64))
