@@ -1,0 +1,99 @@
+"""A tree budget chosen from measured costs and acceptance (the paper's "load-adaptive budget", left as future work).
+
+Expected tokens per second at budget b is `tau(b) / (t(b) + t_draft)`, with `t(b)` the target's verify forward over
+b + 1 tokens at the current batch size, measured once per (target, batch size), and `tau(b)` the mean committed
+tokens per round. Best-first trees are nested (the tree of budget b is the first b nodes of any larger tree), so a
+round verified at budget B tells exactly how many tokens every budget b <= B would have committed: the accepted
+path's nodes are numbered in pop order, and under budget b only the path's nodes numbered <= b survive.
+"""
+
+import time
+from collections import deque
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .tree import verification_mask
+
+DEFAULT_CANDIDATES = (8, 16, 32, 64)
+
+
+def choose_budget(expected_tau: dict, verify_seconds: dict, draft_seconds: float) -> int:
+    """The budget maximising `expected_tau[b] / (verify_seconds[b] + draft_seconds)` (ties: the smaller budget)."""
+    if not expected_tau:
+        raise ValueError("expected at least one candidate budget with an acceptance estimate, got none")
+    missing = [b for b in expected_tau if b not in verify_seconds]
+    if missing:
+        raise ValueError(f"expected a verify cost for every candidate budget, got none for {missing}")
+    return max(sorted(expected_tau), key=lambda b: expected_tau[b] / (verify_seconds[b] + draft_seconds))
+
+
+def committed_under_budgets(accepted: list, budgets) -> dict:
+    """Tokens a round would have committed at each budget, from its accepted node indices (root 0 first)."""
+    return {b: 1 + sum(1 for node in accepted[1:] if node <= b) for b in budgets}
+
+
+@torch.no_grad()
+def measure_verify_seconds(target, budgets, batch_size: int = 1, context_length: int = 64, repeats: int = 3) -> dict:
+    """Median wall time of a target forward over b + 1 tree tokens after a prefilled context, for each budget b.
+
+    Returns:
+        `dict` from budget to seconds; key 0 is a plain one-token decode step.
+    """
+    device = target.device
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (batch_size, context_length), generator=g).to(device)
+    cache = DynamicCache()
+    target(input_ids=prompt, past_key_values=cache, use_cache=True)
+    dtype = target.dtype if target.dtype.is_floating_point else torch.float32
+    past_valid = torch.ones(batch_size, context_length, dtype=torch.bool, device=device)
+    seconds = {}
+    for b in sorted({0, *budgets}):
+        n = b + 1
+        ids = torch.randint(0, vocab, (batch_size, n), generator=g).to(device)
+        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch_size, n, n)  # cost ~ any tree
+        mask = verification_mask(past_valid, chain, dtype)
+        positions = (context_length + torch.arange(n, device=device)).expand(batch_size, n)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            start = time.perf_counter()
+            target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+            cache.crop(-n)
+        seconds[b] = sorted(times[1:])[len(times[1:]) // 2]
+    return seconds
+
+
+class BudgetController:
+    """Picks each round's budget; every `explore_every` rounds it verifies the largest candidate to keep
+    acceptance estimates for all candidates fresh (an explored round informs every smaller budget exactly)."""
+
+    def __init__(self, candidates, verify_seconds: dict, explore_every: int = 8, window: int = 64):
+        self.candidates = sorted(candidates)
+        self.verify_seconds = verify_seconds
+        self.explore_every = explore_every
+        self.observed = {b: deque(maxlen=window) for b in self.candidates}
+        self.draft_seconds = deque(maxlen=window)
+        self.rounds = 0
+        self.history = []  # budget used per round
+
+    def next_budget(self) -> int:
+        largest = self.candidates[-1]
+        if self.rounds < 2 or self.rounds % self.explore_every == 0:
+            budget = largest
+        else:
+            tau = {b: sum(obs) / len(obs) for b, obs in self.observed.items() if obs}
+            draft = sum(self.draft_seconds) / max(len(self.draft_seconds), 1)
+            budget = choose_budget(tau, self.verify_seconds, draft)
+        self.rounds += 1
+        self.history.append(budget)
+        return budget
+
+    def update(self, accepted_per_row: list, used_budget: int, draft_seconds: float):
+        """Record one round: accepted node indices per row (root first) at budget `used_budget`."""
+        self.draft_seconds.append(draft_seconds)
+        usable = [b for b in self.candidates if b <= used_budget]
+        for accepted in accepted_per_row:
+            for b, tokens in committed_under_budgets(accepted, usable).items():
+                self.observed[b].append(tokens)

@@ -1,0 +1,165 @@
+"""Configuration of the JetSpec draft head (arXiv 2606.18394, section 3.1)."""
+
+from transformers import PretrainedConfig
+
+BLOCK_ATTENTIONS = ("causal", "bidirectional")
+TREE_SCORINGS = ("logprob", "entropy", "mixed")
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """Evenly spaced target layers whose hidden states feed the head.
+
+    Follows the paper's choice for Qwen3-8B (layers 1, 9, 17, 25, 33 of 36): from layer 1 to layer
+    `num_target_layers - 3`, `num_features` ids. Shallow targets use every layer they have, up to `num_features`.
+    """
+    if num_target_layers < 1:
+        raise ValueError(f"expected a target with at least one layer, got num_target_layers={num_target_layers}")
+    first, last = 1, num_target_layers - 3
+    if last - first + 1 < num_features:
+        count = min(num_features, num_target_layers)
+        step = (num_target_layers - 1) / max(count - 1, 1)
+        return sorted({round(i * step) for i in range(count)})
+    step = (last - first) / (num_features - 1)
+    return [round(first + i * step) for i in range(num_features)]
+
+
+class JetSpecConfig(PretrainedConfig):
+    r"""
+    Configuration of a [`JetSpecDraftModel`], a causal parallel draft head for lossless tree speculative decoding.
+
+    The head has `num_hidden_layers` transformer layers at the target's width. Hidden states of the target layers
+    `target_layer_ids` are concatenated, projected by a bias-free `Linear(k * target_hidden_size -> hidden_size)`
+    and RMS-normed; the result is injected as extra keys/values in every head layer. Embeddings and LM head are the
+    target's and are never stored with the head.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 32000):
+            Vocabulary size of the target. Must equal the target's.
+        hidden_size (`int`, *optional*, defaults to 1024):
+            Width of the head; equals the target's hidden size (the target's embeddings and LM head are reused).
+        intermediate_size (`int`, *optional*, defaults to 2816):
+            Width of the SwiGLU MLP.
+        num_hidden_layers (`int`, *optional*, defaults to 1):
+            Number of draft layers (the paper uses 5 for Qwen3-8B).
+        num_attention_heads (`int`, *optional*, defaults to 16):
+            Query heads.
+        num_key_value_heads (`int`, *optional*, defaults to 8):
+            Key/value heads (grouped-query attention).
+        head_dim (`int`, *optional*):
+            Per-head width, defaults to `hidden_size // num_attention_heads`.
+        rms_norm_eps (`float`, *optional*, defaults to 1e-6):
+            Epsilon of every RMSNorm.
+        rope_theta (`float`, *optional*, defaults to 10000.0):
+            Base of the rotary embedding. Positions are the target's absolute positions.
+        target_hidden_size (`int`, *optional*):
+            Hidden size of the target, defaults to `hidden_size`.
+        target_num_hidden_layers (`int`, *optional*, defaults to 36):
+            Number of layers of the target the head was built for.
+        target_layer_ids (`list[int]`, *optional*):
+            Target layers whose outputs feed the head, defaults to [`default_target_layer_ids`].
+        block_size (`int`, *optional*, defaults to 16):
+            Length of the draft block `[anchor, MASK x (block_size - 1)]`; the maximum tree depth is `block_size - 1`.
+        mask_token_id (`int`, *optional*):
+            Id standing for a MASK slot in the head's `input_ids`, defaults to `vocab_size` (outside the target's
+            vocabulary, so it never collides with a real token). Its embedding is the head's own trained vector.
+            transformers' config check warns once that it lies outside the vocabulary: that is intended.
+        block_attention (`str`, *optional*, defaults to `"causal"`):
+            `"causal"` (JetSpec: slot i sees the context and slots <= i) or `"bidirectional"` (the DFlash ablation).
+        tree_depth (`int`, *optional*):
+            Default maximum depth N of the candidate tree, defaults to `min(7, block_size - 1)`.
+        tree_width (`int`, *optional*, defaults to 4):
+            Default number of candidates W per depth.
+        tree_budget (`int`, *optional*, defaults to 32):
+            Default number of draft nodes B in the tree (the root, i.e. the anchor, is not counted).
+        tree_scoring (`str`, *optional*, defaults to `"logprob"`):
+            Best-first key: `"logprob"` (the paper), `"entropy"` or `"mixed"` (ablations).
+        path_conditioning (`bool`, *optional*, defaults to `False`):
+            Rescore the tree with a second draft pass whose MASK probes see their own branch's real tokens.
+    """
+
+    model_type = "jetspec"
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 1024,
+        intermediate_size: int = 2816,
+        num_hidden_layers: int = 1,
+        num_attention_heads: int = 16,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        target_hidden_size: int | None = None,
+        target_num_hidden_layers: int = 36,
+        target_layer_ids: list[int] | None = None,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        block_attention: str = "causal",
+        tree_depth: int | None = None,
+        tree_width: int = 4,
+        tree_budget: int = 32,
+        tree_scoring: str = "logprob",
+        path_conditioning: bool = False,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
+        self.target_num_hidden_layers = target_num_hidden_layers
+        self.target_layer_ids = (
+            list(target_layer_ids)
+            if target_layer_ids is not None
+            else default_target_layer_ids(target_num_hidden_layers)
+        )
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id if mask_token_id is not None else vocab_size
+        self.block_attention = block_attention
+        self.tree_depth = tree_depth if tree_depth is not None else min(7, block_size - 1)
+        self.tree_width = tree_width
+        self.tree_budget = tree_budget
+        self.tree_scoring = tree_scoring
+        self.path_conditioning = path_conditioning
+        self.initializer_range = initializer_range
+        super().__init__(**kwargs)
+        self._validate()
+
+    def _validate(self):
+        if self.block_attention not in BLOCK_ATTENTIONS:
+            raise ValueError(f"expected block_attention in {BLOCK_ATTENTIONS}, got {self.block_attention!r}")
+        if self.tree_scoring not in TREE_SCORINGS:
+            raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {self.tree_scoring!r}")
+        if self.block_size < 2:
+            raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
+        if not 1 <= self.tree_depth <= self.block_size - 1:
+            raise ValueError(
+                f"expected tree_depth in [1, {self.block_size - 1}] (block_size - 1), got {self.tree_depth}"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_hidden_layers]
+        if bad or not self.target_layer_ids:
+            raise ValueError(
+                f"expected target_layer_ids within [0, {self.target_num_hidden_layers - 1}] (the target has "
+                f"{self.target_num_hidden_layers} layers), got {self.target_layer_ids}"
+            )
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "expected num_attention_heads to divide hidden_size and num_key_value_heads to divide "
+                f"num_attention_heads, got hidden_size={self.hidden_size}, num_attention_heads="
+                f"{self.num_attention_heads}, num_key_value_heads={self.num_key_value_heads}"
+            )
+        if 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"expected mask_token_id outside the target vocabulary [0, {self.vocab_size}), got "
+                f"{self.mask_token_id}: a MASK must never collide with a real token"
+            )
+
+
+JetSpecConfig.register_for_auto_class()

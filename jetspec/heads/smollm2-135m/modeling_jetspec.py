@@ -1,0 +1,399 @@
+"""The JetSpec draft head: a causal parallel drafter over fused target features (arXiv 2606.18394, section 3.1).
+
+One forward over the block `[anchor, MASK x D]` gives logits for every depth 1..D. Each head layer attends to
+the fused target context (extra keys/values, cached across rounds) and to the block itself, causally (JetSpec)
+or bidirectionally (the DFlash ablation). The forward also takes any explicit 4D mask over a mix of real tokens
+and MASK slots, which lets one forward score MASK probes placed under the real tokens of tree branches.
+Embeddings and LM head are the target's: frozen, attached at run time, never part of the head's state dict.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub import HfApi
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
+from .generation_jetspec import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
+
+
+class JetSpecRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Rotary tables for absolute positions.
+
+    Args:
+        position_ids (`torch.LongTensor` of shape `(B, T)`).
+
+    Returns:
+        `(cos, sin)`, each of shape `(B, 1, T, head_dim)`.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim)
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class JetSpecAttention(nn.Module):
+    """Attention of the block over `[fused context ; block]` keys/values, with Qwen3-style q/k norms."""
+
+    def __init__(self, config: JetSpecConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = JetSpecRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = JetSpecRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys/values of `x` of shape `(B, S, H)`, each returned of shape `(B, H_kv, S, D)`."""
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, context_keys, context_values, mask):
+        """`x` of shape `(B, T, H)`; context keys/values `(B, H_kv, S, D)`; boolean `mask` `(B, 1, T, S + T)`."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)  # (B, h, T, D)
+        k, v = self.key_values(x, cos, sin)
+        k = torch.cat([context_keys, k], dim=2)  # (B, H_kv, S + T, D)
+        v = torch.cat([context_values, v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class JetSpecMLP(nn.Module):
+    def __init__(self, config: JetSpecConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class JetSpecDecoderLayer(nn.Module):
+    def __init__(self, config: JetSpecConfig):
+        super().__init__()
+        self.input_layernorm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = JetSpecAttention(config)
+        self.post_attention_layernorm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = JetSpecMLP(config)
+
+    def forward(self, x, cos, sin, context_keys, context_values, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_keys, context_values, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class JetSpecContext:
+    """Per-layer keys/values of the fused target context, grown by the accepted positions of each round."""
+
+    keys: list  # num_hidden_layers x (B, H_kv, S, D)
+    values: list  # num_hidden_layers x (B, H_kv, S, D)
+    valid: torch.Tensor  # (B, S) bool, False for padding and holes
+
+    def select_rows(self, rows: torch.Tensor) -> "JetSpecContext":
+        return JetSpecContext(
+            [k[rows] for k in self.keys], [v[rows] for v in self.values], self.valid[rows]
+        )
+
+
+@dataclass
+class JetSpecOutput(ModelOutput):
+    logits: torch.Tensor | None = None  # (B, T, V)
+    hidden_states: torch.Tensor | None = None  # (B, T, H), after the final norm
+
+
+class JetSpecPreTrainedModel(PreTrainedModel):
+    config_class = JetSpecConfig
+    base_model_prefix = "jetspec"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["JetSpecDecoderLayer"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, JetSpecDraftModel):
+            init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
+
+
+class JetSpecDraftModel(JetSpecPreTrainedModel):
+    """JetSpec draft head. Use [`JetSpecDraftModel.from_target`] for a new head sized for a target, and pass it as
+    `assistant_model` to the target's `generate` for lossless tree speculative decoding."""
+
+    def __init__(self, config: JetSpecConfig):
+        super().__init__(config)
+        k = len(config.target_layer_ids)
+        self.fc = nn.Linear(k * config.target_hidden_size, config.hidden_size, bias=False)
+        self.context_norm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(JetSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        self._target_io = None  # (input embeddings, LM head) of the attached target; deliberately not submodules
+        self.last_stats = None  # JetSpecStats of the latest generate call
+        self.verify_cost_cache = {}  # (target, device, batch, budgets) -> verify seconds, for tree_budget="auto"
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_target(cls, target: PreTrainedModel, **overrides) -> "JetSpecDraftModel":
+        """A new (untrained) head sized for `target`; `overrides` set any [`JetSpecConfig`] field."""
+        text = _decoder_config(target)
+        rope = getattr(text, "rope_parameters", None) or {}
+        fields = dict(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
+            target_hidden_size=text.hidden_size,
+            target_num_hidden_layers=text.num_hidden_layers,
+            target_layer_ids=default_target_layer_ids(text.num_hidden_layers),
+        )
+        fields.update(overrides)
+        head = cls(JetSpecConfig(**fields))
+        head.to(device=target.device, dtype=target.dtype)
+        head.attach_target(target)
+        head._init_output_gain(target)
+        return head
+
+    @torch.no_grad()
+    def _init_output_gain(self, target: PreTrainedModel):
+        """Start the head's final norm at the target's effective final-norm gain.
+
+        The head's output feeds the target's LM head, which expects the per-channel scale of the target's own final
+        norm (SmolLM2: gains from -2.1 to 3.3). Learning that scale from 1 at a small learning rate takes thousands
+        of steps; `norm(ones) = gain` reads it for any RMSNorm convention (`w * x` or `(1 + w) * x`). Targets whose
+        decoder has no final `norm` keep the default.
+        """
+        final_norm = getattr(target.get_decoder(), "norm", None)
+        if not isinstance(final_norm, nn.Module):
+            return
+        ones = torch.ones(1, 1, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        gain = final_norm(ones).reshape(-1)
+        if gain.shape == self.norm.weight.shape and torch.isfinite(gain).all():
+            self.norm.weight.copy_(gain.to(self.norm.weight.dtype))
+
+    def check_target(self, target: PreTrainedModel):
+        """Raise a `ValueError` when `target` is not the kind of model this head was built for."""
+        if target.config.is_encoder_decoder:
+            raise ValueError(
+                f"expected a decoder-only target, got an encoder-decoder model ({type(target).__name__})"
+            )
+        text = _decoder_config(target)
+        for name, want, have in (
+            ("hidden size", self.config.target_hidden_size, text.hidden_size),
+            ("vocab size", self.config.vocab_size, text.vocab_size),
+            ("number of layers", self.config.target_num_hidden_layers, text.num_hidden_layers),
+        ):
+            if want != have:
+                raise ValueError(
+                    f"this JetSpec head was built for a target with {name} {want}, got a target with {name} {have}"
+                )
+        if self.config.hidden_size != text.hidden_size:
+            raise ValueError(
+                f"expected the head's hidden_size to equal the target's ({text.hidden_size}) since it reuses the "
+                f"target's embeddings and LM head, got {self.config.hidden_size}"
+            )
+
+    def attach_target(self, target: PreTrainedModel):
+        """Borrow the target's (frozen) input embeddings and LM head. They stay out of the head's state dict."""
+        self.check_target(target)
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if lm_head is None:
+            raise ValueError(f"expected a target with an LM head, got {type(target).__name__} without one")
+        self._target_io = (embed, lm_head)
+
+    def _io(self):
+        if self._target_io is None:
+            raise ValueError(
+                "expected a target attached to the head (call `head.attach_target(target)`, or pass the head to "
+                "`target.generate(..., assistant_model=head)`), got none"
+            )
+        return self._target_io
+
+    # --------------------------------------------------------------------------------------------------- context
+    def target_features(self, hidden_states: tuple) -> torch.Tensor:
+        """Concatenate the selected target layers from a model's `hidden_states` output (index i + 1 is layer i).
+
+        Returns:
+            `torch.Tensor` of shape `(B, S, k * target_hidden_size)`.
+        """
+        return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+
+    def extend_context(
+        self,
+        context: JetSpecContext | None,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> JetSpecContext:
+        """Project new target features into every layer's context keys/values and append them.
+
+        Args:
+            context (`JetSpecContext`, *optional*): the context so far; `None` starts a new one.
+            features (`torch.Tensor` of shape `(B, s, k * target_hidden_size)`): from [`target_features`].
+            position_ids (`torch.LongTensor` of shape `(B, s)`): their absolute positions.
+            valid (`torch.BoolTensor` of shape `(B, s)`): False for padding.
+        """
+        fused = self.context_norm(self.fc(features.to(self.dtype)))  # (B, s, H)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, fused.dtype)
+        kv = [layer.self_attn.key_values(fused, cos, sin) for layer in self.layers]
+        if context is None:
+            return JetSpecContext([k for k, _ in kv], [v for _, v in kv], valid)
+        return JetSpecContext(
+            [torch.cat([old, k], dim=2) for old, (k, _) in zip(context.keys, kv)],
+            [torch.cat([old, v], dim=2) for old, (_, v) in zip(context.values, kv)],
+            torch.cat([context.valid, valid], dim=1),
+        )
+
+    def block_mask(self, context_valid: torch.Tensor, block_length: int) -> torch.Tensor:
+        """The drafting mask of a block that follows the whole context: `(B, 1, T, S + T)` boolean.
+
+        Every slot sees the valid context; within the block, slot i sees slots <= i (`causal`) or all slots.
+        """
+        b = context_valid.shape[0]
+        if self.config.block_attention == "causal":
+            inner = torch.ones(block_length, block_length, dtype=torch.bool, device=context_valid.device).tril()
+        else:
+            inner = torch.ones(block_length, block_length, dtype=torch.bool, device=context_valid.device)
+        ctx = context_valid[:, None, None, :].expand(b, 1, block_length, -1)
+        return torch.cat([ctx, inner.expand(b, 1, -1, -1)], dim=-1)
+
+    # --------------------------------------------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """Target embeddings for real tokens, the head's trained MASK vector for `mask_token_id`. `(B, T, H)`."""
+        embed, _ = self._io()
+        is_mask = input_ids == self.config.mask_token_id
+        real = embed(input_ids.masked_fill(is_mask, 0)).to(self.dtype)
+        return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(real.dtype), real)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        context: JetSpecContext | None = None,
+        context_features: torch.Tensor | None = None,
+        context_position_ids: torch.LongTensor | None = None,
+        context_valid: torch.Tensor | None = None,
+        return_logits: bool = True,
+    ) -> JetSpecOutput:
+        r"""
+        Args:
+            input_ids (`torch.LongTensor` of shape `(B, T)`):
+                Real tokens and MASK slots (`config.mask_token_id`) in any arrangement: a block
+                `[anchor, MASK x D]`, several packed blocks, or tree nodes with MASK probes under them.
+            position_ids (`torch.LongTensor` of shape `(B, T)`):
+                Absolute positions (the anchor's position is the number of tokens before it).
+            attention_mask (`torch.BoolTensor` of shape `(B, 1, T, S + T)`, *optional*):
+                True where query t may attend key s; keys are the S context positions, then the T inputs.
+                Defaults to [`block_mask`] (a single block after the whole context).
+            context (`JetSpecContext`, *optional*):
+                Cached context keys/values (decoding).
+            context_features (`torch.Tensor` of shape `(B, S, k * target_hidden_size)`, *optional*):
+                Raw target features, projected on the fly when `context` is not given (training).
+            context_position_ids (`torch.LongTensor` of shape `(B, S)`, *optional*):
+                Positions of `context_features`, defaults to `0..S-1`.
+            context_valid (`torch.BoolTensor` of shape `(B, S)`, *optional*):
+                Validity of `context_features`, defaults to all True.
+            return_logits (`bool`, *optional*, defaults to `True`):
+                Apply the target's LM head; otherwise only the normed hidden states are returned.
+        """
+        if context is None:
+            if context_features is None:
+                raise ValueError("expected `context` or `context_features` (the target's hidden states), got neither")
+            b, s, _ = context_features.shape
+            if context_position_ids is None:
+                context_position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+            if context_valid is None:
+                context_valid = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
+            context = self.extend_context(None, context_features, context_position_ids, context_valid)
+        t = input_ids.shape[1]
+        if attention_mask is None:
+            attention_mask = self.block_mask(context.valid, t)
+        expected = (input_ids.shape[0], 1, t, context.valid.shape[1] + t)
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(f"expected attention_mask of shape {expected}, got {tuple(attention_mask.shape)}")
+        x = self.embed(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer, k, v in zip(self.layers, context.keys, context.values):
+            x = layer(x, cos, sin, k, v, attention_mask)
+        x = self.norm(x)
+        logits = None
+        if return_logits:
+            _, lm_head = self._io()
+            logits = lm_head(x.to(lm_head.weight.dtype)).float()
+        return JetSpecOutput(logits=logits, hidden_states=x)
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def tree_generate(self, target: PreTrainedModel, *args, **kwargs):
+        """Lossless tree speculative decoding of `target` with this head; same arguments as `target.generate`.
+
+        Extra keyword arguments: `tree_depth`, `tree_width`, `tree_budget`, `tree_scoring`, `path_conditioning`
+        (defaults from this head's config). Statistics of the call are left in `self.last_stats`.
+        """
+        return tree_generate(self, target, *args, **kwargs)
+
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Save config, safetensors (head weights only), the flat code files and `custom_generate/`.
+
+        With `push_to_hub=True` the whole folder, `custom_generate/` included, is uploaded to `repo_id`
+        (defaults to the folder's name) after it is written.
+        """
+        push = kwargs.pop("push_to_hub", False)
+        repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
+        token = kwargs.pop("token", None)
+        commit_message = kwargs.pop("commit_message", None) or "Upload JetSpec head"
+        private = kwargs.pop("private", None)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        folder = Path(save_directory) / "custom_generate"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "generate.py").write_text(CUSTOM_GENERATE_SOURCE)
+        if push:
+            api = HfApi(token=token)
+            api.create_repo(repo_id, exist_ok=True, private=private)
+            return api.upload_folder(repo_id=repo_id, folder_path=save_directory, commit_message=commit_message)
+
+
+def _decoder_config(model: PreTrainedModel):
+    return model.config.get_text_config(decoder=True)
+
+
+JetSpecDraftModel.register_for_auto_class("AutoModel")
+install_generate_hook()
