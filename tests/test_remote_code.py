@@ -77,3 +77,16 @@ def test_reloaded_weights_draft_the_same_trees(tmp_path):
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=again)
     assert head.last_stats.accepted_at_depth == again.last_stats.accepted_at_depth
+
+
+def test_committed_head_carries_the_current_code():
+    """The committed head is a Hub-style folder with its own copy of the code: it must match the package's."""
+    from pathlib import Path
+
+    from modeling_jetspec.generation_jetspec import CUSTOM_GENERATE_SOURCE
+
+    root = Path(__file__).resolve().parents[1]
+    head = root / "jetspec" / "heads" / "smollm2-135m"
+    for name in ("configuration_jetspec.py", "modeling_jetspec.py", "generation_jetspec.py", "tree.py", "budget.py"):
+        assert (head / name).read_text() == (root / "modeling_jetspec" / name).read_text(), name
+    assert (head / "custom_generate" / "generate.py").read_text() == CUSTOM_GENERATE_SOURCE
