@@ -44,6 +44,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
 from modeling_jetspec import JetSpecDraftModel, ancestor_mask, build_tree, marginal_children
+from modeling_jetspec.tree import verification_mask
 
 from .prompts import check_suites, load_prompts
 from .targets import apply_chat_template
@@ -230,14 +231,13 @@ def measure_costs(
         tokens = torch.tensor([tree.tokens], dtype=torch.long, device=device)  # (1, n)
         parents = torch.tensor([tree.parents], dtype=torch.long, device=device)  # (1, n)
         depths = torch.tensor([[0] + tree.depths], dtype=torch.long, device=device)  # (1, n+1)
-        allowed = torch.cat([valid[:, None, :].expand(1, n + 1, past), ancestor_mask(parents)], dim=-1)
         dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = verification_mask(valid, ancestor_mask(parents), dtype)  # (1, 1, n+1, S+n+1), as the tree loop
         ids = torch.cat([anchor[:, None], tokens], dim=1)
 
         def verify():
             target(
-                input_ids=ids, attention_mask=mask[:, None], position_ids=past + depths, past_key_values=cache,
+                input_ids=ids, attention_mask=mask, position_ids=past + depths, past_key_values=cache,
                 use_cache=True, output_hidden_states=True, **keep_all,
             )
             cache.crop(-(n + 1))
