@@ -204,14 +204,14 @@ def first_human_turn(conversation: dict) -> str | None:
     return None
 
 
-def build_sharegpt(exclude: set[str]) -> tuple[list[dict], dict[str, int]]:
+def build_sharegpt(exclude: set[str], keep: int | None = SHAREGPT_KEEP) -> tuple[list[dict], dict[str, int]]:
     """First human turns of ShareGPT conversations, filtered and sampled.
 
     Keeps turns of ``SHAREGPT_MIN_CHARS``..``SHAREGPT_MAX_CHARS`` characters
     (after stripping surrounding whitespace), drops repeated conversation ids,
     duplicate texts and any text equal to a benchmark prompt in ``exclude``,
     then shuffles with ``random.Random(SHAREGPT_SEED)`` and keeps the first
-    ``SHAREGPT_KEEP``.
+    ``keep`` (all of them when ``keep`` is None).
     """
     path = package_file(SHAREGPT, SHAREGPT_FILE)
     text = path.read_bytes().decode("utf-8", errors="replace")
@@ -240,12 +240,12 @@ def build_sharegpt(exclude: set[str]) -> tuple[list[dict], dict[str, int]]:
         seen_texts.add(prompt)
         candidates.append({"id": conv_id, "prompt": prompt})
     stats["unique"] = len(candidates)
-    if len(candidates) < SHAREGPT_KEEP:
+    if keep is not None and len(candidates) < keep:
         raise ValueError(
-            f"{SHAREGPT.dist}: only {len(candidates)} usable prompts, need {SHAREGPT_KEEP}"
+            f"{SHAREGPT.dist}: only {len(candidates)} usable prompts, need {keep}"
         )
     random.Random(SHAREGPT_SEED).shuffle(candidates)
-    return candidates[:SHAREGPT_KEEP], stats
+    return candidates[:keep], stats
 
 
 def benchmark_texts(suites: dict[str, list[dict]]) -> set[str]:

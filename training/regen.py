@@ -266,6 +266,7 @@ def regenerate(
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = {
         "target": target,
+        "dtype": str(model.dtype).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
         "seed": seed,
