@@ -3,6 +3,7 @@
     jetspec generate "What is 17 * 23?" [--max-new-tokens 256] [--head DIR] [--target smollm2-135m] [--budget N|auto]
     jetspec bench --suite gsm8k,humaneval,mtbench --budgets 8,16,32,64 --max-new-tokens 256 --limit 10 \
         --out results/ [--head DIR] [--target smollm2-135m]
+    jetspec convert SRC DST [--to jetspec|dflash] [--mask-token-id N]
 
 Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
 exit with status 2 and a one-line message.
@@ -134,12 +135,27 @@ def build_parser() -> argparse.ArgumentParser:
             "--threads", type=_positive_int, default=None,
             help="torch CPU threads (default: torch's choice; on a busy shared CPU, 1 avoids threads that only spin)",
         )
+
+    convert = commands.add_parser("convert", help="convert a head between our layout and the DFlash one (vLLM, SGLang)")
+    convert.add_argument("src", help="head folder or Hub id: ours, DFlash / JetSpec-reference, or muse_glimmer_assistant")
+    convert.add_argument("dst", help="output folder")
+    convert.add_argument(
+        "--to", choices=("jetspec", "dflash"), default=None,
+        help="output layout (default: dflash for one of our heads, jetspec for any other)",
+    )
+    convert.add_argument(
+        "--mask-token-id", type=int, default=None,
+        help="with --to dflash: the in-vocabulary id keyed to our trained MASK vector (default: config.dflash_mask_token_id "
+        "or vocab_size - 1)",
+    )
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        return _convert(args, parser)
     command = "jetspec " + " ".join(sys.argv[1:] if argv is None else list(argv))
     # validate everything cheap before loading any model; bad input -> exit status 2, one line
     try:
@@ -224,4 +240,25 @@ def _generate(args, target, tokenizer, head) -> int:
         f"speedup {spec_tps / plain_tps:.2f}x, tau {stats.tau:.2f} ({stats.target_forwards} target forwards); "
         "same tokens as plain greedy"
     )
+    return 0
+
+
+def _convert(args, parser) -> int:
+    """`jetspec convert`: load SRC in whatever layout its config names, write DST in `--to`'s."""
+    from modeling_jetspec import JetSpecDraftModel
+    from modeling_jetspec.checkpoint_formats import detect_checkpoint_format, read_checkpoint_config
+
+    try:
+        config = read_checkpoint_config(args.src, {})
+        if config is None:
+            raise ValueError(f"expected a head folder or Hub id with a config.json, got {args.src!r}")
+        layout = args.to or ("dflash" if detect_checkpoint_format(config) == "jetspec" else "jetspec")
+        head = JetSpecDraftModel.from_pretrained(args.src)
+        if args.mask_token_id is not None and layout != "dflash":
+            raise ValueError(f"expected --mask-token-id only with --to dflash, got --to {layout}")
+        extra = {} if args.mask_token_id is None else {"mask_token_id": args.mask_token_id}
+        head.save_pretrained(args.dst, checkpoint_format=layout, **extra)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    print(f"wrote {args.dst} ({layout} layout) from {args.src}")
     return 0

@@ -3,6 +3,7 @@
 from transformers import PretrainedConfig
 
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
+MASK_SOURCES = ("head", "target")
 TREE_SCORINGS = ("logprob", "entropy", "mixed")
 
 
@@ -63,6 +64,17 @@ class JetSpecConfig(PretrainedConfig):
             Id standing for a MASK slot in the head's `input_ids`, defaults to `vocab_size` (outside the target's
             vocabulary, so it never collides with a real token). Its embedding is the head's own trained vector.
             transformers' config check warns once that it lies outside the vocabulary: that is intended.
+            With `mask_source="target"` it is required and must lie inside the vocabulary.
+        mask_source (`str`, *optional*, defaults to `"head"`):
+            Where a MASK slot's embedding comes from: `"head"`, the head's trained `mask_embedding` (ours), or
+            `"target"`, the target's own embedding row of `mask_token_id`, an unused id inside the vocabulary (the
+            DFlash / JetSpec-reference convention, set by importing such a head). With `"target"` the row is read
+            from the attached target at every forward, never copied, and `mask_embedding` is unused.
+        dflash_mask_token_id (`int`, *optional*):
+            In-vocabulary id written as `dflash_config.mask_token_id` when a head with `mask_source="head"` is exported
+            in the DFlash format (its trained vector goes to `mask_embedding.pt`, which vLLM substitutes for that
+            id's embedding row), defaults to `vocab_size - 1`. Importing a head that ships `mask_embedding.pt` keeps
+            the checkpoint's id here.
         block_attention (`str`, *optional*, defaults to `"causal"`):
             `"causal"` (JetSpec: slot i sees the context and slots <= i) or `"bidirectional"` (the DFlash ablation).
         tree_depth (`int`, *optional*):
@@ -96,6 +108,8 @@ class JetSpecConfig(PretrainedConfig):
         block_size: int = 16,
         mask_token_id: int | None = None,
         block_attention: str = "causal",
+        mask_source: str = "head",
+        dflash_mask_token_id: int | None = None,
         tree_depth: int | None = None,
         tree_width: int = 4,
         tree_budget: int = 32,
@@ -121,8 +135,10 @@ class JetSpecConfig(PretrainedConfig):
             else default_target_layer_ids(target_num_hidden_layers)
         )
         self.block_size = block_size
-        self.mask_token_id = mask_token_id if mask_token_id is not None else vocab_size
+        self.mask_token_id = mask_token_id if mask_token_id is not None or mask_source == "target" else vocab_size
         self.block_attention = block_attention
+        self.mask_source = mask_source
+        self.dflash_mask_token_id = dflash_mask_token_id
         self.tree_depth = tree_depth if tree_depth is not None else min(7, block_size - 1)
         self.tree_width = tree_width
         self.tree_budget = tree_budget
@@ -155,7 +171,15 @@ class JetSpecConfig(PretrainedConfig):
                 f"num_attention_heads, got hidden_size={self.hidden_size}, num_attention_heads="
                 f"{self.num_attention_heads}, num_key_value_heads={self.num_key_value_heads}"
             )
-        if 0 <= self.mask_token_id < self.vocab_size:
+        if self.mask_source not in MASK_SOURCES:
+            raise ValueError(f"expected mask_source in {MASK_SOURCES}, got {self.mask_source!r}")
+        if self.mask_source == "target":
+            if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
+                raise ValueError(
+                    f"expected mask_token_id inside the target vocabulary [0, {self.vocab_size}) since "
+                    f"mask_source='target' embeds a MASK as the target's row of that id, got {self.mask_token_id!r}"
+                )
+        elif 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"expected mask_token_id outside the target vocabulary [0, {self.vocab_size}), got "
                 f"{self.mask_token_id}: a MASK must never collide with a real token"

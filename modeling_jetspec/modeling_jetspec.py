@@ -18,6 +18,13 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
+from .checkpoint_formats import (
+    check_checkpoint_format,
+    detect_checkpoint_format,
+    export_dflash,
+    import_checkpoint,
+    read_checkpoint_config,
+)
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .generation_jetspec import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
 
@@ -296,8 +303,14 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
 
     # --------------------------------------------------------------------------------------------------- forward
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Target embeddings for real tokens, the head's trained MASK vector for `mask_token_id`. `(B, T, H)`."""
+        """Target embeddings for real tokens, the head's trained MASK vector for `mask_token_id`. `(B, T, H)`.
+
+        With `config.mask_source == "target"` (imported DFlash heads) a MASK is the target's own row of the
+        in-vocabulary `mask_token_id`, so every slot is a plain target embedding.
+        """
         embed, _ = self._io()
+        if self.config.mask_source == "target":
+            return embed(input_ids).to(self.dtype)
         is_mask = input_ids == self.config.mask_token_id
         real = embed(input_ids.masked_fill(is_mask, 0)).to(self.dtype)
         return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(real.dtype), real)
@@ -370,12 +383,30 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         return tree_generate(self, target, *args, **kwargs)
 
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a head saved by [`save_pretrained`], or a published DFlash / JetSpec-reference /
+        `muse_glimmer_assistant` head, detected from its `config.json` and converted on the fly (see
+        `checkpoint_formats.py`). For a converted head, keyword arguments besides hub options, `dtype` and
+        `device_map` set [`JetSpecConfig`] fields (e.g. `tree_budget=64`)."""
+        if kwargs.get("config") is None and pretrained_model_name_or_path is not None:
+            foreign = read_checkpoint_config(pretrained_model_name_or_path, kwargs)
+            checkpoint_format = "jetspec" if foreign is None else detect_checkpoint_format(foreign)
+            if checkpoint_format != "jetspec":
+                return import_checkpoint(cls, pretrained_model_name_or_path, checkpoint_format, foreign, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, checkpoint_format: str = "jetspec", **kwargs):
         """Save config, safetensors (head weights only), the flat code files and `custom_generate/`.
 
         With `push_to_hub=True` the whole folder, `custom_generate/` included, is uploaded to `repo_id`
-        (defaults to the folder's name) after it is written.
+        (defaults to the folder's name) after it is written. With `checkpoint_format="dflash"` the folder is the
+        DFlash layout that vLLM, SGLang and the reference loaders read (`config.json`, `model.safetensors`,
+        `mask_embedding.pt` for a trained MASK vector; `mask_token_id=` picks its in-vocabulary id), no code files.
         """
+        check_checkpoint_format(checkpoint_format)
+        if checkpoint_format == "dflash":
+            return export_dflash(self, save_directory, *args, **kwargs)
         push = kwargs.pop("push_to_hub", False)
         repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
         token = kwargs.pop("token", None)
