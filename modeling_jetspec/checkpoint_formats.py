@@ -307,7 +307,8 @@ def import_checkpoint(cls, path, checkpoint_format: str, config: dict, **kwargs)
     overrides the converted config (e.g. `target_num_hidden_layers` when the checkpoint lacks `num_target_layers`).
     """
     hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
-    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+    dtype, legacy_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
+    dtype = dtype if dtype is not None else legacy_dtype
     device = kwargs.pop("device_map", None)
     kwargs.pop("trust_remote_code", None)  # the head's code is ours: nothing remote runs
     known = set(inspect.signature(JetSpecConfig.__init__).parameters) - {"self", "kwargs"}
