@@ -237,6 +237,27 @@ def test_imported_head_decodes_losslessly(tmp_path, arch, causal):
     assert head.last_stats.new_tokens == 40
 
 
+def test_import_options_sharded_weights_dtype_and_overrides(tmp_path):
+    weights = dflash_weights()
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dflash_config_dict("zlab", False)))
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for shard, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, folder / shard)
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    head = JetSpecDraftModel.from_pretrained(folder, dtype=torch.bfloat16, tree_budget=20, tree_width=2)
+    assert head.dtype == torch.bfloat16 and not head.training
+    assert (head.config.tree_budget, head.config.tree_width) == (20, 2)
+    assert torch.equal(head.layers[1].mlp.up_proj.weight, weights["layers.1.mlp.up_proj.weight"].bfloat16())
+    with pytest.raises(ValueError, match=r"JetSpecConfig fields.*\['tree_breadth'\]"):
+        JetSpecDraftModel.from_pretrained(folder, tree_breadth=3)
+
+
 # ------------------------------------------------------------------------------------------------- round trips
 def state_equal(a, b):
     assert a.keys() == b.keys()
@@ -414,6 +435,9 @@ def test_export_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="expected only mask_token_id"):
         head.save_pretrained(tmp_path, checkpoint_format="dflash", push_to_hub=True)
     assert not (tmp_path / "config.json").exists()  # nothing written before the checks
+    imported = import_head(write_checkpoint(tmp_path / "foreign", dflash_config_dict("zlab", False), dflash_weights()))
+    with pytest.raises(ValueError, match=f"expected mask_token_id {MASK_ID}"):
+        imported.save_pretrained(tmp_path / "out", checkpoint_format="dflash", mask_token_id=3)
     extended = tiny_head(target, num_hidden_layers=2, target_layer_ids=LAYER_IDS, last_context_input=True)
     with pytest.raises(ValueError, match="last_context_input"):
         extended.save_pretrained(tmp_path, checkpoint_format="dflash")
