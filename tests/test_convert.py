@@ -258,6 +258,26 @@ def test_import_options_sharded_weights_dtype_and_overrides(tmp_path):
         JetSpecDraftModel.from_pretrained(folder, tree_breadth=3)
 
 
+def test_imported_head_decodes_losslessly_with_path_conditioning(tmp_path):
+    """Path-conditioned probes are MASK ids too: with the MASK as a target row they must still verify exactly."""
+    target = target_for("qwen3")
+    folder = write_checkpoint(tmp_path / "head", dflash_config_dict("vllm", True), dflash_weights())
+    head = import_head(folder)
+    ids, mask = prompts(2)
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                           assistant_model=head, tree_depth=3, tree_width=2, tree_budget=6, path_conditioning=True)
+    assert torch.equal(tree, plain)
+
+
+def test_reference_default_layer_ids_follow_the_paper():
+    """Without `dflash_config.target_layer_ids` the JetSpec reference spaces one feature layer per draft layer."""
+    from modeling_jetspec.checkpoint_formats import _reference_layer_ids
+
+    assert _reference_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, the paper's layers
+    assert _reference_layer_ids(36, 1) == [18]
+
+
 # ------------------------------------------------------------------------------------------------- round trips
 def state_equal(a, b):
     assert a.keys() == b.keys()
