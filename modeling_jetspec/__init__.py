@@ -3,9 +3,9 @@
 from transformers import AutoConfig, AutoModel
 
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
-from .generation_jetspec import JetSpecStats, TreeShape, resolve_tree_shape
+from .generation_jetspec import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
 from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput
-from .tree import Tree, accept_walk, ancestor_mask, build_tree, marginal_children
+from .tree import Tree, ancestor_mask, build_tree, marginal_children
 
 AutoConfig.register("jetspec", JetSpecConfig, exist_ok=True)
 AutoModel.register(JetSpecConfig, JetSpecDraftModel, exist_ok=True)
@@ -14,11 +14,11 @@ __all__ = [
     "JetSpecConfig",
     "JetSpecContext",
     "JetSpecDraftModel",
+    "JetSpecGenerateOutput",
     "JetSpecOutput",
     "JetSpecStats",
     "Tree",
     "TreeShape",
-    "accept_walk",
     "ancestor_mask",
     "build_tree",
     "default_target_layer_ids",

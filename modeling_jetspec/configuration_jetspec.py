@@ -2,9 +2,10 @@
 
 from transformers import PretrainedConfig
 
+from .tree import check_tree_shape
+
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
 MASK_SOURCES = ("head", "target")
-TREE_SCORINGS = ("logprob", "entropy", "mixed")
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -151,14 +152,12 @@ class JetSpecConfig(PretrainedConfig):
     def _validate(self):
         if self.block_attention not in BLOCK_ATTENTIONS:
             raise ValueError(f"expected block_attention in {BLOCK_ATTENTIONS}, got {self.block_attention!r}")
-        if self.tree_scoring not in TREE_SCORINGS:
-            raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {self.tree_scoring!r}")
         if self.block_size < 2:
             raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
-        if not 1 <= self.tree_depth <= self.block_size - 1:
-            raise ValueError(
-                f"expected tree_depth in [1, {self.block_size - 1}] (block_size - 1), got {self.tree_depth}"
-            )
+        check_tree_shape(
+            self.tree_depth, self.tree_width, self.tree_budget, self.tree_scoring, self.block_size,
+            self.path_conditioning,
+        )
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_hidden_layers]
         if bad or not self.target_layer_ids:
             raise ValueError(

@@ -7,6 +7,7 @@ and MASK slots, which lets one forward score MASK probes placed under the real t
 Embeddings and LM head are the target's: frozen, attached at run time, never part of the head's state dict.
 """
 
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,8 +169,12 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         self.norm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self._target_io = None  # (input embeddings, LM head) of the attached target; deliberately not submodules
-        self.last_stats = None  # JetSpecStats of the latest generate call
-        self.verify_cost_cache = {}  # (target, device, batch, budgets) -> verify seconds, for tree_budget="auto"
+        # convenience: JetSpecStats of the latest generate call (also returned as `jetspec_stats` of the output
+        # with `return_dict_in_generate=True`, which is safe when one head serves several threads)
+        self.last_stats = None
+        # target -> {(device, dtype, batch, budgets): verify seconds}, for tree_budget="auto"; weak, so an entry goes
+        # with its target and a new target never inherits a freed one's costs
+        self.verify_cost_cache = weakref.WeakKeyDictionary()
         self.post_init()
 
     # ----------------------------------------------------------------------------------------------- construction
@@ -378,7 +383,9 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         """Lossless tree speculative decoding of `target` with this head; same arguments as `target.generate`.
 
         Extra keyword arguments: `tree_depth`, `tree_width`, `tree_budget`, `tree_scoring`, `path_conditioning`
-        (defaults from this head's config). Statistics of the call are left in `self.last_stats`.
+        (defaults from this head's config). With `return_dict_in_generate=True` the output is a
+        [`JetSpecGenerateOutput`] whose `jetspec_stats` holds the call's statistics; `self.last_stats` keeps the latest
+        call's statistics as a convenience.
         """
         return tree_generate(self, target, *args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""Candidate trees: best-first construction, tree-causal masks and acceptance (arXiv 2606.18394, sections 3.2-3.3).
+"""Candidate trees: best-first construction, tree-causal masks, argument checks (arXiv 2606.18394, sections 3.2-3.3).
 
 Node numbering used throughout: node 0 is the root (the anchor, the last committed token, not yet seen by the
 target); draft nodes are 1..n. `parents[i - 1]` is the parent of node i and always lies in [0, i). The root is
@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+TREE_SCORINGS = ("logprob", "entropy", "mixed")
 
 # children(path) -> (log-probs, tokens, entropy) of the candidates below the branch `path` (tuple of tokens, root
 # excluded), sorted by decreasing log-prob; None when the branch cannot be expanded.
@@ -26,6 +28,36 @@ class Tree:
     scores: list[float]  # (n,) best-first key of node i + 1
 
 
+def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False):
+    """The one validation of tree arguments (per call and on the head's config); raises a `ValueError`.
+
+    Args:
+        depth (`int`): maximum depth N, in `[1, block_size - 1]`.
+        width (`int`): candidates W per node, >= 1.
+        budget (`int` or `"auto"`): draft nodes B per tree, >= 1, or `"auto"` (see `budget.py`).
+        scoring (`str`): one of `TREE_SCORINGS`.
+        block_size (`int`): the head's block length.
+        path_conditioning (`bool`, *optional*, defaults to `False`): the second, path-conditioned draft pass. It
+            rebuilds the tree from probes placed under the first tree, so a smaller budget's tree is not a prefix of
+            a larger one's, which the measured budget (`"auto"`) relies on: the two are rejected together.
+    """
+    if not isinstance(depth, int) or not 1 <= depth <= block_size - 1:
+        raise ValueError(
+            f"expected tree_depth in [1, {block_size - 1}] (block_size - 1 of this head), got {depth!r}"
+        )
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"expected tree_width >= 1, got {width!r}")
+    if budget != "auto" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise ValueError(f"expected tree_budget >= 1 draft node or 'auto', got {budget!r}")
+    if scoring not in TREE_SCORINGS:
+        raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {scoring!r}")
+    if budget == "auto" and path_conditioning:
+        raise ValueError(
+            "expected a fixed tree_budget with path_conditioning=True (its trees are not nested, and the measured "
+            "budget needs nested trees), got tree_budget='auto'"
+        )
+
+
 def tree_key(scoring: str, logprob: float, entropy: float) -> float:
     """Best-first key of a path from its cumulative draft log-prob and the summed entropies of its depths.
 
@@ -37,9 +69,7 @@ def tree_key(scoring: str, logprob: float, entropy: float) -> float:
         return logprob
     if scoring == "entropy":
         return -entropy
-    if scoring == "mixed":
-        return logprob - entropy
-    raise ValueError(f"expected tree scoring 'logprob', 'entropy' or 'mixed', got {scoring!r}")
+    return logprob - entropy  # "mixed"; `check_tree_shape` admits nothing else
 
 
 def max_tree_nodes(depth: int, width: int) -> int:
@@ -143,47 +173,7 @@ def verification_mask(past_valid: torch.Tensor, ancestors: torch.Tensor, dtype: 
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def children_map(tree: Tree) -> list[dict[int, int]]:
-    """For each node (root first), a map from a child's token to the child's node index."""
-    kids = [{} for _ in range(len(tree.tokens) + 1)]
-    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents), start=1):
-        kids[parent].setdefault(token, i)
-    return kids
-
-
-def accept_walk(kids: list[dict[int, int]], choose: Callable[[int, list[int]], int]) -> tuple[list[int], list[int]]:
-    """Walk the tree from the root following the target's own choices.
-
-    `choose(node, path_tokens)` returns the target's token at `node` (its argmax, or its sample after the
-    logits processors saw the node's own path). The walk moves to the child holding that token and stops at
-    the first node with no such child. Lossless: every committed token is the target's own choice given
-    exactly the tokens before it.
-
-    Returns:
-        `(committed, accepted)`: the committed tokens (accepted path tokens, then the bonus token), and the
-        accepted node indices (root first, so `len(accepted) == len(committed)`).
-    """
-    node, committed, accepted = 0, [], [0]
-    while True:
-        token = choose(node, committed)
-        committed.append(token)
-        child = kids[node].get(token)
-        if child is None:
-            return committed, accepted
-        node = child
-        accepted.append(child)
-
-
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) over the last dim of log-probabilities; `-inf` entries contribute zero."""
     p = logprobs.exp()
     return -(p * torch.where(torch.isfinite(logprobs), logprobs, torch.zeros_like(logprobs))).sum(-1)
-
-
-def tree_paths(tree: Tree) -> set[tuple[int, ...]]:
-    """The set of root-to-node token paths of a tree (root excluded)."""
-    paths = [()]
-    for token, parent in zip(tree.tokens, tree.parents):
-        paths.append(paths[parent] + (token,))
-    return set(paths[1:])
-

@@ -137,8 +137,58 @@ def test_binding_sliding_window():
 
 
 def test_default_depth_deeper_than_the_block():
-    with pytest.raises(ValueError, match=r"tree_depth in \[1, 3\] \(block_size - 1\), got 5"):
+    with pytest.raises(ValueError, match=r"tree_depth in \[1, 3\] \(block_size - 1 of this head\), got 5"):
         JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
                       block_size=4, tree_depth=5)
     assert JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
                          block_size=4).tree_depth == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(pixel_values=torch.zeros(1, 3, 8, 8)), "got also pixel_values"),
+        (dict(token_type_ids=torch.zeros(1, 13, dtype=torch.long)), "got also token_type_ids"),
+        (dict(position_ids=torch.arange(13)[None]), "got also position_ids"),
+        (dict(inputs_embeds=torch.zeros(1, 13, 64)), "got also inputs_embeds"),
+        (dict(past_key_values="a user cache"), "got also past_key_values"),
+        (dict(cache_implementation="static"), "cache_implementation=None .*got 'static'"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=None .*got 3"),
+        (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions=False .*got True"),
+        (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states=False .*got True"),
+        (dict(negative_prompt_ids=torch.tensor([[1, 2]])), "no `negative_prompt_ids`"),
+        (dict(custom_generate="some/recipe"), "no `custom_generate`"),
+        (dict(synced_gpus=True), "no `synced_gpus`"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
+)
+def test_unsupported_generate_arguments_are_named(pair, kwargs, message):
+    # each of these would change what plain generate returns; the tree loop runs its own forwards, so it refuses
+    with pytest.raises(ValueError, match=message):
+        run(*pair, **kwargs)
+
+
+def test_unsupported_setting_inside_a_generation_config(pair):
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match="cache_implementation=None .*got 'static'"):
+        run(*pair, generation_config=GenerationConfig(max_new_tokens=4, cache_implementation="static"))
+
+
+def test_recurrent_layers_are_rejected_by_name():
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    config = Lfm2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                        block_auto_adjust_ff_dim=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    target = Lfm2ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"layer types \['conv'\] \(Lfm2ForCausalLM\)"):
+        run(target, tiny_head(target))
+
+
+def test_auto_budget_with_path_conditioning_is_rejected(pair):
+    with pytest.raises(ValueError, match="fixed tree_budget with path_conditioning=True .*got tree_budget='auto'"):
+        run(*pair, tree_budget="auto", path_conditioning=True)
+    with pytest.raises(ValueError, match="fixed tree_budget with path_conditioning=True"):
+        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
+                      tree_budget="auto", path_conditioning=True)

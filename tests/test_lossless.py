@@ -3,12 +3,15 @@
 Settings, bracketing acceptance:
   (a) a random untrained head: drafts are mostly wrong, occasionally right;
   (b) a never-right drafter: every round commits exactly the bonus token (tau == 1);
-  (c) an always-right drafter (it knows the greedy continuation): every round commits depth + 1 tokens.
+  (c) an always-right drafter (it knows the greedy continuation): every round commits depth + 1 tokens;
+  (d) a sometimes-right drafter: the right token sits at rank 0, 1 or 2 of its distribution depending on the
+      position, so accepted paths run through later siblings and their nodes are not contiguous in the tree.
 """
 
 import pytest
 import torch
 
+import modeling_jetspec.generation_jetspec as generation
 from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
 SHAPES = [  # (depth, width, budget)
@@ -38,7 +41,9 @@ def test_random_head_matches_greedy(arch, shape, batch):  # (a)
     assert torch.equal(tree, plain)
     stats = head.last_stats
     assert stats.new_tokens == 24 * batch
-    assert stats.tau >= 1.0
+    # the prefill commits one token per row, the verify rounds the rest; one target forward per round
+    assert stats.round_tokens == 23 * batch and stats.target_forwards == stats.rounds + 1
+    assert stats.row_rounds >= stats.rounds and stats.tau == stats.round_tokens / stats.row_rounds
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -67,6 +72,30 @@ def test_always_right_drafter_commits_whole_paths(arch, batch):  # (c)
     assert head.last_stats.target_forwards == 6
     assert head.last_stats.tau == 6.0
     assert head.last_stats.acceptance_per_depth == [1.0] * 5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sometimes_right_drafter_accepts_non_contiguous_nodes(arch, batch, monkeypatch):  # (d)
+    target = tiny_target(arch)
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=30)
+    head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
+    paths = []
+    accept = generation.accept
+
+    def recording_accept(*args, **kwargs):
+        acc = accept(*args, **kwargs)
+        paths.extend(acc.paths())
+        return acc
+
+    monkeypatch.setattr(generation, "accept", recording_accept)
+    tree = greedy(target, ids, mask, max_new_tokens=30, assistant_model=head)
+    assert torch.equal(tree, plain)
+    # paths through later siblings were accepted: some accepted path is not the first nodes 1, 2, ... of its tree
+    assert any(path != list(range(len(path))) for path in paths if len(path) > 1)
+    assert max(len(path) for path in paths) >= 3  # and some reached depth 2 or more
+    assert head.last_stats.tau > 1.5
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -1,19 +1,27 @@
-"""Tree construction, tree masks and the acceptance walk, against brute-force references."""
+"""Tree construction, tree masks and acceptance, against brute-force references."""
+
 
 import pytest
 import torch
 
+from modeling_jetspec.generation_jetspec import DraftTrees, RoundState, accept
 from modeling_jetspec.tree import (
-    accept_walk,
     ancestor_mask,
     build_tree,
-    children_map,
+    check_tree_shape,
     entropy,
     marginal_children,
     max_tree_nodes,
     tree_key,
-    tree_paths,
 )
+
+
+def tree_paths(tree):
+    """The set of root-to-node token paths of a tree (root excluded)."""
+    paths = [()]
+    for token, parent in zip(tree.tokens, tree.parents):
+        paths.append(paths[parent] + (token,))
+    return set(paths[1:])
 
 
 def brute_force_tree(children, budget, depth, scoring="logprob"):
@@ -90,15 +98,95 @@ def test_ancestor_mask_matches_parent_chains():
             assert torch.equal(anc[b, node], expected)
 
 
-def test_accept_walk_follows_target_choices_and_appends_bonus():
-    # tree: 1:(a=10), 2:(b=11), 3: 10->12, 4: 12->13
-    tree = build_tree(lambda p: {(): ([-0.1, -0.2], [10, 11], 0), (10,): ([-0.1], [12], 0), (10, 12): ([-0.1], [13], 0)}.get(p), 4, 3)
-    kids = children_map(tree)
-    # (a) target agrees down to depth 2, then says 99: accepted root, 10, 12; committed 10, 12, 99
-    choices = {0: 10, 1: 12, 3: 99}
-    committed, accepted = accept_walk(kids, lambda node, path: choices.get(node, -1))
-    assert committed == [10, 12, 99]
-    assert [tree.tokens[i - 1] for i in accepted[1:]] == [10, 12]
-    # (b) target disagrees at the root: only the bonus token
-    committed, accepted = accept_walk(kids, lambda node, path: 42)
-    assert committed == [42] and accepted == [0]
+def stacked(trees):
+    parents = torch.tensor([t.parents for t in trees])
+    return DraftTrees(
+        tokens=torch.tensor([t.tokens for t in trees]),
+        parents=parents,
+        depths=torch.tensor([[0] + t.depths for t in trees]),
+        ancestors=ancestor_mask(parents),
+        budget=len(trees[0].tokens),
+    )
+
+
+def walk(tree, choice):
+    """Reference acceptance: from the root, move to the child holding the target's choice; stop when none does."""
+    node, nodes, committed = 0, [0], []
+    while True:
+        committed.append(choice[node])
+        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents), 1)
+                      if p == node and t == choice[node]), None)
+        if child is None:
+            return nodes, committed
+        node = child
+        nodes.append(child)
+
+
+def test_accept_follows_target_choices_and_appends_bonus():
+    # tree: 1:(10), 2:(11), 3: 10->12, 4: 12->13
+    lists = {(): ([-0.1, -0.2], [10, 11], 0), (10,): ([-0.1], [12], 0), (10, 12): ([-0.1], [13], 0)}
+    tree = build_tree(lists.get, 4, 3)
+    assert tree.tokens == [10, 11, 12, 13] and tree.parents == [0, 0, 1, 3]
+    for choice, nodes, committed in (
+        ({0: 10, 1: 12, 3: 99}, [0, 1, 3], [10, 12, 99]),  # (a) agrees down to depth 2, then the bonus 99
+        ({0: 11, 2: 5}, [0, 2], [11, 5]),  # (b) the second child of the root
+        ({0: 42}, [0], [42]),  # (c) disagrees at the root: the bonus only
+    ):
+        logits = torch.zeros(1, 5, 200)
+        for node in range(5):
+            logits[0, node, choice.get(node, 150)] = 1.0
+        acc = accept(logits, stacked([tree]), None, None, record=False)
+        assert acc.paths() == [nodes]
+        assert acc.tokens[0, : int(acc.count[0])].tolist() == committed
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorized_greedy_acceptance_equals_the_walk(seed):
+    """Random trees and random target choices that often agree with the draft, several rows at once; the
+    vectorized acceptance must pick the same nodes and tokens as walking each tree, and the per-row walk with an
+    argmax chooser (the sampling/processor path) must agree too."""
+    g = torch.Generator().manual_seed(seed)
+    trees, choices = [], []
+    for row in range(5):
+        children = marginal_children(*random_depth_logits(4, vocab=12, width=3, seed=seed * 10 + row))
+        tree = build_tree(children, 20, 4)
+        trees.append(tree)
+        choice = torch.randint(0, 12, (21,), generator=g)
+        for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents), 1):  # agree often, not always
+            if torch.rand(1, generator=g) < 0.4:
+                choice[parent] = token
+        choices.append(choice.tolist())
+    logits = torch.full((5, 21, 12), -1.0)
+    for row, choice in enumerate(choices):
+        logits[row, torch.arange(21), torch.tensor(choice)] = 1.0
+    batch = stacked(trees)
+    fast = accept(logits, batch, None, None, record=False)
+    state = RoundState(sequences=torch.zeros(5, 1, dtype=torch.long), lengths=[1] * 5, rows=torch.arange(5),
+                       cache=None, valid=None, context=None, anchors=None, anchor_pos=None, records=None)
+    def chooser(row, node_logits, path):
+        return int(node_logits.argmax()), node_logits
+
+    slow = accept(logits, batch, state, chooser, record=True)
+    for row, tree in enumerate(trees):
+        nodes, committed = walk(tree, choices[row])
+        assert fast.paths()[row] == slow.paths()[row] == nodes
+        assert fast.tokens[row, : len(committed)].tolist() == committed
+        assert slow.tokens[row, : len(committed)].tolist() == committed
+    assert any(len(p) > 1 and p != list(range(len(p))) for p in fast.paths()), "no non-contiguous path drawn"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((0, 3, 8, "logprob", 8), r"tree_depth in \[1, 7\]"),
+        ((8, 3, 8, "logprob", 8), r"tree_depth in \[1, 7\] \(block_size - 1 of this head\), got 8"),
+        ((4, 0, 8, "logprob", 8), "tree_width >= 1, got 0"),
+        ((4, 3, 0, "logprob", 8), "tree_budget >= 1 draft node or 'auto', got 0"),
+        ((4, 3, True, "logprob", 8), "tree_budget >= 1 draft node or 'auto', got True"),
+        ((4, 3, 8, "random", 8), "tree_scoring in .*got 'random'"),
+    ],
+)
+def test_tree_shape_checks(args, message):
+    with pytest.raises(ValueError, match=message):
+        check_tree_shape(*args)
+    check_tree_shape(4, 3, "auto", "mixed", 8)  # and a valid shape passes

@@ -61,6 +61,9 @@ class OracleHead(JetSpecDraftModel):
 
     mode "always": slot at absolute position p puts all mass on the reference token at p (always right).
     mode "never": the reference token gets the lowest logit (never drafted), so every round commits only the bonus.
+    mode "sometimes": at position p the reference token is ranked `sometimes_rank(p)` (0, 1 or 2) behind decoys
+    that hold more mass, so the accepted path runs through second and third children: its nodes are not the
+    tree's first nodes 1..D, and a compaction that assumed contiguous nodes would keep the wrong entries.
     """
 
     reference: torch.Tensor = None  # (batch, length)
@@ -71,13 +74,20 @@ class OracleHead(JetSpecDraftModel):
         out = super().forward(input_ids, position_ids, *args, **kwargs)
         # always: the right token holds all the mass; never: the right token is the least likely of all, so no
         # top-W set (W < vocab) contains it
-        logits = torch.full_like(out.logits, -1e4 if self.mode == "always" else 0.0)
+        logits = torch.full_like(out.logits, 0.0 if self.mode == "never" else -1e4)
+        vocab = logits.shape[-1]
         for i, row in enumerate(self._rows_of(input_ids, position_ids)):
             ref = self.reference[row]
             for t in range(input_ids.shape[1]):
                 index = self.pads[row] + int(position_ids[i, t])
                 token = int(ref[index]) if index < ref.shape[0] else 0
-                logits[i, t, token] = 0.0 if self.mode == "always" else -1e9
+                if self.mode == "never":
+                    logits[i, t, token] = -1e9
+                    continue
+                logits[i, t, token] = 0.0
+                if self.mode == "sometimes":
+                    for j in range(sometimes_rank(int(position_ids[i, t]))):  # decoys ranked above the reference
+                        logits[i, t, (token + 1 + j) % vocab] = 1.0 - 0.25 * j
         out.logits = logits
         return out
 
@@ -93,6 +103,11 @@ class OracleHead(JetSpecDraftModel):
             rows.append(row)
             start = row + 1
         return rows
+
+
+def sometimes_rank(position: int) -> int:
+    """Rank of the reference token in the "sometimes" oracle's distribution at an absolute position."""
+    return (position * 7) % 3
 
 
 def oracle_head(target, reference, attention_mask, mode="always", **overrides):

@@ -1,0 +1,120 @@
+"""The round's state between rounds, and what `return_dict_in_generate` returns.
+
+Invariant checked here: after any round, for every row still decoding, the target cache's valid entries are the
+keys/values a fresh prefill of the committed sequence (minus its last token, the next anchor) computes, and the
+head's valid context keys/values are what a fresh `extend_context` over that prefill's features computes. A
+compaction that kept the wrong tree nodes, or kept them in the wrong order, breaks both.
+"""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import modeling_jetspec.generation_jetspec as generation
+from modeling_jetspec import JetSpecGenerateOutput
+from tiny import oracle_head, prompts, tiny_head, tiny_target
+
+
+def greedy(target, ids, mask, **kwargs):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, monkeypatch):
+    target = tiny_target(arch)
+    ids, mask = prompts(3)
+    plain = greedy(target, ids, mask, max_new_tokens=30)
+    # (d) sometimes right: accepted nodes are non-contiguous, so compaction has to pick them out of the tree
+    head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=20)
+    snapshots = []
+    advance = generation.advance
+
+    def recording_advance(*args, **kwargs):
+        state, committed = advance(*args, **kwargs)
+        if state.rows.numel():
+            snapshots.append(dict(
+                rows=state.rows.tolist(), lengths=list(state.lengths), sequences=state.sequences.clone(),
+                valid=state.valid.clone(), context_valid=state.context.valid.clone(),
+                cache=[(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers],
+                context=[(k.clone(), v.clone()) for k, v in zip(state.context.keys, state.context.values)],
+                anchors=state.anchors.tolist(), anchor_pos=state.anchor_pos.tolist(),
+            ))
+        return state, committed
+
+    monkeypatch.setattr(generation, "advance", recording_advance)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head), plain)
+    assert len(snapshots) >= 4
+    pads = (mask == 0).sum(-1).tolist()
+    for snap in snapshots[1:4]:  # after rounds 2, 3 and 4
+        for i, row in enumerate(snap["rows"]):
+            tokens = snap["sequences"][row, pads[row] : snap["lengths"][row]]  # the row's committed tokens
+            assert snap["anchors"][i] == int(tokens[-1]) and snap["anchor_pos"][i] == len(tokens) - 1
+            with torch.no_grad():
+                cache = DynamicCache()
+                out = target(tokens[None, :-1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+                fresh = head.extend_context(
+                    None, head.target_features(out.hidden_states), torch.arange(len(tokens) - 1)[None],
+                    torch.ones(1, len(tokens) - 1, dtype=torch.bool),
+                )
+            # the same keys/values, computed once by a verify forward over a tree with masked entries and once by
+            # a plain prefill: fp32 sums in another order, ~1e-6 apart after two layers
+            for (keys, values), layer in zip(snap["cache"], cache.layers):
+                torch.testing.assert_close(keys[i][:, snap["valid"][i]], layer.keys[0], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(values[i][:, snap["valid"][i]], layer.values[0], rtol=1e-4, atol=1e-5)
+            for (keys, values), k, v in zip(snap["context"], fresh.keys, fresh.values):
+                torch.testing.assert_close(keys[i][:, snap["context_valid"][i]], k[0], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(values[i][:, snap["context_valid"][i]], v[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [{}, dict(repetition_penalty=1.3, no_repeat_ngram_size=3)],
+                         ids=["no-processors", "processors"])
+def test_scores_at_batch_3_with_a_row_finishing_early(settings):
+    target = tiny_target("llama")
+    ids, mask = prompts(3)
+    free = greedy(target, ids, mask, max_new_tokens=20, **settings)
+    eos = int(free[1, ids.shape[1] + 4])  # row 1 stops after 5 tokens, the others later or never
+    kwargs = dict(max_new_tokens=20, eos_token_id=eos, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, **settings)
+    plain = greedy(target, ids, mask, **kwargs)
+    head = oracle_head(target, plain.sequences, mask, mode="sometimes", tree_depth=4, tree_budget=16)
+    tree = greedy(target, ids, mask, assistant_model=head, **kwargs)
+    assert torch.equal(tree.sequences, plain.sequences)
+    assert isinstance(tree, JetSpecGenerateOutput) and tree.jetspec_stats is head.last_stats
+    assert tree.jetspec_stats.tau > 1.2
+    new = plain.sequences[:, ids.shape[1] :]
+    ends = [int((r == eos).nonzero()[0]) + 1 if (r == eos).any() else new.shape[1] for r in new]
+    assert min(ends) < new.shape[1], "the test needs a row that finishes early"
+    assert len(tree.scores) == len(plain.scores) == len(tree.logits) == new.shape[1]
+    for step in range(new.shape[1]):
+        for row, end in enumerate(ends):
+            if step < end:
+                # the same logits from a multi-token forward: fp32 sums in another order, ~1e-6 apart
+                torch.testing.assert_close(tree.scores[step][row], plain.scores[step][row], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(tree.logits[step][row], plain.logits[step][row], rtol=1e-4, atol=1e-4)
+            else:  # documented: a finished row holds zeros (plain generate keeps computing it on padding)
+                assert not tree.scores[step][row].any() and not tree.logits[step][row].any()
+
+
+def test_stats_come_with_the_output_and_on_the_head():
+    target = tiny_target("qwen3")
+    ids, mask = prompts(1)
+    head = tiny_head(target)
+    out = greedy(target, ids, mask, max_new_tokens=9, assistant_model=head, return_dict_in_generate=True)
+    first = out.jetspec_stats
+    assert first.new_tokens == 9 and first.target_forwards == first.rounds + 1
+    again = greedy(target, ids, mask, max_new_tokens=5, assistant_model=head, return_dict_in_generate=True)
+    assert again.jetspec_stats.new_tokens == 5 and first.new_tokens == 9  # each call's own statistics
+    assert head.last_stats is again.jetspec_stats
+
+
+def test_verify_costs_are_kept_per_target_object():
+    target = tiny_target("qwen3")
+    ids, mask = prompts(1)
+    head = tiny_head(target, tree_budget="auto")
+    greedy(target, ids, mask, max_new_tokens=4, assistant_model=head)
+    assert list(head.verify_cost_cache.keys()) == [target]
+    del target
+    import gc
+
+    gc.collect()
+    assert len(head.verify_cost_cache) == 0  # an entry goes with its target: a new one never inherits its costs
