@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     convert = commands.add_parser("convert", help="convert a head between our layout and the DFlash one (vLLM, SGLang)")
-    convert.add_argument("src", help="head folder or Hub id: ours, DFlash / JetSpec-reference, or muse_glimmer_assistant")
+    convert.add_argument(
+        "src", help="head folder or Hub id: ours, DFlash / JetSpec-reference, or muse_glimmer_assistant"
+    )
     convert.add_argument("dst", help="output folder")
     convert.add_argument(
         "--to", choices=("jetspec", "dflash"), default=None,
@@ -145,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--mask-token-id", type=int, default=None,
-        help="with --to dflash: the in-vocabulary id keyed to our trained MASK vector (default: config.dflash_mask_token_id "
-        "or vocab_size - 1)",
+        help="with --to dflash: the in-vocabulary id keyed to our trained MASK vector (default: "
+        "config.dflash_mask_token_id or vocab_size - 1)",
     )
     return parser
 

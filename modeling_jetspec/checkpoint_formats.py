@@ -166,7 +166,8 @@ def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: boo
     rope = getattr(normal, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(
-            f"expected rope_parameters.rope_type 'default' (plain rotary with rope_theta), got {rope.get('rope_type')!r}"
+            "expected rope_parameters.rope_type 'default' (plain rotary with rope_theta), got "
+            f"{rope.get('rope_type')!r}"
         )
     target_hidden = extra.get("target_hidden_size", normal.hidden_size)
     if target_hidden != normal.hidden_size:
@@ -179,7 +180,9 @@ def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: boo
              "dflash_config.causal_head": extra.get("causal_head")}
     votes = {k: bool(v) for k, v in votes.items() if v is not None}
     if len(set(votes.values())) > 1:
-        raise ValueError(f"expected is_causal, dflash_config.causal and dflash_config.causal_head to agree, got {votes}")
+        raise ValueError(
+            f"expected is_causal, dflash_config.causal and dflash_config.causal_head to agree, got {votes}"
+        )
     causal = next(iter(votes.values()), False)  # DFlash's default block is bidirectional
 
     num_target_layers = field("num_target_layers")
@@ -344,7 +347,9 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
     """The `config.json` of `head` in the dflash layout, as a transformers `Qwen3Config`."""
     c = head.config
     if getattr(c, "last_context_input", False):  # a field of newer configs
-        raise ValueError("expected last_context_input=False to export a DFlash head (the format has no such input), got True")
+        raise ValueError(
+            "expected last_context_input=False to export a DFlash head (the format has no such input), got True"
+        )
     if c.mask_source == "target":
         if mask_token_id is not None and mask_token_id != c.mask_token_id:
             raise ValueError(

@@ -147,7 +147,8 @@ def reference_draft_logits(w, target, prompt, causal, muse=False, mask_vector=No
     for i in range(DRAFT_LAYERS):
         p = f"layers.{i}."
         x = rms_norm(h, w[p + "input_layernorm.weight"])
-        q = rms_norm((x @ w[p + "self_attn.q_proj.weight"].T).view(BLOCK, HEADS, HEAD_DIM), w[p + "self_attn.q_norm.weight"])
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(BLOCK, HEADS, HEAD_DIM)
+        q = rms_norm(q, w[p + "self_attn.q_norm.weight"])
         kv_in = torch.cat([context, x])  # (S + BLOCK, H)
         k = (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM)
         k = rms_norm(k, w[p + "self_attn.k_norm.weight"])
