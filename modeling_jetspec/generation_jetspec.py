@@ -77,7 +77,7 @@ class TreeShape:
 class JetSpecStats:
     """Statistics of one `generate` call. tau counts committed tokens per verify forward and row, bonus included."""
 
-    target_forwards: int = 1  # prefill and verify forwards of the target
+    target_forwards: int = 0  # prefill and verify forwards of the target
     rounds: int = 0  # verify forwards
     row_rounds: int = 0  # sum over rounds of the rows in the batch
     new_tokens: int = 0  # committed tokens, all rows
@@ -497,7 +497,7 @@ def _decode(
     want_records = generation_config.return_dict_in_generate and (
         generation_config.output_scores or generation_config.output_logits
     )
-    stats = JetSpecStats(accepted_at_depth=[0] * shape.depth)
+    stats = JetSpecStats(target_forwards=1, accepted_at_depth=[0] * shape.depth)  # the prefill is a forward
     started = time.perf_counter()
     state, first_logits = _prefill(head, target, input_ids, model_kwargs.get("attention_mask"), generation_config)
     first_scores = logits_processor(input_ids, first_logits)  # (B, V): every row has the same length here
