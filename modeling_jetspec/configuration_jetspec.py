@@ -88,6 +88,13 @@ class JetSpecConfig(PretrainedConfig):
             Best-first key: `"logprob"` (the paper), `"entropy"` or `"mixed"` (ablations).
         path_conditioning (`bool`, *optional*, defaults to `False`):
             Rescore the tree with a second draft pass whose MASK probes see their own branch's real tokens.
+        draft_vocab_size (`int`, *optional*):
+            Number of target tokens the head drafts from, defaults to `vocab_size` (the full vocabulary). A smaller
+            value drafts only inside a fixed subset (FR-Spec / EAGLE-3 `d2t`): the head's LM head is the target's
+            restricted to those rows, so the draft cost shrinks with it. Verification is unchanged and stays exact.
+        last_context_input (`bool`, *optional*, defaults to `False`):
+            Add the fused target features of the last context position (the one whose hidden state predicted the
+            anchor) to the input of every block slot, as EAGLE feeds its features. `False` is the paper's head.
     """
 
     model_type = "jetspec"
@@ -116,6 +123,8 @@ class JetSpecConfig(PretrainedConfig):
         tree_budget: int = 32,
         tree_scoring: str = "logprob",
         path_conditioning: bool = False,
+        draft_vocab_size: int | None = None,
+        last_context_input: bool = False,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -145,6 +154,8 @@ class JetSpecConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.tree_scoring = tree_scoring
         self.path_conditioning = path_conditioning
+        self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
+        self.last_context_input = last_context_input
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
         self._validate()
@@ -158,6 +169,11 @@ class JetSpecConfig(PretrainedConfig):
             self.tree_depth, self.tree_width, self.tree_budget, self.tree_scoring, self.block_size,
             self.path_conditioning,
         )
+        if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"expected draft_vocab_size in [1, {self.vocab_size}] (the target's vocabulary size), got "
+                f"{self.draft_vocab_size!r}"
+            )
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.target_num_hidden_layers]
         if bad or not self.target_layer_ids:
             raise ValueError(

@@ -131,10 +131,14 @@ class JetSpecContext:
     keys: list  # num_hidden_layers x (B, H_kv, S, D)
     values: list  # num_hidden_layers x (B, H_kv, S, D)
     valid: torch.Tensor  # (B, S) bool, False for padding and holes
+    last: torch.Tensor | None = None  # (B, H) fused features of each row's last valid position
 
     def select_rows(self, rows: torch.Tensor) -> "JetSpecContext":
         return JetSpecContext(
-            [k[rows] for k in self.keys], [v[rows] for v in self.values], self.valid[rows]
+            [k[rows] for k in self.keys],
+            [v[rows] for v in self.values],
+            self.valid[rows],
+            None if self.last is None else self.last[rows],
         )
 
 
@@ -168,6 +172,14 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         self.layers = nn.ModuleList(JetSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        if config.last_context_input:
+            self.last_context_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        if config.draft_vocab_size < config.vocab_size:
+            # EAGLE-3 convention: target id = draft id + d2t[draft id]; saved with the weights
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))  # (V_draft,)
+        else:
+            self.d2t = None
+        self._draft_lm = None  # (key, weight (V_draft, H), bias) rows of the target's LM head, gathered lazily
         self._target_io = None  # (input embeddings, LM head) of the attached target; deliberately not submodules
         # convenience: JetSpecStats of the latest generate call (also returned as `jetspec_stats` of the output
         # with `return_dict_in_generate=True`, which is safe when one head serves several threads)
@@ -249,6 +261,69 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         if lm_head is None:
             raise ValueError(f"expected a target with an LM head, got {type(target).__name__} without one")
         self._target_io = (embed, lm_head)
+        self._draft_lm = None
+        self.check_draft_vocab()
+
+    # ---------------------------------------------------------------------------------------- draft vocabulary
+    def draft_token_ids(self) -> torch.LongTensor | None:
+        """Target ids of the draft vocabulary, of shape `(draft_vocab_size,)`; `None` for the full vocabulary."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
+        """Map draft-vocabulary ids (any shape) to target ids; the identity for the full vocabulary."""
+        if self.d2t is None:
+            return draft_ids
+        return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
+
+    def check_draft_vocab(self):
+        """Raise a `ValueError` when `d2t` maps outside the target vocabulary or maps two draft ids to one token."""
+        ids = self.draft_token_ids()
+        if ids is None:
+            return
+        bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero().flatten()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"expected d2t to map every draft id into the target vocabulary [0, {self.config.vocab_size}), got "
+                f"draft id {i} -> {int(ids[i])}"
+            )
+        if ids.unique().numel() != ids.numel():
+            values, counts = ids.unique(return_counts=True)
+            raise ValueError(
+                f"expected d2t to map draft ids to distinct target ids, got target id {int(values[counts > 1][0])} "
+                "more than once"
+            )
+
+    @torch.no_grad()
+    def set_draft_vocab(self, target_ids):
+        """Draft only inside `target_ids` (a sequence of `draft_vocab_size` distinct target ids, kept in order)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
+        if self.d2t is None or ids.numel() != self.d2t.numel():
+            raise ValueError(
+                f"expected {self.config.draft_vocab_size} target ids (config.draft_vocab_size), got {ids.numel()}"
+            )
+        previous = self.d2t.clone()
+        self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(ids.numel(), device=self.d2t.device))
+        try:
+            self.check_draft_vocab()
+        except ValueError:
+            self.d2t.copy_(previous)
+            raise
+        self._draft_lm = None
+
+    def _draft_lm_head(self):
+        """`(weight, bias)` of the draft LM head: the target's LM head, restricted to the draft rows when reduced."""
+        _, lm_head = self._io()
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.d2t is None:
+            return weight, bias
+        key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
+        if self._draft_lm is None or self._draft_lm[0] != key:
+            ids = self.draft_token_ids().to(weight.device)
+            self._draft_lm = (key, weight[ids].detach(), None if bias is None else bias[ids].detach())
+        return self._draft_lm[1], self._draft_lm[2]
 
     def _io(self):
         if self._target_io is None:
@@ -282,15 +357,28 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             position_ids (`torch.LongTensor` of shape `(B, s)`): their absolute positions.
             valid (`torch.BoolTensor` of shape `(B, s)`): False for padding.
         """
-        fused = self.context_norm(self.fc(features.to(self.dtype)))  # (B, s, H)
+        return self._extend_fused(context, self.fuse(features), position_ids, valid)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Fused context features `(B, s, H)` from raw target features `(B, s, k * target_hidden_size)`."""
+        return self.context_norm(self.fc(features.to(self.dtype)))
+
+    def _extend_fused(self, context, fused, position_ids, valid) -> JetSpecContext:
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, fused.dtype)
         kv = [layer.self_attn.key_values(fused, cos, sin) for layer in self.layers]
+        # the last valid new position of each row, or the row's previous `last` when it got none
+        s = valid.shape[1]
+        index = torch.where(valid, torch.arange(s, device=valid.device), -1).amax(dim=1)  # (B,)
+        last = fused[torch.arange(fused.shape[0], device=fused.device), index.clamp_min(0)]  # (B, H)
+        if context is not None and context.last is not None:
+            last = torch.where((index >= 0)[:, None], last, context.last)
         if context is None:
-            return JetSpecContext([k for k, _ in kv], [v for _, v in kv], valid)
+            return JetSpecContext([k for k, _ in kv], [v for _, v in kv], valid, last)
         return JetSpecContext(
             [torch.cat([old, k], dim=2) for old, (k, _) in zip(context.keys, kv)],
             [torch.cat([old, v], dim=2) for old, (_, v) in zip(context.values, kv)],
             torch.cat([context.valid, valid], dim=1),
+            last,
         )
 
     def block_mask(self, context_valid: torch.Tensor, block_length: int) -> torch.Tensor:
@@ -329,6 +417,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         context_features: torch.Tensor | None = None,
         context_position_ids: torch.LongTensor | None = None,
         context_valid: torch.Tensor | None = None,
+        last_context_index: torch.LongTensor | None = None,
         return_logits: bool = True,
     ) -> JetSpecOutput:
         r"""
@@ -349,9 +438,16 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
                 Positions of `context_features`, defaults to `0..S-1`.
             context_valid (`torch.BoolTensor` of shape `(B, S)`, *optional*):
                 Validity of `context_features`, defaults to all True.
+            last_context_index (`torch.LongTensor` of shape `(B, T)`, *optional*):
+                With `config.last_context_input` and `context_features` (training, packed blocks): the context
+                position whose fused features are added to each input slot. Defaults to the context's last valid
+                position for every slot (a single block after the whole context, as in decoding).
             return_logits (`bool`, *optional*, defaults to `True`):
-                Apply the target's LM head; otherwise only the normed hidden states are returned.
+                Apply the draft LM head (the target's, restricted to the draft vocabulary when
+                `config.draft_vocab_size` is smaller than the vocabulary); otherwise only the normed hidden states
+                are returned.
         """
+        fused = None
         if context is None:
             if context_features is None:
                 raise ValueError("expected `context` or `context_features` (the target's hidden states), got neither")
@@ -360,7 +456,10 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
                 context_position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
             if context_valid is None:
                 context_valid = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
-            context = self.extend_context(None, context_features, context_position_ids, context_valid)
+            fused = self.fuse(context_features)  # (B, S, H)
+            context = self._extend_fused(None, fused, context_position_ids, context_valid)
+        elif last_context_index is not None:
+            raise ValueError("expected last_context_index only with context_features (training), got it with context")
         t = input_ids.shape[1]
         if attention_mask is None:
             attention_mask = self.block_mask(context.valid, t)
@@ -368,14 +467,25 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         if tuple(attention_mask.shape) != expected:
             raise ValueError(f"expected attention_mask of shape {expected}, got {tuple(attention_mask.shape)}")
         x = self.embed(input_ids)
+        if self.config.last_context_input:
+            if last_context_index is not None:
+                if tuple(last_context_index.shape) != tuple(input_ids.shape):
+                    raise ValueError(
+                        f"expected last_context_index of shape {tuple(input_ids.shape)}, got "
+                        f"{tuple(last_context_index.shape)}"
+                    )
+                last = fused.gather(1, last_context_index[..., None].expand(-1, -1, fused.shape[-1]))  # (B, T, H)
+            else:
+                last = context.last[:, None, :]  # (B, 1, H)
+            x = x + self.last_context_proj(last.to(x.dtype))
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer, k, v in zip(self.layers, context.keys, context.values):
             x = layer(x, cos, sin, k, v, attention_mask)
         x = self.norm(x)
         logits = None
         if return_logits:
-            _, lm_head = self._io()
-            logits = lm_head(x.to(lm_head.weight.dtype)).float()
+            weight, bias = self._draft_lm_head()
+            logits = F.linear(x.to(weight.dtype), weight, bias).float()  # (B, T, V_draft)
         return JetSpecOutput(logits=logits, hidden_states=x)
 
     # ------------------------------------------------------------------------------------------------ generation
