@@ -7,12 +7,12 @@ round verified at budget B tells exactly how many tokens every budget b <= B wou
 path's nodes are numbered in pop order, and under budget b only the path's nodes numbered <= b survive.
 """
 
-import time
 from collections import deque
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .timing import median_seconds
 from .tree import verification_mask
 
 DEFAULT_CANDIDATES = (8, 16, 32, 64)
@@ -37,6 +37,8 @@ def committed_under_budgets(accepted: list, budgets) -> dict:
 def measure_verify_seconds(target, budgets, batch_size: int = 1, context_length: int = 64, repeats: int = 3) -> dict:
     """Median wall time of a target forward over b + 1 tree tokens after a prefilled context, for each budget b.
 
+    Timed with [`timing.median_seconds`] (it waits for the accelerator, so GPU costs are the kernels' own).
+
     Returns:
         `dict` from budget to seconds; key 0 is a plain one-token decode step.
     """
@@ -55,13 +57,12 @@ def measure_verify_seconds(target, budgets, batch_size: int = 1, context_length:
         chain = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch_size, n, n)  # cost ~ any tree
         mask = verification_mask(past_valid, chain, dtype)
         positions = (context_length + torch.arange(n, device=device)).expand(batch_size, n)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            start = time.perf_counter()
+
+        def verify(ids=ids, mask=mask, positions=positions, n=n):
             target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - start)
             cache.crop(-n)
-        seconds[b] = sorted(times[1:])[len(times[1:]) // 2]
+
+        seconds[b] = median_seconds(verify, repeats=repeats, warmup=1)
     return seconds
 
 
@@ -76,7 +77,6 @@ class BudgetController:
         self.observed = {b: deque(maxlen=window) for b in self.candidates}
         self.draft_seconds = deque(maxlen=window)
         self.rounds = 0
-        self.history = []  # budget used per round
 
     def next_budget(self) -> int:
         largest = self.candidates[-1]
@@ -87,7 +87,6 @@ class BudgetController:
             draft = sum(self.draft_seconds) / max(len(self.draft_seconds), 1)
             budget = choose_budget(tau, self.verify_seconds, draft)
         self.rounds += 1
-        self.history.append(budget)
         return budget
 
     def update(self, accepted_per_row: list, used_budget: int, draft_seconds: float):

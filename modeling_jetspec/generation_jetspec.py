@@ -18,7 +18,6 @@ explicit position ids make the holes invisible. Finished rows leave the batch.
 
 import functools
 import inspect
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +26,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import DEFAULT_CANDIDATES, BudgetController, measure_verify_seconds
+from .timing import clock
 from .tree import (
     ancestor_mask,
     build_tree,
@@ -498,7 +498,7 @@ def _decode(
         generation_config.output_scores or generation_config.output_logits
     )
     stats = JetSpecStats(target_forwards=1, accepted_at_depth=[0] * shape.depth)  # the prefill is a forward
-    started = time.perf_counter()
+    started = clock()
     state, first_logits = _prefill(head, target, input_ids, model_kwargs.get("attention_mask"), generation_config)
     first_scores = logits_processor(input_ids, first_logits)  # (B, V): every row has the same length here
     first = _pick(first_scores, generation_config.do_sample)  # (B,)
@@ -514,19 +514,19 @@ def _decode(
     if generation_config.do_sample or len(logits_processor):
         choose = functools.partial(_choose, logits_processor, generation_config.do_sample, batch, state)
     while state.rows.numel():
-        t0 = time.perf_counter()
+        t0 = clock()
         budget = controller.next_budget() if controller is not None else shape.budget
         trees = draft(head, state, shape, budget)
-        t1 = time.perf_counter()
+        t1 = clock()
         logits, features = verify(target, head, state, trees)
-        t2 = time.perf_counter()
+        t2 = clock()
         acc = accept(logits, trees, state, choose, want_records)
         if controller is not None:
             controller.update(acc.paths(), budget, t1 - t0)
         active = state.rows.shape[0]
         state, committed = advance(head, state, trees, acc, features, stopping_criteria, batch, streamer)
-        stats.add_round(budget, active, acc.count, committed, time.perf_counter() - t2 + t1 - t0, t2 - t1)
-    stats.total_seconds = time.perf_counter() - started
+        stats.add_round(budget, active, acc.count, committed, clock() - t2 + t1 - t0, t2 - t1)
+    stats.total_seconds = clock() - started
     return _finish(head, state, stats, generation_config, input_ids.shape[1], streamer)
 
 

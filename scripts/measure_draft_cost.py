@@ -7,24 +7,13 @@ Random head weights are fine for cost. `--target tiny` uses a 2-layer random Lla
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from modeling_jetspec import JetSpecDraftModel
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from modeling_jetspec.timing import median_seconds
 
 
 @torch.no_grad()
@@ -50,8 +39,8 @@ def draft_cost(target, head, depth: int, context: int, repeats: int) -> dict:
         logits = head(block, block_pos, context=ctx).logits
         torch.log_softmax(logits[:, 1:], dim=-1).topk(4, dim=-1)
 
-    t_step = median_seconds(target_step, repeats)
-    t_draft = median_seconds(draft, repeats)
+    t_step = median_seconds(target_step, repeats=repeats)
+    t_draft = median_seconds(draft, repeats=repeats)
     return {"target_step_s": t_step, "draft_s": t_draft, "c": t_draft / t_step, "depth": depth, "context": context}
 
 

@@ -60,3 +60,19 @@ def test_auto_budget_decodes_losslessly():
                            assistant_model=head, tree_budget="auto")
     assert torch.equal(tree, plain)
     assert set(head.last_stats.budgets) <= {8, 16, 32, 64}
+
+
+def test_median_seconds_is_the_median_of_the_timed_calls():
+    from modeling_jetspec.timing import median_seconds
+
+    calls, naps = [], iter([0.0, 0.03, 0.001, 0.06, 0.002, 0.09])  # one untimed warm-up, then five timed calls
+
+    def nap():
+        import time
+
+        calls.append(1)
+        time.sleep(next(naps))
+
+    seconds = median_seconds(nap, repeats=5, warmup=1)
+    assert len(calls) == 6
+    assert 0.03 <= seconds < 0.06  # the median of 0.03, 0.001, 0.06, 0.002, 0.09, whatever the clock's overhead
