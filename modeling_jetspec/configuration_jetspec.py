@@ -53,6 +53,13 @@ class JetSpecConfig(PretrainedConfig):
             Epsilon of every RMSNorm.
         rope_theta (`float`, *optional*, defaults to 10000.0):
             Base of the rotary embedding. Positions are the target's absolute positions.
+        rope_parameters (`dict`, *optional*):
+            transformers' rope parameters (`rope_type`, `rope_theta`, `factor`, ...), copied from the target by
+            [`JetSpecDraftModel.from_target`] so that the head follows the target's scaling (llama3, yarn, linear).
+            Defaults to plain rotary with `rope_theta`.
+        max_position_embeddings (`int`, *optional*):
+            The target's, read by rope scaling types; copied by `from_target`. Defaults to the rope parameters'
+            `original_max_position_embeddings`.
         target_hidden_size (`int`, *optional*):
             Hidden size of the target, defaults to `hidden_size`.
         target_num_hidden_layers (`int`, *optional*, defaults to 36):
@@ -110,6 +117,8 @@ class JetSpecConfig(PretrainedConfig):
         head_dim: int | None = None,
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
+        rope_parameters: dict | None = None,
+        max_position_embeddings: int | None = None,
         target_hidden_size: int | None = None,
         target_num_hidden_layers: int = 36,
         target_layer_ids: list[int] | None = None,
@@ -136,7 +145,18 @@ class JetSpecConfig(PretrainedConfig):
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = rope_theta
+        self.rope_theta = (rope_parameters or {}).get("rope_theta", rope_theta)
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": rope_theta})
+        self.max_position_embeddings = (
+            max_position_embeddings
+            if max_position_embeddings is not None
+            else self.rope_parameters.get("original_max_position_embeddings")
+        )
+        if self.max_position_embeddings is None and self.rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"expected max_position_embeddings (the target's) with rope_type "
+                f"{self.rope_parameters['rope_type']!r}, got none"
+            )
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
         self.target_num_hidden_layers = target_num_hidden_layers
         self.target_layer_ids = (

@@ -17,6 +17,7 @@ from huggingface_hub import HfApi
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import ModelOutput
 
 from .checkpoint_formats import (
@@ -30,32 +31,46 @@ from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .generation_jetspec import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
 
 
-class JetSpecRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """Rotary tables for absolute positions.
-
-    Args:
-        position_ids (`torch.LongTensor` of shape `(B, T)`).
-
-    Returns:
-        `(cos, sin)`, each of shape `(B, 1, T, head_dim)`.
+class JetSpecRotary(nn.Module):
+    """Rotary tables for absolute positions, from transformers' rope utilities: the head follows the target's
+    `rope_parameters` (default, linear, llama3, yarn, ...; types that depend on the sequence length use their values
+    at `max_position_embeddings`). No weights and no buffers: the head's state dict does not change.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim)
-    freqs = position_ids.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def __init__(self, config: JetSpecConfig):
+        super().__init__()
+        self.rope_config = config  # what transformers' rope functions read: rope_parameters, head_dim, ...
+        self._tables = None  # (inv_freq of shape (D/2,), attention scaling), computed on first use on its device
+
+    def _inverse_frequencies(self, device: torch.device):
+        if self._tables is None or self._tables[0].device != device:
+            config = self.rope_config
+            rope_type = config.rope_parameters.get("rope_type", "default")
+            if rope_type == "default":
+                dim = config.head_dim
+                theta = config.rope_parameters["rope_theta"]
+                inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+                self._tables = (inv_freq, 1.0)
+            elif rope_type in ROPE_INIT_FUNCTIONS:
+                self._tables = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+            else:
+                raise ValueError(
+                    f"expected a rope_type among default, {', '.join(ROPE_INIT_FUNCTIONS)}, got {rope_type!r}"
+                )
+        return self._tables
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """
+        Args:
+            position_ids (`torch.LongTensor` of shape `(B, T)`).
+
+        Returns:
+            `(cos, sin)`, each of shape `(B, 1, T, head_dim)`.
+        """
+        inv_freq, scaling = self._inverse_frequencies(position_ids.device)
+        freqs = position_ids.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, T, D)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,8 +93,8 @@ class JetSpecAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.q_norm = JetSpecRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = JetSpecRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = nn.RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def key_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys/values of `x` of shape `(B, S, H)`, each returned of shape `(B, H_kv, S, D)`."""
@@ -114,9 +129,9 @@ class JetSpecMLP(nn.Module):
 class JetSpecDecoderLayer(nn.Module):
     def __init__(self, config: JetSpecConfig):
         super().__init__()
-        self.input_layernorm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = JetSpecAttention(config)
-        self.post_attention_layernorm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = JetSpecMLP(config)
 
     def forward(self, x, cos, sin, context_keys, context_values, mask):
@@ -168,9 +183,10 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         super().__init__(config)
         k = len(config.target_layer_ids)
         self.fc = nn.Linear(k * config.target_hidden_size, config.hidden_size, bias=False)
-        self.context_norm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.context_norm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(JetSpecDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = JetSpecRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = JetSpecRotary(config)
+        self.norm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         if config.last_context_input:
             self.last_context_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
@@ -194,7 +210,10 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def from_target(cls, target: PreTrainedModel, **overrides) -> "JetSpecDraftModel":
         """A new (untrained) head sized for `target`; `overrides` set any [`JetSpecConfig`] field."""
         text = _decoder_config(target)
-        rope = getattr(text, "rope_parameters", None) or {}
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' rotary
+            rope = dict(rope["full_attention"])
+        rope.pop("partial_rotary_factor", None)  # the head rotates its whole head_dim
         fields = dict(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
@@ -204,6 +223,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
+            rope_parameters=rope or None,
+            max_position_embeddings=getattr(text, "max_position_embeddings", None),
             target_hidden_size=text.hidden_size,
             target_num_hidden_layers=text.num_hidden_layers,
             target_layer_ids=default_target_layer_ids(text.num_hidden_layers),
@@ -364,7 +385,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         return self.context_norm(self.fc(features.to(self.dtype)))
 
     def _extend_fused(self, context, fused, position_ids, valid) -> JetSpecContext:
-        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, fused.dtype)
+        cos, sin = self.rotary(position_ids, fused.dtype)
         kv = [layer.self_attn.key_values(fused, cos, sin) for layer in self.layers]
         # the last valid new position of each row, or the row's previous `last` when it got none
         s = valid.shape[1]
@@ -478,7 +499,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             else:
                 last = context.last[:, None, :]  # (B, 1, H)
             x = x + self.last_context_proj(last.to(x.dtype))
-        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self.rotary(position_ids, x.dtype)
         for layer, k, v in zip(self.layers, context.keys, context.values):
             x = layer(x, cos, sin, k, v, attention_mask)
         x = self.norm(x)

@@ -231,3 +231,36 @@ def test_peft_adapted_target():
     # the adapter changes the output, so the test compares against the adapted model, not the base
     with adapted.disable_adapter():
         assert not torch.equal(plain, greedy(adapted, ids, mask, max_new_tokens=16))
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_llama3_rope_scaling_target(batch):
+    target = tiny_target("llama", rope_parameters=dict(LLAMA3_ROPE))
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    assert not torch.equal(plain, greedy(tiny_target("llama"), ids, mask, max_new_tokens=24))  # scaling matters
+    head = tiny_head(target)
+    # the head rotates with the target's scaled frequencies, not plain rotary
+    positions = torch.arange(40)[None]
+    target_cos, _ = target.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    head_cos, _ = head.rotary(positions, torch.float32)
+    torch.testing.assert_close(head_cos[:, 0], target_cos)  # the same formula on the same positions
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=head), plain)
+    oracle = oracle_head(target, plain, mask, mode="sometimes")
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=oracle), plain)
+    assert oracle.last_stats.tau > 1.5
+
+
+def test_default_rope_head_is_unchanged():
+    # plain rotary: the same tables as the head's original hand-written formula, bit for bit
+    target = tiny_target("qwen3")
+    head = tiny_head(target)
+    positions = torch.arange(50)[None]
+    inv_freq = 1.0 / head.config.rope_theta ** (torch.arange(0, 16, 2).float() / 16)
+    emb = torch.cat([positions[..., None].float() * inv_freq] * 2, dim=-1)[:, None]
+    cos, sin = head.rotary(positions, torch.float32)
+    assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
