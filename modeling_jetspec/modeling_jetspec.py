@@ -340,10 +340,12 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if self.d2t is None:
             return weight, bias
-        key = (weight.data_ptr(), weight.dtype, weight.device, self.d2t.data_ptr(), self.d2t._version)
+        key = (weight.data_ptr(), weight.dtype, weight.device, self.dtype, self.d2t.data_ptr(), self.d2t._version)
         if self._draft_lm is None or self._draft_lm[0] != key:
             ids = self.draft_token_ids().to(weight.device)
-            self._draft_lm = (key, weight[ids].detach(), None if bias is None else bias[ids].detach())
+            # in the head's dtype: a float32 head trained next to a bf16 target keeps float32 logits
+            rows = weight[ids].detach().to(self.dtype)  # (V_draft, H)
+            self._draft_lm = (key, rows, None if bias is None else bias[ids].detach().to(self.dtype))
         return self._draft_lm[1], self._draft_lm[2]
 
     def _io(self):

@@ -404,3 +404,47 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     with pytest.raises(ValueError, match="remove_unused_columns=False"):
         JetSpecTrainer(model=head, args=training_args(tmp_path, remove_unused_columns=True), train_dataset=rows,
                        target=target, jetspec_args=JetSpecArguments())
+
+
+def test_cached_features_run_the_target_once_per_row_and_train_a_subset_head(tmp_path):
+    """cache_features: epoch 1 runs the target on every batch, later epochs never; the reduced-vocabulary,
+    last-context head still learns (loss falls, every parameter moves, the slot projection included)."""
+    target = sharp_target()
+    head = tiny_head(target, draft_vocab_size=64, last_context_input=True).train()
+    rows = datasets.Dataset.from_list(regenerated_rows(target))  # 16 rows: 4 batches of 4 per epoch
+    calls = []
+    target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    head.set_draft_vocab(torch.arange(0, 128, 2))
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    trainer = JetSpecTrainer(model=head, args=training_args(tmp_path, max_steps=-1, num_train_epochs=3),
+                             train_dataset=rows, target=target,
+                             jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, cache_features=True))
+    trainer.train()
+    assert len(calls) == 4  # the first epoch's batches; epochs 2 and 3 read the cache
+    losses = losses_of(trainer.state.log_history)
+    assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+    assert [n for n, p in head.named_parameters() if torch.equal(before[n], p)] == []
+
+
+def test_run_trainer_picks_the_most_frequent_answer_tokens_as_draft_vocabulary(tmp_path):
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    rows = regenerated_rows(target)
+    data = write_shards(tmp_path / "regen", rows)
+    out = tmp_path / "head"
+    metrics = run_trainer.main([
+        "--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--eval_fraction", "0", "--block_size", "6", "--use_cpu",
+        "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--draft_vocab_size", "8",
+        "--last_context_input", "--cache_features", "--target_dtype", "bfloat16",
+    ])
+    counts = {}
+    for row in rows:  # every row trains (no eval split): count their answer tokens by hand
+        for token in row["input_ids"][row["prompt_length"]:]:
+            counts[token] = counts.get(token, 0) + 1
+    ranked = sorted(counts.values(), reverse=True)
+    head = AutoModel.from_pretrained(out, trust_remote_code=True)
+    chosen = head.draft_token_ids().tolist()
+    assert len(chosen) == 8 and sorted(counts[t] for t in chosen) == sorted(ranked[:8])
+    assert metrics["draft_vocab_coverage"] == pytest.approx(sum(ranked[:8]) / sum(ranked))
+    assert head.config.last_context_input

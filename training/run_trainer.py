@@ -30,6 +30,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from jetspec.targets import load_target
 from modeling_jetspec import JetSpecDraftModel
+from training.draft_vocab import answer_token_counts, frequent_tokens
 from training.losses import chain_accept_length
 from training.regen import SHARD_GLOB, load_regenerated
 from training.shipping import push_folder, write_card
@@ -160,10 +161,17 @@ def main(argv=None) -> dict:
     targs.push_to_hub = False  # Trainer's own push misses custom_generate/ and adds checkpoints: we ship ourselves
     checkpoint = resolve_checkpoint(targs)
 
-    target, tokenizer = load_target(jargs.target)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[jargs.target_dtype]
+    target, tokenizer = load_target(jargs.target, dtype=dtype)
     set_seed(targs.seed)  # a new head's initialisation is part of the run: same seed, same head on every process
     head = build_head(jargs, target, checkpoint)
+    head.to(torch.float32)  # the head trains in float32 whatever the target's dtype
     train_set, eval_set = load_data(jargs, targs.seed)
+    coverage = None
+    if jargs.draft_vocab_size is not None and checkpoint is None and jargs.init_head is None:
+        ids, coverage = frequent_tokens(answer_token_counts(train_set), jargs.draft_vocab_size, head.config.vocab_size)
+        unwrap_head(head).set_draft_vocab(ids)
+        print(f"jetspec: draft vocabulary of {len(ids)} tokens covers {coverage:.2%} of the training answers' tokens")
     trainer = JetSpecTrainer(
         model=head, args=targs, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
         target=target, jetspec_args=jargs,
@@ -172,6 +180,8 @@ def main(argv=None) -> dict:
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {len(train_set)}")
     result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = dict(result.metrics)
+    if coverage is not None:
+        metrics["draft_vocab_coverage"] = coverage
     runtime = metrics.get("train_runtime") or math.nan
     metrics["train_target_tokens_per_second"] = trainer._tokens_seen * trainer.accelerator.num_processes / runtime
     if eval_set is not None:

@@ -82,6 +82,25 @@ class JetSpecArguments:
     tree_depth: int | None = field(default=None, metadata={"help": "Default tree depth stored in the head."})
     tree_width: int | None = field(default=None, metadata={"help": "Default tree width stored in the head."})
     tree_budget: int | None = field(default=None, metadata={"help": "Default tree budget stored in the head."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "New head only: draft from the N most frequent answer tokens of the training data "
+                          "(reduced LM head and loss); the full vocabulary by default."},
+    )
+    last_context_input: bool = field(
+        default=False,
+        metadata={"help": "New head only: add the last context position's fused features to every block slot."},
+    )
+    cache_features: bool = field(
+        default=False,
+        metadata={"help": "Keep each row's target features in memory after its first target forward, so later "
+                          "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."},
+    )
+    target_dtype: str = field(
+        default="float32",
+        metadata={"help": "Dtype of the frozen target during training: float32 or bfloat16 (features are cached "
+                          "in bfloat16 either way when cache_features is on)."},
+    )
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the head's linear layers only."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
@@ -118,6 +137,10 @@ class JetSpecArguments:
             raise ValueError(f"expected eval_fraction in [0, 1), got {self.eval_fraction}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
+        if self.target_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"expected target_dtype 'float32' or 'bfloat16', got {self.target_dtype!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"expected draft_vocab_size >= 1 or None (full vocabulary), got {self.draft_vocab_size}")
         if self.max_length < 3:
             raise ValueError(f"expected max_length >= 3 (an anchor needs a token before and after it), got "
                              f"{self.max_length}")
@@ -125,8 +148,10 @@ class JetSpecArguments:
     def head_overrides(self) -> dict:
         """Config fields given for a new head (None means the `from_target` default)."""
         names = ("num_hidden_layers", "intermediate_size", "block_attention", "target_layer_ids", "block_size",
-                 "tree_depth", "tree_width", "tree_budget")
+                 "tree_depth", "tree_width", "tree_budget", "draft_vocab_size")
         overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.last_context_input:
+            overrides["last_context_input"] = True
         if "tree_depth" not in overrides and "block_size" in overrides:
             overrides["tree_depth"] = min(7, overrides["block_size"] - 1)  # keep the default depth servable
         return overrides
@@ -177,6 +202,7 @@ class PackedBlocks:
     labels: torch.Tensor  # (B, n, D) x_{a+k}, -100 past the end
     loss_mask: torch.Tensor  # (B, n, D) bool: MASK slot inside the sequence
     valid: torch.Tensor  # (B, n, D) bool: slot inside the sequence (revealed or not)
+    last_context_index: torch.Tensor  # (B, T) a - 1: the context position just before each slot's anchor
 
 
 def draw_anchors(lengths, prompt_lengths, keys, n, seed, answer_prob, generator_offset=0):
@@ -254,6 +280,7 @@ def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=T
         labels=labels,
         loss_mask=valid & ~reveal[..., 1:],
         valid=valid,
+        last_context_index=(anchors.unsqueeze(-1) - 1).expand(b, n, block_size).reshape(b, t),
     )
 
 
@@ -312,17 +339,43 @@ class JetSpecTrainer(Trainer):
             kwargs["compute_metrics"] = self._agreement_metrics
         super().__init__(*args, **kwargs)
         self.target = freeze(target).to(self.args.device)
+        self._feature_cache = {} if jetspec_args.cache_features else None  # sample_key -> (features, final)
         self._tokens_seen = 0
         self._last_log = (time.perf_counter(), 0)
 
     # ------------------------------------------------------------------------------------------------ one batch
+    def _target_states(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen target's selected-layer features `(B, L, k*H)` and final (post-norm) hidden states `(B, L, H)`.
+
+        With `cache_features`, rows seen before come from memory (bf16) and the target runs only on a batch that
+        holds an unseen row; the head needs nothing else from the target, so later epochs skip it entirely.
+        """
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (B, L)
+        keys = inputs["sample_key"].tolist()
+        cache = self._feature_cache
+        if cache is not None and all(key in cache for key in keys):
+            width = input_ids.shape[1]
+            rows = [cache[key] for key in keys]
+            features = torch.zeros(len(rows), width, rows[0][0].shape[-1], dtype=rows[0][0].dtype)
+            final = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=rows[0][1].dtype)
+            for i, (f, h) in enumerate(rows):
+                features[i, : len(f)], final[i, : len(h)] = f[:width], h[:width]
+            return features.to(input_ids.device), final.to(input_ids.device)
+        with torch.no_grad():
+            out = self.target.get_decoder()(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            )
+        features = unwrap_head(self.model).target_features(out.hidden_states)  # (B, L, k*H)
+        final = out.last_hidden_state  # (B, L, H), what the target's LM head reads
+        if cache is not None:
+            for i, (key, length) in enumerate(zip(keys, attention_mask.sum(-1).tolist())):
+                cache[key] = (features[i, :length].to("cpu", torch.bfloat16), final[i, :length].to("cpu", torch.bfloat16))
+        return features, final
+
     def _blocks_and_teacher(self, inputs: dict, training: bool):
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (B, L)
         lengths = attention_mask.sum(-1)
-        with torch.no_grad():
-            out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                              use_cache=False)
-        features = unwrap_head(self.model).target_features(out.hidden_states)  # (B, L, k*H)
+        features, final = self._target_states(inputs)
         # training steps draw fresh anchors each step; evaluation always draws the same ones
         offset = self.state.global_step + 1 if training else 0
         anchors, generators = draw_anchors(
@@ -336,22 +389,44 @@ class JetSpecTrainer(Trainer):
             reveal_prob=self.jetspec_args.reveal_prob if training else 0.0, generators=generators,
         )
         b, n, d = blocks.labels.shape
-        vocab = out.logits.shape[-1]
-        teacher = out.logits.float().gather(
-            1, blocks.teacher_index.reshape(b, n * d, 1).expand(b, n * d, vocab)
-        ).view(b * n, d, vocab)  # (B*n, D, V)
-        return blocks, teacher, features, lengths
+        teacher_hidden = final.gather(
+            1, blocks.teacher_index.reshape(b, n * d, 1).expand(b, n * d, final.shape[-1])
+        ).view(b * n, d, -1)  # (B*n, D, H): the target's state predicting each slot's token
+        return blocks, teacher_hidden, features, lengths
+
+    def _teacher_logits(self, teacher_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the head's draft vocabulary, `(N, D, V_draft)` float32.
+
+        With a reduced vocabulary this is the target's softmax restricted to the draft tokens (renormalised by the
+        loss's log-softmax): the head is trained to rank exactly the tokens it can draft.
+        """
+        weight, bias = unwrap_head(self.model)._draft_lm_head()
+        return torch.nn.functional.linear(teacher_hidden.to(weight.dtype), weight, bias).float()
 
     def _head_logits(self, model, blocks: PackedBlocks, features, lengths):
         b, length = features.shape[:2]
         context_valid = torch.arange(length, device=features.device) < lengths.unsqueeze(-1)  # (B, L)
+        extra = {"last_context_index": blocks.last_context_index} if self.head_config.last_context_input else {}
         output = model(
             input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask,
-            context_features=features, context_valid=context_valid,
+            context_features=features, context_valid=context_valid, **extra,
         )
         n, d = blocks.labels.shape[1:]
-        logits = output.logits.view(b, n, d + 1, -1)[:, :, 1:]  # slot 0 is the anchor: (B, n, D, V)
+        logits = output.logits.view(b, n, d + 1, -1)[:, :, 1:]  # slot 0 is the anchor: (B, n, D, V_draft)
         return logits.reshape(b * n, d, -1), output
+
+    def _draft_labels(self, labels: torch.Tensor, loss_mask: torch.Tensor):
+        """Labels as draft-vocabulary ids, and the loss mask without slots whose token the head cannot draft."""
+        head = unwrap_head(self.model)
+        ids = head.draft_token_ids()
+        if ids is None:
+            return labels, loss_mask
+        table = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
+        table[ids.to(labels.device)] = torch.arange(ids.numel(), device=labels.device)
+        mapped = table[labels.clamp_min(0)].masked_fill(labels < 0, -100)
+        if self.jetspec_args.loss == "sft":
+            loss_mask = loss_mask & (mapped >= 0)
+        return mapped, loss_mask
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Distillation loss of one batch: the weighted mean over every counted MASK slot of all processes.
@@ -360,12 +435,13 @@ class JetSpecTrainer(Trainer):
         gradient average of DDP equals the single-process gradient of the concatenated batch.
         """
         training = model.training
-        blocks, teacher, features, lengths = self._blocks_and_teacher(inputs, training)
+        blocks, teacher_hidden, features, lengths = self._blocks_and_teacher(inputs, training)
+        teacher = self._teacher_logits(teacher_hidden)  # (B*n, D, V_draft)
         logits, output = self._head_logits(model, blocks, features, lengths)
         b, n, d = blocks.labels.shape
+        labels, loss_mask = self._draft_labels(blocks.labels.view(b * n, d), blocks.loss_mask.view(b * n, d))
         total, weight = block_loss_terms(
-            logits, teacher, blocks.labels.view(b * n, d), blocks.loss_mask.view(b * n, d),
-            self.jetspec_args.loss, self.jetspec_args.gamma,
+            logits, teacher, labels, loss_mask, self.jetspec_args.loss, self.jetspec_args.gamma,
         )
         if training and self.accelerator.num_processes > 1:
             weight = self.accelerator.reduce(weight.clone(), reduction="sum") / self.accelerator.num_processes
@@ -373,7 +449,7 @@ class JetSpecTrainer(Trainer):
         if training:
             self._tokens_seen += int(lengths.sum())
         if return_outputs:
-            return loss, (output, blocks, teacher, logits)
+            return loss, (output, blocks, teacher_hidden, logits)
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -395,11 +471,17 @@ class JetSpecTrainer(Trainer):
         """
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss, (_, blocks, teacher, logits) = self.compute_loss(model, inputs, return_outputs=True)
-        if prediction_loss_only:
-            return loss.detach(), None, None
+            loss, (_, blocks, teacher_hidden, logits) = self.compute_loss(model, inputs, return_outputs=True)
+            if prediction_loss_only:
+                return loss.detach(), None, None
+            head = unwrap_head(self.model)
+            _, lm_head = head._io()
+            # agreement with the target's argmax over the full vocabulary: a token outside the draft vocabulary
+            # counts as a miss, as it does when decoding
+            target_top = lm_head(teacher_hidden.to(lm_head.weight.dtype)).argmax(-1)  # (B*n, D)
+            draft_top = head.draft_to_target(logits.argmax(-1))  # (B*n, D)
         b, n, d = blocks.labels.shape
-        agree = (logits.argmax(-1) == teacher.argmax(-1)).view(b, n, d) & blocks.loss_mask  # (B, n, D)
+        agree = (draft_top == target_top).view(b, n, d) & blocks.loss_mask  # (B, n, D)
         counts = torch.stack([agree.sum(1), blocks.loss_mask.sum(1)], dim=1).float()  # (B, 2, D)
         return loss.detach(), counts, torch.zeros(b, 1, device=counts.device)
 
