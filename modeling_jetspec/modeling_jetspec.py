@@ -539,8 +539,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def save_pretrained(self, save_directory, *args, checkpoint_format: str = "jetspec", **kwargs):
         """Save config, safetensors (head weights only), the flat code files and `custom_generate/`.
 
-        With `push_to_hub=True` the whole folder, `custom_generate/` included, is uploaded to `repo_id`
-        (defaults to the folder's name) after it is written. With `checkpoint_format="dflash"` the folder is the
+        With `push_to_hub=True` the head's files (see [`push_head_folder`]) are uploaded to `repo_id` (defaults to
+        the folder's name) after they are written. With `checkpoint_format="dflash"` the folder is the
         DFlash layout that vLLM, SGLang and the reference loaders read (`config.json`, `model.safetensors`,
         `mask_embedding.pt` for a trained MASK vector; `mask_token_id=` picks its in-vocabulary id), no code files.
         """
@@ -557,9 +557,45 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "generate.py").write_text(CUSTOM_GENERATE_SOURCE)
         if push:
-            api = HfApi(token=token)
-            api.create_repo(repo_id, exist_ok=True, private=private)
-            return api.upload_folder(repo_id=repo_id, folder_path=save_directory, commit_message=commit_message)
+            return push_head_folder(save_directory, repo_id, HfApi(token=token), private, commit_message)
+
+
+def head_files(folder) -> list[str]:
+    """Relative paths of the files a head repository holds, found in the saved head `folder`: config, weights
+    (single or sharded), the flat code files `save_pretrained` copied, `custom_generate/generate.py`, and `README.md`
+    when there is one. Anything else there (Trainer checkpoints, logs) is not part of the head."""
+    folder = Path(folder)
+    required = ("config.json", "custom_generate/generate.py")
+    missing = [name for name in required if not (folder / name).is_file()]
+    weights = sorted(p.name for p in folder.glob("model*.safetensors*"))
+    if missing or not weights:
+        raise ValueError(
+            f"expected a head saved by save_pretrained in {folder} (config.json, model*.safetensors, "
+            f"custom_generate/generate.py), missing {missing + ([] if weights else ['model*.safetensors'])}"
+        )
+    files = ["config.json", *weights, *sorted(p.name for p in folder.glob("*.py")), "custom_generate/generate.py"]
+    return files + (["README.md"] if (folder / "README.md").is_file() else [])
+
+
+def push_head_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | None = None,
+                     commit_message: str = "Upload JetSpec head"):
+    """The one push path of a head: `upload_folder` of exactly [`head_files`] (as `allow_patterns`).
+
+    Args:
+        folder (`str` or `os.PathLike`): a head saved by `save_pretrained` (it may hold more, which stays local).
+        repo_id (`str`): the model repository, created when missing.
+        api (`HfApi`, *optional*): defaults to `HfApi()` (token from the environment).
+        private (`bool`, *optional*): visibility of a newly created repository.
+
+    Returns:
+        The `upload_folder` result (a `CommitInfo`).
+    """
+    files = head_files(folder)
+    api = api if api is not None else HfApi()
+    api.create_repo(repo_id, exist_ok=True, private=private)
+    return api.upload_folder(
+        repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, allow_patterns=files
+    )
 
 
 def _decoder_config(model: PreTrainedModel):

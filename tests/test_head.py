@@ -1,5 +1,6 @@
 """The draft head: what it stores, how its masks behave, and path-conditioned MASK probes."""
 
+import pytest
 import torch
 
 from modeling_jetspec import JetSpecConfig, JetSpecDraftModel, default_target_layer_ids
@@ -84,9 +85,17 @@ def test_mask_probes_under_tree_branches_equal_linear_blocks():
 
 def test_config_round_trips_and_is_validated():
     config = JetSpecConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           target_num_hidden_layers=4, block_size=6)
+                           target_num_hidden_layers=4, block_size=6, tree_width=2,
+                           rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+                           max_position_embeddings=256)
     again = JetSpecConfig.from_dict(config.to_dict())
     assert again.target_layer_ids == config.target_layer_ids and again.mask_token_id == 100
+    assert again.rope_parameters == config.rope_parameters and again.rope_theta == 500.0
+    assert again.tree_width == 2 and again.tree_depth == 5
+    # a saved config is checked again when it is read back: a tree deeper than the block is refused
+    saved = {**config.to_dict(), "tree_depth": 6}
+    with pytest.raises(ValueError, match=r"tree_depth in \[1, 5\] \(block_size - 1 of this head\), got 6"):
+        JetSpecConfig.from_dict(saved)
 
 
 def test_new_head_starts_at_the_targets_final_norm_gain():

@@ -1,31 +1,31 @@
 """Ship a trained head: a model card from `hub_cards/jetspec-head.md`, and an upload of exactly the head's files.
 
-`Trainer.push_to_hub` does not copy `custom_generate/` and would upload checkpoints and logs; here the shipped
-files (config, weights, the flat code files, `custom_generate/`, `README.md`) are staged in a temporary folder
-which is uploaded whole with `HfApi.upload_folder`.
+The card is a `huggingface_hub.ModelCard` rendered from the template (its YAML front matter is validated when the
+card is built). The upload is the head's one push path, `modeling_jetspec.modeling_jetspec.push_head_folder`:
+`upload_folder` with `allow_patterns` naming the head's files, so Trainer checkpoints and logs in the same folder
+stay local.
 """
 
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+
+from modeling_jetspec.modeling_jetspec import push_head_folder
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "jetspec-head.md"
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
-REQUIRED_FILES = ("config.json", "model.safetensors", "custom_generate/generate.py", "README.md")
 
 
-def render_card(template_path, **values) -> str:
-    """Fill the `{{name}}` placeholders of a card template.
+def render_card(template_path, **values) -> ModelCard:
+    """The model card of a head, from a Jinja template with `{{name}}` placeholders.
 
     Args:
         template_path (`str` or `os.PathLike`): the template.
-        **values: one value per placeholder (converted with `str`).
+        **values: one value per placeholder, no more, no fewer (Jinja would render a missing one as empty).
 
     Returns:
-        `str`: the card.
+        `ModelCard`: the card (`str(card)` is its text).
     """
     text = Path(template_path).read_text(encoding="utf-8")
     names = set(PLACEHOLDER.findall(text))
@@ -35,33 +35,19 @@ def render_card(template_path, **values) -> str:
     unknown = sorted(set(values) - names)
     if unknown:
         raise ValueError(f"expected only the placeholders {sorted(names)} of {template_path}, got also {unknown}")
-    return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), text)
+    return ModelCard.from_template(ModelCardData(), template_str=text, **values)
 
 
 def write_card(folder, template_path=None, **values) -> Path:
     """Render the card into `folder/README.md` and return its path."""
     path = Path(folder) / "README.md"
-    path.write_text(render_card(template_path or DEFAULT_TEMPLATE, **values), encoding="utf-8")
+    render_card(template_path or DEFAULT_TEMPLATE, **values).save(path)
     return path
-
-
-def shipped_files(folder) -> list[str]:
-    """Relative paths of the files a head repository holds: config, weights, top-level code, custom_generate/,
-    README.md. Raises when one of the required ones is missing."""
-    folder = Path(folder)
-    missing = [name for name in REQUIRED_FILES if not (folder / name).is_file()]
-    if missing:
-        raise ValueError(f"expected a saved head with a model card in {folder}, missing {missing}")
-    files = ["config.json", "model.safetensors", "README.md"]
-    files += sorted(p.name for p in folder.glob("*.py"))
-    files += sorted(p.relative_to(folder).as_posix() for p in (folder / "custom_generate").rglob("*")
-                    if p.is_file() and "__pycache__" not in p.parts)
-    return files
 
 
 def push_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | None = None,
                 commit_message: str = "Upload JetSpec head"):
-    """Upload the shipped files of the head folder `folder` to the model repository `repo_id`.
+    """Upload the head saved in `folder`, with its card, to the model repository `repo_id`.
 
     Args:
         folder (`str` or `os.PathLike`): written by `head.save_pretrained` and [`write_card`]; may hold more
@@ -75,12 +61,6 @@ def push_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | 
     """
     if not isinstance(repo_id, str) or repo_id.count("/") != 1:
         raise ValueError(f"expected a Hub repository id 'org/name', got {repo_id!r}")
-    files = shipped_files(folder)
-    api = api if api is not None else HfApi()
-    with tempfile.TemporaryDirectory(prefix="jetspec-ship-") as staging:
-        for name in files:
-            destination = Path(staging) / name
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(folder) / name, destination)
-        api.create_repo(repo_id, exist_ok=True, private=private)
-        return api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message=commit_message)
+    if not (Path(folder) / "README.md").is_file():
+        raise ValueError(f"expected a saved head with a model card in {folder}, missing ['README.md']")
+    return push_head_folder(folder, repo_id, api=api, private=private, commit_message=commit_message)
