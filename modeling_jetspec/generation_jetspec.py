@@ -306,7 +306,7 @@ class Acceptance:
 
     def paths(self) -> list:
         """Accepted node indices of each row, root first (what `BudgetController.update` reads)."""
-        return [self.nodes[i, :c].tolist() for i, c in enumerate(self.count.tolist())]
+        return _paths(self.nodes, self.count)
 
 
 def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
@@ -382,7 +382,7 @@ def accept(logits: torch.Tensor, trees: DraftTrees, state: RoundState, choose, r
         nodes = order.masked_fill(order == n1, 0)  # (A, K)
         records = None
         if record:  # no processors: the scores are the logits
-            records = [[(logits[i, j], logits[i, j]) for j in nodes[i, :c].tolist()] for i, c in enumerate(count.tolist())]
+            records = [[(logits[i, j], logits[i, j]) for j in path] for i, path in enumerate(_paths(nodes, count))]
         return Acceptance(nodes, choice.gather(1, nodes), count, records)
     walks, records = [], []
     for i, row in enumerate(state.rows.tolist()):
@@ -686,6 +686,11 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     return rebuilt
 
 
+def _paths(nodes: torch.Tensor, count: torch.Tensor) -> list:
+    """Rows of `nodes` `(A, K)` cut at `count` `(A,)`, as lists."""
+    return [row[:c] for row, c in zip(nodes.tolist(), count.tolist())]
+
+
 def _probed_or_marginal(probed: dict, marginal, path: tuple):
     return probed.get(path) or marginal(path)
 
@@ -734,11 +739,10 @@ def _logits_to_keep(target, count: int) -> dict:
 
 def _per_step(records: list, which: int, steps: int) -> tuple:
     """Per generated step, `(B, V)` scores (`which=0`) or logits (`which=1`); finished rows get zeros."""
-    vocab = next(entry[which] for row in records for entry in row).shape[-1]
-    out = []
-    for step in range(steps):
-        out.append(torch.stack([rec[step][which] if step < len(rec) else torch.zeros(vocab) for rec in records]))
-    return tuple(out)
+    zeros = torch.zeros_like(next(entry[which] for row in records for entry in row))  # (V,), on its device
+    return tuple(
+        torch.stack([rec[step][which] if step < len(rec) else zeros for rec in records]) for step in range(steps)
+    )
 
 
 # Written as `custom_generate/generate.py` next to a saved head, so that
