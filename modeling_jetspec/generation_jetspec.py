@@ -415,6 +415,8 @@ def advance(head, state: RoundState, trees: DraftTrees, acc: Acceptance, feature
         features (`torch.Tensor` of shape `(A, n + 1, k * H)`): from [`verify`].
         stopping (`StoppingCriteriaList`): checked after every committed token, so a row stops exactly where plain
             decoding would, even inside an accepted path.
+        batch (`int`): the batch size the caller passed to `generate` (see [`_as_row`]).
+        streamer (`BaseStreamer`, *optional*): receives each row's committed tokens (batch 1).
 
     Returns:
         `(state, committed)`: the next round's state (A' <= A rows) and the number of tokens committed.
@@ -434,7 +436,8 @@ def advance(head, state: RoundState, trees: DraftTrees, acc: Acceptance, feature
         state.cache.batch_select_indices(sel)
         state.rows, state.valid, state.context = state.rows[sel], state.valid[sel], state.context.select_rows(sel)
         state.anchors, state.anchor_pos = state.anchors[sel], state.anchor_pos[sel]
-        acc = Acceptance(acc.nodes[sel], acc.tokens[sel], acc.count[sel], None)
+        width = int(acc.count[sel].max()) if keep else 0  # the survivors' longest path
+        acc = Acceptance(acc.nodes[sel, :width], acc.tokens[sel, :width], acc.count[sel], None)
         features, depths = features[sel], trees.depths[sel]
     else:
         depths = trees.depths
