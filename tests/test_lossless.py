@@ -264,3 +264,31 @@ def test_default_rope_head_is_unchanged():
     emb = torch.cat([positions[..., None].float() * inv_freq] * 2, dim=-1)[:, None]
     cos, sin = head.rotary(positions, torch.float32)
     assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fuzz_random_settings_match_greedy(seed):
+    """Random architecture, batch, prompts, tree shape, drafter, stopping and processors: always plain greedy."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    target = tiny_target(pick(ARCHITECTURES), seed=seed)
+    batch = pick([1, 2, 3])
+    ids, mask = prompts(batch, lengths=tuple(int(n) for n in torch.randint(1, 15, (3,), generator=g)), seed=seed)
+    depth = pick([1, 2, 4, 7])
+    shape = dict(tree_depth=depth, tree_width=pick([1, 2, 3, 5]), tree_budget=pick([1, 3, 8, 20, 40]))
+    kwargs = dict(max_new_tokens=pick([1, 5, 17, 30]))
+    if pick([False, True]):
+        kwargs.update(repetition_penalty=1.3)
+    free = greedy(target, ids, mask, **kwargs)
+    if pick([False, True]) and free.shape[1] > ids.shape[1] + 2:
+        kwargs.update(eos_token_id=int(free[0, ids.shape[1] + 2]))
+    plain = greedy(target, ids, mask, **kwargs)
+    mode = pick(["random", "sometimes", "always", "never"])
+    if mode == "random":
+        head = tiny_head(target, seed=seed, block_size=8, path_conditioning=pick([False, True]), **shape)
+    else:
+        head = oracle_head(target, free, mask, mode=mode, **shape)
+    assert torch.equal(greedy(target, ids, mask, assistant_model=head, **kwargs), plain), (mode, shape, kwargs)
