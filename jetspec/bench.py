@@ -14,7 +14,13 @@ Methods:
   chain baseline. transformers' own `speculation_type="dflash"` is not run: it needs a head honouring the
   `muse_glimmer_assistant` contract (`noise_embeds`, `context_hidden_states`, ...), which the JetSpec head does not.
 - `tree-B`: the head with a best-first tree of `B` draft nodes, one method per budget.
-- `auto`: the head with `tree_budget="auto"` (optional: recorded as unavailable when the core rejects it).
+- `auto`: the head with `tree_budget="auto"`.
+- `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
+  `tree-B` without it.
+
+Equality: in float32 every output must equal plain greedy's token for token. In bfloat16/float16 an output may
+leave plain greedy at a numerical tie (see `jetspec.equality`); each prompt is classified `exact`, `tie` or
+`mismatch`, the counts are reported, and any `mismatch` fails the run.
 
 Costs, measured once per run on the first prompt's prefilled cache (median of repeats):
 
@@ -46,17 +52,16 @@ from transformers.cache_utils import DynamicCache
 from modeling_jetspec import JetSpecDraftModel, ancestor_mask, build_tree, marginal_children
 from modeling_jetspec.tree import verification_mask
 
+from modeling_jetspec.timing import clock, median_seconds
+
+from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, Verdict, classify_outputs, first_difference
 from .prompts import check_suites, load_prompts
 from .targets import apply_chat_template
 
 
-METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto")
+METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning")
 DEFAULT_METHODS = METHOD_KINDS
 PROMPT_LOOKUP_TOKENS = 10
-# Methods whose core support may be missing: a failure on first use records them as unavailable instead of failing
-# the run. `auto` (`tree_budget="auto"`) is being added to the core; drop it from this tuple once it has landed.
-OPTIONAL_METHODS = ("auto",)
-OPTIONAL_ERRORS = (TypeError, ValueError, NotImplementedError)
 NOTES = {
     "chain": (
         "The JetSpec head decoding a single chain (tree_width=1, tree_depth=D, tree_budget=D): the DFlash-style "
@@ -87,8 +92,11 @@ class Method:
     budget: Optional[int] = None  # draft nodes per round, when fixed
 
 
-def build_methods(kinds: Sequence[str], budgets: Sequence[int], chain_depth: int) -> list[Method]:
-    """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget)."""
+def build_methods(
+    kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32
+) -> list[Method]:
+    """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget;
+    `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting)."""
     unknown = [k for k in kinds if k not in METHOD_KINDS]
     if unknown:
         raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
@@ -110,6 +118,11 @@ def build_methods(kinds: Sequence[str], budgets: Sequence[int], chain_depth: int
                 methods.append(Method(f"tree-{b}", kind, {"tree_budget": b}, uses_head=True, budget=b))
         elif kind == "auto":
             methods.append(Method("auto", kind, {"tree_budget": "auto"}, uses_head=True))
+        elif kind == "path_conditioning":
+            methods.append(Method(
+                f"tree-{default_budget}-pc", kind, {"tree_budget": default_budget, "path_conditioning": True},
+                uses_head=True, budget=default_budget,
+            ))
     return methods
 
 
@@ -133,9 +146,9 @@ def _generate(target, head, method: Method, input_ids, attention_mask, common: d
     if method.uses_head:
         head.last_stats = None
         kwargs["assistant_model"] = head
-    started = time.perf_counter()
+    started = clock()
     out = target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    seconds = time.perf_counter() - started
+    seconds = clock() - started
     stats = None
     if method.uses_head:
         if head.last_stats is None:
@@ -144,22 +157,9 @@ def _generate(target, head, method: Method, input_ids, attention_mask, common: d
     return out[0, input_ids.shape[1] :].cpu(), seconds, stats
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(len(a), len(b))
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0]) if len(diff) else n
-
-
 # ------------------------------------------------------------------------------------------------ costs
-def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
+def _median_seconds(fn, repeats: int) -> float:
+    return median_seconds(fn, repeats=repeats, warmup=2)
 
 
 @torch.no_grad()
@@ -301,6 +301,7 @@ def aggregate(rows: list[dict], method: Method, costs: Optional[dict]) -> dict:
         "draft_seconds_per_round": None,
         "verify_seconds_per_round": None,
         "limit_speedup": None,
+        "equality": {kind: sum(r["equality"] == kind for r in rows) for kind in VERDICTS},
     }
     if method.uses_head:
         rounds = sum(r["rounds"] for r in rows)
@@ -376,6 +377,9 @@ def run_benchmark(
     cost_repeats: int = 10,
     command: Optional[str] = None,
     progress: bool = True,
+    float32_logits=None,
+    tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+    dtype_reason: Optional[str] = None,
 ) -> dict:
     """
     Measures every method on the prompts of `suites` and writes `results.json`, `results.md` and plots to `out_dir`.
@@ -396,12 +400,18 @@ def run_benchmark(
         cost_repeats (`int`, *optional*, defaults to 10): timed repeats of each forward in [`measure_costs`].
         command (`str`, *optional*): the command line recorded in the results, defaults to `sys.argv`.
         progress (`bool`, *optional*, defaults to `True`): show a tqdm bar over (suite, prompt).
+        float32_logits (`Callable`, *optional*): the target's float32 next-token logits for a prefix (see
+            `jetspec.equality.float32_logits_fn`), used to judge divergences of a bfloat16/float16 target as ties.
+            Required unless the target runs in float32, where any divergence fails.
+        tie_tolerance (`float`, *optional*): float32 logit gap still called a tie.
+        dtype_reason (`str`, *optional*): why the target runs in its dtype, recorded in the results.
 
     Returns:
         `dict`: the content of `results.json`.
 
     Raises:
-        `LosslessError`: when a method's tokens differ from plain greedy's on any prompt.
+        `LosslessError`: when a method's tokens differ from plain greedy's on any prompt (float32), or differ at a
+        position that is not a numerical tie (bfloat16/float16).
     """
     from tqdm.auto import tqdm
 
@@ -411,9 +421,15 @@ def run_benchmark(
         raise ValueError(f"expected max_new_tokens >= 1, got {max_new_tokens!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise ValueError(f"expected limit >= 1 prompts per suite (or None for all), got {limit!r}")
+    strict = target.dtype == torch.float32
+    if not strict and float32_logits is None:
+        raise ValueError(
+            f"expected float32_logits (the tie check) for a {target.dtype} target, got None; only a float32 target "
+            "is held to bitwise equality without it"
+        )
     head.attach_target(target)
     chain_depth = head.config.tree_depth
-    plan = build_methods(list(methods), budgets, chain_depth)
+    plan = build_methods(list(methods), budgets, chain_depth, head.config.tree_budget)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -436,19 +452,8 @@ def run_benchmark(
         raise ValueError(f"expected prompts in suites {suites}, got none")
     first_ids, first_mask = encode(first["prompt"])
 
-    unavailable: dict = {}  # method name -> reason, for OPTIONAL_METHODS the core rejects
-    proven: set = set()  # optional methods that have run once: later failures are real failures
-
     def run(method: Method, ids, mask, kwargs):
-        if method.kind not in OPTIONAL_METHODS or method.name in proven:
-            return _generate(target, head, method, ids, mask, kwargs)
-        try:
-            result = _generate(target, head, method, ids, mask, kwargs)
-        except OPTIONAL_ERRORS as error:
-            unavailable[method.name] = f"{type(error).__name__}: {error}"
-            return None
-        proven.add(method.name)
-        return result
+        return _generate(target, head, method, ids, mask, kwargs)
 
     if warmup:
         warm = dict(common, max_new_tokens=min(8, max_new_tokens))
@@ -471,30 +476,30 @@ def run_benchmark(
                 shift = turn % len(plan)
                 order = plan[shift:] + plan[:shift]  # rotating order: each method takes every slot in turn
                 turn += 1
-                outputs = {}
-                for method in order:
-                    if method.name in unavailable:
-                        continue
-                    result = run(method, ids, mask, common)
-                    if result is not None:
-                        outputs[method.name] = result
+                outputs = {method.name: run(method, ids, mask, common) for method in order}
                 reference = outputs["plain"][0]
+                verdicts = {}
                 for method in plan:
-                    if method.name not in outputs:
-                        continue
-                    tokens, seconds, stats = outputs[method.name]
-                    if not torch.equal(tokens, reference):
-                        at = _first_difference(tokens, reference)
+                    tokens = outputs[method.name][0]
+                    if torch.equal(tokens, reference):
+                        verdict = Verdict("exact")
+                    elif strict:  # float32: bitwise, no ties
+                        verdict = Verdict("mismatch", first_difference(reference, tokens))
+                    else:
+                        verdict = classify_outputs(float32_logits, ids[0].cpu(), reference, tokens, tie_tolerance)
+                    if verdict.kind == "mismatch":
+                        at = verdict.position
                         raise LosslessError(
                             f"expected method {method.name!r} to reproduce plain greedy decoding on {suite} prompt "
-                            f"{prompt['id']!r}, got a difference at new token {at} "
+                            f"{prompt['id']!r} ({target.dtype}), got a difference at new token {at} "
                             f"({tokens[at:at + 5].tolist()} vs plain {reference[at:at + 5].tolist()}; lengths "
                             f"{len(tokens)} vs {len(reference)})"
+                            + ("" if verdict.gap is None else f" that is no tie: float32 logit gap {verdict.gap:.3f} "
+                               f"> tolerance {tie_tolerance}")
                         )
+                    verdicts[method.name] = verdict
                 plain_tps = len(reference) / outputs["plain"][1]
                 for method in plan:
-                    if method.name not in outputs:
-                        continue
                     tokens, seconds, stats = outputs[method.name]
                     row = {
                         "suite": suite,
@@ -513,6 +518,8 @@ def run_benchmark(
                         "draft_seconds": None,
                         "verify_seconds": None,
                         "budget_mean": None,
+                        "equality": verdicts[method.name].kind,
+                        "tie": verdicts[method.name].as_dict() if verdicts[method.name].kind == "tie" else None,
                     }
                     if stats is not None:
                         figures = stats.as_dict()
@@ -548,12 +555,15 @@ def run_benchmark(
         "config": {
             "target": target.name_or_path or None,
             "target_dtype": str(target.dtype),
+            "dtype_reason": dtype_reason,
+            "equality": "bitwise (float32)" if strict else f"tie-aware, tolerance {tie_tolerance} float32 logits",
             "attn_implementation": target.config._attn_implementation,
             "head": head.name_or_path or None,
             "head_config": {
                 k: getattr(head.config, k)
                 for k in ("num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth",
-                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning")
+                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "draft_vocab_size",
+                          "last_context_input")
             },
             "suites": suites,
             "budgets": budgets,
@@ -568,7 +578,6 @@ def run_benchmark(
             "order": "rotating per prompt",
         },
         "notes": NOTES,
-        "unavailable": unavailable,
         "costs": costs,
         "aggregates": aggregates,
         "prompts": rows,
@@ -605,12 +614,12 @@ def markdown(results: dict) -> str:
         "alternated per prompt in rotating order.",
         "",
         "Speedup: tokens/s over plain greedy on the same prompt (prefill included), median [q25, q75] over prompts. "
-        "Limit: tau * t(1) / (t(B) + t_draft). Every method's output equals plain greedy on every prompt.",
+        "Limit: tau * t(1) / (t(B) + t_draft). Equality with plain greedy: "
+        f"{config.get('equality', 'bitwise (float32)')}; the `=/tie` column counts prompts equal to plain greedy "
+        "and prompts that left it at a numerical tie (a mismatch fails the run).",
         "",
         f"Note: {NOTES['chain']}",
     ]
-    for name, reason in results["unavailable"].items():
-        lines += ["", f"Method `{name}` unavailable: {reason}"]
     if costs is not None:
         lines += [
             "",
@@ -633,14 +642,15 @@ def markdown(results: dict) -> str:
             "",
             f"## {group}",
             "",
-            "| method | B | prompts | tok/s | speedup median [q25, q75] | tau | limit | "
+            "| method | B | prompts | =/tie | tok/s | speedup median [q25, q75] | tau | limit | "
             + " | ".join(f"acc d{d + 1}" for d in range(shown)) + (" |" if shown else ""),
-            "| --- | ---: | ---: | ---: | --- | ---: | ---: |" + " ---: |" * shown,
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |" + " ---: |" * shown,
         ]
         for name, a in methods.items():
             acc = a["acceptance_per_depth"] or [None] * shown
             lines.append(
-                f"| {name} | {_fmt(a['budget_mean'], 1)} | {a['prompts']} | {a['tokens_per_s_median']:.1f} | "
+                f"| {name} | {_fmt(a['budget_mean'], 1)} | {a['prompts']} | "
+                f"{a['equality']['exact']}/{a['equality']['tie']} | {a['tokens_per_s_median']:.1f} | "
                 f"{a['speedup_median']:.2f}x "
                 f"[{a['speedup_q25']:.2f}, {a['speedup_q75']:.2f}] | {_fmt(a['tau_mean'])} | "
                 f"{_fmt(a['limit_speedup'], suffix='x')} | "

@@ -102,6 +102,34 @@ def _build_smollm2_cache(cache: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(name: str) -> tuple[torch.dtype, str]:
+    """
+    The dtype to run the target in, and why.
+
+    `"auto"` picks bfloat16 where the hardware runs it natively (a CUDA device, or a CPU that torch reports
+    native bf16 support for: AVX-512 BF16) and float32 otherwise.
+
+    Args:
+        name (`str`): one of `"auto"`, `"float32"`, `"bfloat16"`.
+
+    Returns:
+        `tuple[torch.dtype, str]`: the dtype and a short reason, for printing and for results files.
+    """
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.bfloat16, "auto: a CUDA device"
+        if torch.cpu._is_avx512_bf16_supported():
+            return torch.bfloat16, "auto: CPU with native bf16 (avx512_bf16)"
+        return torch.float32, "auto: no native bf16 on this CPU"
+    if name not in DTYPES:
+        raise ValueError(f"expected --dtype in {', '.join(DTYPE_CHOICES)}, got {name!r}")
+    return DTYPES[name], "requested"
+
+
 def load_target(
     name_or_path: str = SMOLLM2_ALIAS,
     *,

@@ -180,6 +180,22 @@ class JetSpecConfig(PretrainedConfig):
         super().__init__(**kwargs)
         self._validate()
 
+    def check_draft_vocab_restriction(self, size: int):
+        """Raise a `ValueError` unless a head of this config can draft from its `size` most frequent tokens: any size
+        up to its own reduced vocabulary, or `vocab_size` (the full vocabulary)."""
+        if size == self.vocab_size:
+            return
+        if self.draft_vocab_size == self.vocab_size:
+            raise ValueError(
+                f"expected a head with a reduced draft vocabulary to restrict, got one drafting from the full "
+                f"vocabulary; choose {size} target ids with `draft_vocab_size` and `set_draft_vocab(ids)` instead"
+            )
+        if not 1 <= size <= self.draft_vocab_size:
+            raise ValueError(
+                f"expected a draft vocabulary size in [1, {self.draft_vocab_size}] (the head's) or {self.vocab_size} "
+                f"(the full vocabulary), got {size}"
+            )
+
     def _validate(self):
         if self.block_attention not in BLOCK_ATTENTIONS:
             raise ValueError(f"expected block_attention in {BLOCK_ATTENTIONS}, got {self.block_attention!r}")

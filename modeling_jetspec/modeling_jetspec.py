@@ -334,6 +334,20 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             raise
         self._draft_lm = None
 
+    @torch.no_grad()
+    def restrict_draft_vocab(self, size: int):
+        """Keep only the first `size` draft ids (the most frequent first, for heads whose vocabulary was chosen by
+        frequency in training); `size == vocab_size` drafts from the full vocabulary again. Changes the config."""
+        self.config.check_draft_vocab_restriction(size)
+        if size == self.config.vocab_size:
+            self.d2t = None
+        else:
+            d2t = self.d2t[:size].clone()
+            del self.d2t
+            self.register_buffer("d2t", d2t)
+        self.config.draft_vocab_size = size
+        self._draft_lm = None
+
     def _draft_lm_head(self):
         """`(weight, bias)` of the draft LM head: the target's LM head, restricted to the draft rows when reduced."""
         _, lm_head = self._io()

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 )
 BUDGETS = [4, 12]
 MAX_NEW = 10
-HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto")
+HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto", "tree-12-pc")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -98,11 +98,11 @@ def test_every_method_reproduces_plain_greedy(run):
     for prompt, key, assisted, tokens in measured:
         reference = [o for o in plain[prompt] if len(o) == MAX_NEW]
         assert [tuple(tokens)] == reference, (key, assisted)
-    # every method ran on every prompt (auto only when the core accepts tree_budget="auto")
+    # every method ran on every prompt, path conditioning at the head's default budget (12)
     methods = {r["method"] for r in results["prompts"]}
-    expected = {"plain", "prompt_lookup", "chain", "tree-4", "tree-12"}
-    assert expected <= methods
-    assert ("auto" in results["unavailable"]) != ("auto" in methods)
+    assert methods == {"plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc"}
+    assert results["config"]["method_arguments"]["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True}
+    assert all(r["equality"] == "exact" for r in results["prompts"])  # float32: bitwise
     for name in methods:
         assert sum(r["method"] == name for r in results["prompts"]) == 2 * len(SUITES)
 
@@ -111,7 +111,7 @@ def test_results_json_has_every_field(run):
     results, _, out = run
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results))
-    for key in ("started_at", "wall_seconds", "command", "machine", "versions", "config", "notes", "unavailable",
+    for key in ("started_at", "wall_seconds", "command", "machine", "versions", "config", "notes",
                 "costs", "aggregates", "prompts", "plots"):
         assert key in on_disk, key
     assert on_disk["command"] == "pytest"
@@ -139,7 +139,8 @@ def test_results_json_has_every_field(run):
                 assert field in agg, (suite, name, field)
             assert agg["speedup_q25"] <= agg["speedup_median"] <= agg["speedup_q75"]
             if name in HEAD_METHODS:
-                assert agg["tau_mean"] >= 1.0
+                rows = [r for r in on_disk["prompts"] if r["method"] == name and (suite == "all" or r["suite"] == suite)]
+                assert agg["tau_mean"] == pytest.approx(sum(r["tau"] for r in rows) / len(rows))
                 assert 1 <= len(agg["acceptance_per_depth"]) <= 4 and agg["budget_mean"] >= 1
                 if name != "auto":
                     assert agg["limit_speedup"] > 0 and len(agg["acceptance_per_depth"]) == 4
@@ -151,7 +152,8 @@ def test_results_json_has_every_field(run):
         assert row["new_tokens"] == MAX_NEW and row["seconds"] > 0
         assert row["tokens_per_s"] == pytest.approx(MAX_NEW / row["seconds"])
         if row["method"] in HEAD_METHODS:
-            assert row["tau"] >= 1.0 and row["target_forwards"] >= 1
+            # the prefill commits one token, each verify round (one target forward each) commits tau on average
+            assert row["tau"] == pytest.approx((MAX_NEW - 1) / (row["target_forwards"] - 1))
             assert row["draft_seconds"] > 0 and row["verify_seconds"] > 0
             assert 1 <= len(row["acceptance_per_depth"]) <= 4
     # rotating order: over the prompts, plain runs in more than one slot
@@ -188,23 +190,22 @@ def test_a_wrong_token_fails_the_run(monkeypatch, tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
-def test_auto_rejected_by_the_core_is_recorded_as_unavailable(monkeypatch, tmp_path):
+def test_a_failing_auto_budget_fails_the_run(monkeypatch, tmp_path):
+    """No method is optional: a broken `auto` is a failure, not a row marked unavailable."""
     target, head = tiny_pair()
     original = JetSpecDraftModel.tree_generate
 
     def no_auto(self, *args, **kwargs):
         if kwargs.get("tree_budget") == "auto":
-            raise NotImplementedError("tree_budget='auto' is not implemented")
+            raise NotImplementedError("tree_budget='auto' broke")
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(JetSpecDraftModel, "tree_generate", no_auto)
-    results = run_benchmark(
-        target, char_tokenizer(), head, ["gsm8k"], [4], 6, 2, tmp_path,
-        methods=("plain", "tree", "auto"), cost_repeats=1, progress=False,
-    )
-    assert results["unavailable"] == {"auto": "NotImplementedError: tree_budget='auto' is not implemented"}
-    assert {r["method"] for r in results["prompts"]} == {"plain", "tree-4"}
-    assert "Method `auto` unavailable" in (tmp_path / "results.md").read_text()
+    with pytest.raises(NotImplementedError, match="auto' broke"):
+        run_benchmark(
+            target, char_tokenizer(), head, ["gsm8k"], [4], 6, 2, tmp_path,
+            methods=("plain", "tree", "auto"), cost_repeats=1, progress=False,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -249,6 +250,20 @@ def test_cli_rejects_a_missing_head(capsys, tmp_path, monkeypatch):
     assert "--head" in err
 
 
+def test_cli_rejects_an_unknown_dtype(capsys, saved_head):
+    err = cli_error(capsys, ["generate", "hi", "--dtype", "float16", "--head", str(saved_head)])
+    assert "expected --dtype in auto, float32, bfloat16, got 'float16'" in err
+
+
+def test_cli_rejects_a_draft_vocabulary_the_head_cannot_restrict_to(capsys, tmp_path, saved_head):
+    target, _ = tiny_pair()
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    err = cli_error(capsys, ["generate", "hi", "--target", str(tmp_path / "target"), "--head", str(saved_head),
+                             "--draft-vocab-size", "50", "--dtype", "float32"])
+    assert "drafting from the full vocabulary" in err
+
+
 def test_cli_rejects_bad_numbers(capsys, saved_head):
     assert "integer >= 1" in cli_error(capsys, ["generate", "hi", "--budget", "0", "--head", str(saved_head)])
     assert "integer >= 1" in cli_error(capsys, ["bench", "--limit", "x", "--head", str(saved_head)])
@@ -272,15 +287,17 @@ def test_cli_end_to_end_on_a_saved_tiny_target(capsys, tmp_path, saved_head):
     folder = str(tmp_path / "target")
 
     assert cli.main(["generate", "What is 17 * 23?", "--target", folder, "--head", str(saved_head),
-                     "--max-new-tokens", "8", "--budget", "4"]) == 0
+                     "--max-new-tokens", "8", "--budget", "4", "--dtype", "float32"]) == 0
     printed = capsys.readouterr().out
     assert "plain greedy:" in printed and "jetspec (B=4):" in printed and "tau" in printed
 
     out = tmp_path / "results"
     assert cli.main(["bench", "--target", folder, "--head", str(saved_head), "--suite", "gsm8k", "--budgets", "4",
                      "--max-new-tokens", "6", "--limit", "1", "--out", str(out), "--methods", "plain,tree",
-                     "--threads", "1"]) == 0
+                     "--threads", "1", "--dtype", "bfloat16"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["methods"] == ["plain", "tree-4"]
+    assert results["config"]["target_dtype"] == "torch.bfloat16" and results["config"]["dtype_reason"] == "requested"
+    assert all(r["equality"] in ("exact", "tie") for r in results["prompts"])
     assert results["command"].startswith("jetspec bench --target")
     assert (out / "results.md").is_file() and (out / "speedup_vs_budget.png").is_file()

@@ -173,3 +173,20 @@ def test_tampered_d2t_in_a_checkpoint_is_rejected_at_attach(tmp_path):
     loaded = JetSpecDraftModel.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"draft id 2 -> 502"):
         loaded.attach_target(target)
+
+
+def test_restricting_keeps_the_first_draft_ids_and_stays_lossless():
+    target = tiny_target("llama")
+    head = tiny_head(target, draft_vocab_size=40)
+    order = torch.randperm(128, generator=torch.Generator().manual_seed(9))[:40]  # "most frequent first"
+    head.set_draft_vocab(order)
+    ids, mask = prompts(3)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16)
+    head.restrict_draft_vocab(10)
+    assert head.config.draft_vocab_size == 10 and torch.equal(head.draft_token_ids(), order[:10])
+    assert torch.equal(target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head), plain)
+    with pytest.raises(ValueError, match=r"size in \[1, 10\].*got 20"):
+        head.restrict_draft_vocab(20)  # the dropped ids are gone
+    head.restrict_draft_vocab(128)  # the full vocabulary: the target's whole LM head
+    assert head.d2t is None and head.draft_token_ids() is None and head.config.draft_vocab_size == 128
+    assert torch.equal(target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head), plain)

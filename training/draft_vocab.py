@@ -20,7 +20,9 @@ def answer_token_counts(dataset) -> Counter:
 
 def frequent_tokens(counts: Counter, size: int, vocab_size: int) -> tuple[torch.LongTensor, float]:
     """
-    The `size` most frequent token ids, sorted by id, and their coverage of all counted tokens.
+    The `size` most frequent token ids, most frequent first (ties by id), and their coverage of all counted
+    tokens. Frequency order lets a head trained with this vocabulary be restricted later to its N most frequent
+    tokens ([`JetSpecDraftModel.restrict_draft_vocab`]).
 
     Args:
         counts (`Counter`): token id -> count, from [`answer_token_counts`].
@@ -36,10 +38,10 @@ def frequent_tokens(counts: Counter, size: int, vocab_size: int) -> tuple[torch.
     bad = [t for t in counts if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"expected token ids in [0, {vocab_size}), got {bad[:5]}")
-    chosen = [token for token, _ in counts.most_common(size)]
+    chosen = [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]]
     if len(chosen) < size:
         seen = set(chosen)
         chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
     total = sum(counts.values())
     coverage = sum(counts[t] for t in chosen) / total if total else 0.0
-    return torch.tensor(sorted(chosen), dtype=torch.long), coverage
+    return torch.tensor(chosen, dtype=torch.long), coverage
