@@ -277,6 +277,8 @@ class RoundState:
     rows: torch.Tensor  # (A,) long, batch row of each active row
     cache: DynamicCache  # target keys/values of the A active rows, (A, H_kv, S, D) per layer
     valid: torch.Tensor  # (A, S) bool, False for padding and for the holes left by rejected nodes
+    positions: torch.Tensor  # (A, S) long, position id of every target cache entry
+    windows: dict | None  # sliding windows of the verify mask, see `_verify_windows`
     context: object  # JetSpecContext of the A active rows (head keys/values per layer, (A, H_kv, S', D))
     anchors: torch.Tensor  # (A,) long, last committed token of each row, not yet read by the target
     anchor_pos: torch.Tensor  # (A,) long, its position id
@@ -339,11 +341,22 @@ def verify(target, head, state: RoundState, trees: DraftTrees) -> tuple[torch.Te
         `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in fp32, and the head's input
         features of every node, `(A, n + 1, k * H)`. The cache grows by the n + 1 entries; [`advance`] compacts it.
     """
-    anchors = state.anchors[:, None]  # (A, 1)
+    positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
+
+    def mask(window):  # (A, 1, n + 1, S + n + 1)
+        dtype = _float_dtype(target)
+        return verification_mask(state.valid, trees.ancestors, dtype, window, state.positions, positions)
+
+    if state.windows is None:
+        attention_mask = mask(None)
+    elif None in state.windows:  # every layer slides (Mistral): one mask
+        attention_mask = mask(state.windows[None])
+    else:  # one mask per layer type; the model hands each layer its own
+        attention_mask = {layer_type: mask(window) for layer_type, window in state.windows.items()}
     out = target(
-        input_ids=torch.cat([anchors, trees.tokens], dim=1),  # (A, n + 1)
-        attention_mask=verification_mask(state.valid, trees.ancestors, _float_dtype(target)),  # (A, 1, n+1, S+n+1)
-        position_ids=state.anchor_pos[:, None] + trees.depths,  # (A, n + 1)
+        input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
+        attention_mask=attention_mask,
+        position_ids=positions,
         past_key_values=state.cache,
         use_cache=True,
         output_hidden_states=True,
@@ -435,6 +448,7 @@ def advance(head, state: RoundState, trees: DraftTrees, acc: Acceptance, feature
         sel = torch.tensor(keep, dtype=torch.long, device=device)
         state.cache.batch_select_indices(sel)
         state.rows, state.valid, state.context = state.rows[sel], state.valid[sel], state.context.select_rows(sel)
+        state.positions = state.positions[sel]
         state.anchors, state.anchor_pos = state.anchors[sel], state.anchor_pos[sel]
         width = int(acc.count[sel].max()) if keep else 0  # the survivors' longest path
         acc = Acceptance(acc.nodes[sel, :width], acc.tokens[sel, :width], acc.count[sel], None)
@@ -453,6 +467,7 @@ def advance(head, state: RoundState, trees: DraftTrees, acc: Acceptance, feature
     accepted = features.gather(1, acc.nodes[..., None].expand(-1, -1, features.shape[-1]))  # (A', K, kH)
     state.context = head.extend_context(state.context, accepted, positions, kept)
     state.valid = torch.cat([state.valid, kept], dim=1)  # (A', S + K)
+    state.positions = torch.cat([state.positions, positions], dim=1)  # (A', S + K)
     state.anchors = acc.tokens.gather(1, (acc.count - 1)[:, None])[:, 0]  # the bonus token
     state.anchor_pos = state.anchor_pos + acc.count
     return state, committed
@@ -493,7 +508,7 @@ def _decode(
 ):
     """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
     head, shape, streamer, target = jetspec_head, jetspec_shape, jetspec_streamer, model
-    _check_call(target, input_ids, generation_config, shape, streamer)
+    _check_call(input_ids, generation_config, streamer)
     if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
         streamer.put(input_ids.cpu())
     batch = input_ids.shape[0]
@@ -533,7 +548,7 @@ def _decode(
     return _finish(head, state, stats, generation_config, input_ids.shape[1], streamer)
 
 
-def _check_call(target, input_ids, generation_config, shape: TreeShape, streamer):
+def _check_call(input_ids, generation_config, streamer):
     batch, prompt_length = input_ids.shape
     if generation_config.num_beams > 1:
         raise ValueError(f"expected num_beams == 1 for tree speculative decoding, got {generation_config.num_beams}")
@@ -541,13 +556,24 @@ def _check_call(target, input_ids, generation_config, shape: TreeShape, streamer
         raise ValueError("expected a non-empty prompt, got input_ids with 0 tokens")
     if streamer is not None and batch > 1:
         raise ValueError(f"expected batch size 1 with a streamer (as in transformers), got {batch}")
-    window = getattr(target.config.get_text_config(decoder=True), "sliding_window", None)
-    reach = generation_config.max_length + shape.depth + 1
-    if window is not None and reach > window:
-        raise ValueError(
-            f"expected prompt + max_new_tokens + tree depth ({reach}) within the target's sliding window "
-            f"({window}); tree verification with a binding sliding window is not supported"
-        )
+
+
+def _verify_windows(target) -> dict | None:
+    """The sliding windows the verify mask applies, or `None` when no layer has one.
+
+    Returns `{layer_type: window or None}` for targets with `layer_types` (the model takes a dict of masks and hands
+    each layer the one of its type), or `{None: window}` when every layer slides (Mistral: one mask). Plain
+    `generate` crops sliding layers' caches to the window; the tree loop keeps every entry and masks by position
+    instead, which attends to the same keys.
+    """
+    text = target.config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    if layer_types is None:
+        return {None: window}
+    return {t: window if t == "sliding_attention" else None for t in sorted(set(layer_types))}
 
 
 def _prefill(head, target, input_ids, attention_mask, generation_config) -> tuple[RoundState, torch.Tensor]:
@@ -587,6 +613,8 @@ def _prefill(head, target, input_ids, attention_mask, generation_config) -> tupl
         rows=torch.arange(batch, device=device),
         cache=cache,
         valid=valid,
+        positions=positions,
+        windows=_verify_windows(target),
         context=head.extend_context(None, head.target_features(out.hidden_states), positions, valid),
         anchors=input_ids[:, -1],  # replaced by the first committed token in `_keep_rows`
         anchor_pos=valid.long().sum(-1),
@@ -601,6 +629,7 @@ def _keep_rows(state: RoundState, keep: torch.Tensor, first: torch.Tensor) -> Ro
         state.cache.batch_select_indices(keep)
         state.valid, state.context, state.anchor_pos = state.valid[keep], state.context.select_rows(keep), \
             state.anchor_pos[keep]
+        state.positions = state.positions[keep]
     state.rows, state.anchors = keep, first[keep]
     return state
 

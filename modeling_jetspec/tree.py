@@ -155,13 +155,24 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def verification_mask(past_valid: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def verification_mask(
+    past_valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None = None,
+    past_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Additive 4D mask for the target's verify forward over the tree (root first) after a cache.
 
     Args:
         past_valid (`torch.BoolTensor` of shape `(B, S)`): cache entries each row may see (False: padding, holes).
         ancestors (`torch.BoolTensor` of shape `(B, T, T)`): from [`ancestor_mask`].
         dtype (`torch.dtype`): the target's floating dtype.
+        window (`int`, *optional*): a sliding window: a query at position p sees keys at positions > p - window
+            (transformers' rule), on top of the rest. Needs the positions below.
+        past_positions (`torch.LongTensor` of shape `(B, S)`, *optional*): position id of every cache entry.
+        positions (`torch.LongTensor` of shape `(B, T)`, *optional*): position id of every tree node.
 
     Returns:
         `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
@@ -169,6 +180,11 @@ def verification_mask(past_valid: torch.Tensor, ancestors: torch.Tensor, dtype: 
     """
     b, t, _ = ancestors.shape
     allowed = torch.cat([past_valid[:, None, :].expand(b, t, -1), ancestors], dim=-1)  # (B, T, S+T)
+    if window is not None:
+        if past_positions is None or positions is None:
+            raise ValueError("expected past_positions and positions with a sliding window, got none")
+        keys = torch.cat([past_positions, positions], dim=1)  # (B, S+T)
+        allowed = allowed & (positions[:, :, None] - keys[:, None, :] < window)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 

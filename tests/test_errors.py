@@ -130,12 +130,6 @@ def test_head_mask_of_the_wrong_shape(pair):
              context_features=feats)
 
 
-def test_binding_sliding_window():
-    target = tiny_target("mistral", sliding_window=16)
-    with pytest.raises(ValueError, match="within the target's sliding window \\(16\\)"):
-        run(target, tiny_head(target), max_new_tokens=20)
-
-
 def test_default_depth_deeper_than_the_block():
     with pytest.raises(ValueError, match=r"tree_depth in \[1, 3\] \(block_size - 1 of this head\), got 5"):
         JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,

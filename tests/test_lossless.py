@@ -292,3 +292,23 @@ def test_fuzz_random_settings_match_greedy(seed):
     else:
         head = oracle_head(target, free, mask, mode=mode, **shape)
     assert torch.equal(greedy(target, ids, mask, assistant_model=head, **kwargs), plain), (mode, shape, kwargs)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_binding_sliding_window(arch, batch):
+    # a window of 6 positions, far shorter than prompt + answer: every round's verify mask must drop the keys that
+    # left the window, per layer type (qwen3: sliding and full layers alternate; mistral: every layer slides)
+    window = dict(sliding_window=6)
+    if arch == "qwen3":
+        window.update(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"])
+    target = tiny_target(arch, **window)
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=30)
+    unbounded = tiny_target(arch, **{k: v for k, v in window.items() if k != "sliding_window"},
+                            **({"sliding_window": 4096} if arch == "mistral" else {}))
+    assert not torch.equal(plain, greedy(unbounded, ids, mask, max_new_tokens=30))  # the window binds
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=tiny_head(target)), plain)
+    oracle = oracle_head(target, plain, mask, mode="sometimes")
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=oracle), plain)
+    assert oracle.last_stats.tau > 1.5

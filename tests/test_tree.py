@@ -162,7 +162,8 @@ def test_vectorized_greedy_acceptance_equals_the_walk(seed):
     batch = stacked(trees)
     fast = accept(logits, batch, None, None, record=False)
     state = RoundState(sequences=torch.zeros(5, 1, dtype=torch.long), lengths=[1] * 5, rows=torch.arange(5),
-                       cache=None, valid=None, context=None, anchors=None, anchor_pos=None, records=None)
+                       cache=None, valid=None, positions=None, windows=None, context=None, anchors=None,
+                       anchor_pos=None, records=None)
     def chooser(row, node_logits, path):
         return int(node_logits.argmax()), node_logits
 
