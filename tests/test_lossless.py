@@ -268,13 +268,15 @@ def test_default_rope_head_is_unchanged():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_fuzz_random_settings_match_greedy(seed):
-    """Random architecture, batch, prompts, tree shape, drafter, stopping and processors: always plain greedy."""
+    """Random architecture (a binding sliding window sometimes), batch, prompts, tree shape, drafter, stopping and
+    processors: always plain greedy."""
     g = torch.Generator().manual_seed(seed)
 
     def pick(options):
         return options[int(torch.randint(len(options), (1,), generator=g))]
 
-    target = tiny_target(pick(ARCHITECTURES), seed=seed)
+    arch = pick(ARCHITECTURES)
+    target = tiny_target(arch, seed=seed, **({"sliding_window": pick([5, 256])} if arch == "mistral" else {}))
     batch = pick([1, 2, 3])
     ids, mask = prompts(batch, lengths=tuple(int(n) for n in torch.randint(1, 15, (3,), generator=g)), seed=seed)
     depth = pick([1, 2, 4, 7])
