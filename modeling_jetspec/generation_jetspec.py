@@ -42,8 +42,11 @@ MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
 TREE_LAYER_TYPES = ("full_attention", "sliding_attention")  # a key/value cache the tree loop can compact
 # model kwargs the tree loop reads; any other model kwarg (pixel_values, token_type_ids, past_key_values, ...) raises
 SUPPORTED_MODEL_KWARGS = ("input_ids", "inputs", "attention_mask")
-# `generate` keyword arguments that are not model kwargs and that the loop honours or that only reach the tokenizer
-GENERATE_EXTRAS = ("tokenizer", "trust_remote_code")
+# `generate` arguments that are not model kwargs, honoured as in plain `generate` (the loop re-enters it)
+GENERATE_HONOURED = (
+    "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "tokenizer",
+    "trust_remote_code",
+)
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
 UNSUPPORTED_GENERATION = {
     "cache_implementation": None,
@@ -154,25 +157,28 @@ def resolve_tree_shape(config, **given) -> TreeShape:
 
 
 # ------------------------------------------------------------------------------------------------ entry points
-def check_generate_kwargs(kwargs: dict, generation_config: GenerationConfig | None = None):
-    """Raise a `ValueError` naming every argument of a `generate` call the tree loop would otherwise drop.
+def check_generate_kwargs(kwargs: dict):
+    """Raise a `ValueError` naming every argument of a `generate` call (`kwargs`, tree arguments and streamer
+    removed) the tree loop would otherwise drop.
 
     Model kwargs other than `attention_mask` (`pixel_values`, `token_type_ids`, a user `past_key_values`,
     `inputs_embeds`, `position_ids`, ...) change what the target computes, and the tree loop runs its own forwards:
-    passing them on silently would return another answer than plain `generate`.
+    passing them on silently would return another answer than plain `generate`. So do the generation settings in
+    `UNSUPPORTED_GENERATION`, given directly or inside a `generation_config`.
     """
     for name, allowed in UNSUPPORTED_GENERATE.items():
         if kwargs.get(name) not in allowed:
             raise ValueError(f"expected no `{name}` with tree speculative decoding (not supported), got one")
     fields = GenerationConfig()  # a name it does not have is a model kwarg, as in `generate`
-    model_kwargs = [k for k in kwargs if k not in UNSUPPORTED_GENERATE and not hasattr(fields, k)]
-    unknown = sorted(k for k in model_kwargs if k not in SUPPORTED_MODEL_KWARGS + GENERATE_EXTRAS + TREE_ARGUMENTS)
+    skip = (*UNSUPPORTED_GENERATE, *GENERATE_HONOURED, *SUPPORTED_MODEL_KWARGS)
+    unknown = sorted(k for k in kwargs if k not in skip and not hasattr(fields, k))
     if unknown:
         raise ValueError(
             f"expected only {', '.join(SUPPORTED_MODEL_KWARGS)} as model inputs with tree speculative decoding, got "
             f"also {', '.join(unknown)}: the tree loop runs its own target forwards and cannot pass them on"
         )
-    given = generation_config.to_dict() if generation_config is not None else {}
+    config = kwargs.get("generation_config")
+    given = config.to_dict() if config is not None else {}
     for name, default in UNSUPPORTED_GENERATION.items():
         value = kwargs.get(name, given.get(name, default))
         if value not in (default, None):
@@ -187,11 +193,7 @@ def tree_generate(head, target, *args, **kwargs):
     given = {name: kwargs.pop(name, None) for name in TREE_ARGUMENTS}
     shape = resolve_tree_shape(head.config, **given)
     streamer = kwargs.pop("streamer", None)
-    check_generate_kwargs(
-        {k: v for k, v in kwargs.items() if k not in ("generation_config", "logits_processor", "stopping_criteria",
-                                                      "prefix_allowed_tokens_fn")},
-        kwargs.get("generation_config"),
-    )
+    check_generate_kwargs(kwargs)
     max_new_tokens = kwargs.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens <= 0:
         raise ValueError(f"expected max_new_tokens >= 1, got {max_new_tokens}")
