@@ -215,3 +215,16 @@ def test_sampling_with_top_k_1_equals_plain_at_batch_3():
     assert torch.equal(tree, plain)
     assert (plain[:, ids.shape[1] :] == eos).any(dim=1).sum() >= 1
     assert head.last_stats.tau > 1.5
+
+
+def test_num_return_sequences_rows_are_expanded_as_in_plain_generate():
+    # generate expands each prompt to num_return_sequences rows before the tree loop sees them; top_k=1 makes the
+    # samples deterministic, so the expanded batch must match plain generate row for row
+    from tiny import prompts
+
+    target = tiny_target("llama")
+    ids, mask = prompts(2)
+    kwargs = dict(do_sample=True, top_k=1, max_new_tokens=10, num_return_sequences=2)
+    plain = target.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    tree = target.generate(input_ids=ids, attention_mask=mask, assistant_model=tiny_head(target), **kwargs)
+    assert tree.shape[0] == 4 and torch.equal(tree, plain)
