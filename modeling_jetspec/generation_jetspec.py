@@ -274,7 +274,8 @@ class RoundState:
     stopping criteria.
     """
 
-    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L = max_length
+    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L = max_length, where the
+    # MaxLengthCriteria that `generate` always adds stops every row
     lengths: list  # (B,) committed length of each row
     rows: torch.Tensor  # (A,) long, batch row of each active row
     cache: DynamicCache  # target keys/values of the A active rows, (A, H_kv, S, D) per layer
@@ -629,9 +630,8 @@ def _keep_rows(state: RoundState, keep: torch.Tensor, first: torch.Tensor) -> Ro
     """After the first token: the rows that go on, their anchor is that token (`first` of shape `(B,)`)."""
     if keep.numel() < state.rows.shape[0]:
         state.cache.batch_select_indices(keep)
-        state.valid, state.context, state.anchor_pos = state.valid[keep], state.context.select_rows(keep), \
-            state.anchor_pos[keep]
-        state.positions = state.positions[keep]
+        state.valid, state.positions = state.valid[keep], state.positions[keep]
+        state.context, state.anchor_pos = state.context.select_rows(keep), state.anchor_pos[keep]
     state.rows, state.anchors = keep, first[keep]
     return state
 
