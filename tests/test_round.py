@@ -19,11 +19,12 @@ def greedy(target, ids, mask, **kwargs):
     return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
 
 
+@pytest.mark.parametrize("settings", [{}, dict(repetition_penalty=1.2)], ids=["vectorized", "walk"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, monkeypatch):
+def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monkeypatch):
     target = tiny_target(arch)
     ids, mask = prompts(3)
-    plain = greedy(target, ids, mask, max_new_tokens=30)
+    plain = greedy(target, ids, mask, max_new_tokens=30, **settings)
     # (d) sometimes right: accepted nodes are non-contiguous, so compaction has to pick them out of the tree
     head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=20)
     snapshots = []
@@ -42,7 +43,7 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, monkeypatch):
         return state, committed
 
     monkeypatch.setattr(generation, "advance", recording_advance)
-    assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head), plain)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head, **settings), plain)
     assert len(snapshots) >= 4
     pads = (mask == 0).sum(-1).tolist()
     for snap in snapshots[1:4]:  # after rounds 2, 3 and 4
