@@ -11,6 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from huggingface_hub.utils import filter_repo_objects
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -316,9 +317,10 @@ class FakeApi:
     def create_repo(self, repo_id, exist_ok=False, private=None):
         self.created.append(repo_id)
 
-    def upload_folder(self, repo_id, folder_path, commit_message=None):
+    def upload_folder(self, repo_id, folder_path, commit_message=None, allow_patterns=None):
         root = Path(folder_path)
-        self.uploaded = (repo_id, {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()})
+        files = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+        self.uploaded = (repo_id, set(filter_repo_objects(files, allow_patterns=allow_patterns)))
         return "commit"
 
 

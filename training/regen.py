@@ -367,3 +367,74 @@ def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
         }
     )
     return datasets.Dataset.from_list(rows, features=features)
+
+
+COMPACT_SUFFIX = ".npz"
+
+
+def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]) -> dict[str, Any]:
+    """
+    Packs the rows written by [`regenerate`] into one small file to commit: token ids as uint16 (uint32 for
+    vocabularies of 65,536 or more), one offset and prompt length per row, and the row ids; text is left out
+    (prompts are in the prompt file, answers decode from the ids).
+
+    Args:
+        out_dir (`str` or `os.PathLike`): the output folder of [`regenerate`].
+        path (`str` or `os.PathLike`): the `.npz` file to write (compressed, written atomically).
+
+    Returns:
+        `dict[str, Any]`: `{"rows", "tokens", "answer_tokens", "settings"}`.
+    """
+    import numpy as np
+
+    path = Path(path)
+    if path.suffix != COMPACT_SUFFIX:
+        raise ValueError(f"expected a {COMPACT_SUFFIX} file to write, got {path}")
+    dataset = load_regenerated(out_dir)
+    ids = dataset["input_ids"]
+    flat = [token for row in ids for token in row]
+    dtype = np.uint16 if max(flat, default=0) < 2**16 else np.uint32
+    lengths = np.array([len(row) for row in ids], dtype=np.int64)
+    settings = json.loads((Path(out_dir) / MANIFEST_NAME).read_text(encoding="utf-8"))["settings"]
+    arrays = {
+        "tokens": np.array(flat, dtype=dtype),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "prompt_length": np.array(dataset["prompt_length"], dtype=np.int32),
+        "id": np.array(dataset["id"]),
+        "settings": np.array(json.dumps(settings)),
+    }
+    tmp = path.with_name(f".{path.stem}.tmp{COMPACT_SUFFIX}")
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+    answer_tokens = int(lengths.sum() - arrays["prompt_length"].sum())
+    return {"rows": len(ids), "tokens": len(flat), "answer_tokens": answer_tokens, "settings": settings}
+
+
+def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
+    """
+    Loads a file written by [`save_compact`] as a dataset with columns `id`, `input_ids` and `prompt_length`
+    (what training reads), in the original row order.
+    """
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path} which does not exist")
+    with np.load(path) as data:
+        missing = {"tokens", "offsets", "prompt_length", "id"} - set(data.files)
+        if missing:
+            raise ValueError(f"expected arrays tokens, offsets, prompt_length and id in {path}, got {sorted(data.files)}")
+        tokens, offsets = data["tokens"].astype(np.int64), data["offsets"]
+        rows = {
+            "id": [str(i) for i in data["id"]],
+            "input_ids": [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)],
+            "prompt_length": data["prompt_length"].astype(np.int64).tolist(),
+        }
+    features = datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "prompt_length": datasets.Value("int64"),
+        }
+    )
+    return datasets.Dataset.from_dict(rows, features=features)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
 from jetspec.targets import load_target  # noqa: E402
-from training.regen import read_prompts, regenerate  # noqa: E402
+from training.regen import read_prompts, regenerate, save_compact  # noqa: E402
 
 
 @dataclass
@@ -44,6 +44,12 @@ class RegenerateArguments:
         default=0.0, metadata={"help": "0 decodes greedily; > 0 samples at this temperature instead."}
     )
     shard_size: int = field(default=64, metadata={"help": "Rows per shard file (the most an interruption loses)."})
+    export: Optional[str] = field(
+        default=None,
+        metadata={"help": "After regenerating, pack every row of --out into this compact .npz file (token ids, "
+                          "offsets, prompt lengths, ids) for committing; training reads it like a folder."},
+    )
+    export_only: bool = field(default=False, metadata={"help": "Only pack --out into --export; regenerate nothing."})
     dtype: str = field(
         default="bfloat16",
         metadata={"help": "Target weights: `bfloat16` (fastest on CPUs with native bf16 and on GPUs) or `float32`."},
@@ -52,6 +58,12 @@ class RegenerateArguments:
 
 def main(argv: Optional[list[str]] = None) -> None:
     (args,) = HfArgumentParser(RegenerateArguments).parse_args_into_dataclasses(args=argv)
+    if args.export_only:
+        if args.export is None:
+            raise ValueError("expected --export FILE.npz with --export_only, got none")
+        summary = save_compact(args.out, args.export)
+        print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
+        return
     if args.prompts is None:
         raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
     prompts = read_prompts(args.prompts, limit=args.limit)
@@ -71,6 +83,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         shard_size=args.shard_size,
         target=args.target,
     )
+    if args.export is not None:
+        summary = save_compact(args.out, args.export)
+        print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
     print(
         f"{stats['rows']} rows in {args.out} ({stats['new_rows']} new, {stats['new_tokens']} tokens "
         f"in {stats['seconds']:.0f} s, {stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s)"

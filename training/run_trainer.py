@@ -28,13 +28,16 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from jetspec.targets import load_target
-from modeling_jetspec import JetSpecDraftModel
-from training.draft_vocab import answer_token_counts, frequent_tokens
-from training.losses import chain_accept_length
-from training.regen import SHARD_GLOB, load_regenerated
-from training.shipping import push_folder, write_card
-from training.trainer import JetSpecArguments, JetSpecTrainer, split_train_eval, unwrap_head
+# runnable as `python training/run_trainer.py` from the repo root: `training` is not an installed package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jetspec.targets import load_target  # noqa: E402
+from modeling_jetspec import JetSpecDraftModel  # noqa: E402
+from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
+from training.losses import chain_accept_length  # noqa: E402
+from training.regen import COMPACT_SUFFIX, SHARD_GLOB, load_compact, load_regenerated  # noqa: E402
+from training.shipping import push_folder, write_card  # noqa: E402
+from training.trainer import JetSpecArguments, JetSpecTrainer, split_train_eval, unwrap_head  # noqa: E402
 
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 LOSS_NAMES = {
@@ -114,11 +117,18 @@ def build_head(jargs: JetSpecArguments, target, checkpoint: str | None = None):
 def load_data(jargs: JetSpecArguments, seed: int):
     """`(train, eval)` datasets from the regenerated folders `jargs.data`."""
     for folder in jargs.data:
+        if str(folder).endswith(COMPACT_SUFFIX):
+            continue
         shards = sorted(Path(folder).glob(SHARD_GLOB))
         # load_regenerated fails inside `datasets` (features mismatch) when every shard is empty: say it plainly
         if shards and all(not line.strip() for shard in shards for line in shard.open(encoding="utf-8")):
             raise ValueError(f"expected regenerated rows in {folder}, got an empty dataset ({len(shards)} empty shards)")
-    parts = [load_regenerated(folder) for folder in jargs.data]
+    # a compact file (committed) or a regenerate folder (shards); training reads only these columns
+    parts = [
+        (load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source))
+        .select_columns(["id", "input_ids", "prompt_length"])
+        for source in jargs.data
+    ]
     dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if len(dataset) == 0:
         raise ValueError(f"expected regenerated rows in {jargs.data}, got an empty dataset")

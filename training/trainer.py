@@ -32,7 +32,8 @@ class JetSpecArguments:
     )
     data: list[str] = field(
         default_factory=lambda: ["data/regen"],
-        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl); concatenated in order."},
+        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), or compact .npz files from "
+                          "`regenerate.py --export`; concatenated in order."},
     )
     base_model_id: str | None = field(
         default=None,
