@@ -1,8 +1,11 @@
 """Draft cost c = one head draft forward / one target decode step, measured side by side in one process.
 
     python scripts/measure_draft_cost.py --target smollm2-135m --depth 7 --context 256
+    python scripts/measure_draft_cost.py --dtype bfloat16 --draft-vocab-sizes 49152,16384,8192,4096
 
 Random head weights are fine for cost. `--target tiny` uses a 2-layer random Llama (hidden 64, vocab 128).
+With several draft vocabulary sizes, one head per size is timed, interleaved with the target step in the same
+process, so the ratios share the machine's state.
 """
 
 import argparse
@@ -51,7 +54,15 @@ def main():
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--layers", type=int, default=1, help="head layers")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and head)")
+    parser.add_argument(
+        "--draft-vocab-sizes", default=None,
+        help="comma-separated draft vocabulary sizes to time (default: the full vocabulary only)",
+    )
     args = parser.parse_args()
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if args.dtype not in dtypes:
+        raise ValueError(f"expected --dtype float32 or bfloat16, got {args.dtype!r}")
     torch.manual_seed(0)
     if args.target == "tiny":
         target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -60,10 +71,16 @@ def main():
         from jetspec.targets import load_target
 
         target, _ = load_target(args.target)
-    target.eval()
-    head = JetSpecDraftModel.from_target(target, num_hidden_layers=args.layers, block_size=args.depth + 1).eval()
-    result = draft_cost(target, head, args.depth, args.context, args.repeats)
-    print(json.dumps({"target": args.target, "head_layers": args.layers, **result}))
+    target = target.to(dtypes[args.dtype]).eval()
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    sizes = [vocab] if args.draft_vocab_sizes is None else [int(x) for x in args.draft_vocab_sizes.split(",")]
+    for size in sizes:
+        head = JetSpecDraftModel.from_target(
+            target, num_hidden_layers=args.layers, block_size=args.depth + 1, draft_vocab_size=size
+        ).eval()
+        result = draft_cost(target, head, args.depth, args.context, args.repeats)
+        print(json.dumps({"target": args.target, "dtype": args.dtype, "head_layers": args.layers,
+                          "draft_vocab_size": size, **result}), flush=True)
 
 
 if __name__ == "__main__":

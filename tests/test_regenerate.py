@@ -262,3 +262,30 @@ def test_load_target_real_smollm2_gguf():
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     output = model.generate(**ids, max_new_tokens=16, do_sample=False)
     assert "5" in tokenizer.decode(output[0, ids["input_ids"].shape[1] :])
+
+
+def test_compact_file_round_trips_and_extends_without_regenerating_packed_rows(model, tokenizer, prompt_file, tmp_path):
+    from training.regen import compact_ids, load_compact, save_compact
+
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts[:5], tmp_path / "first", **RUN)
+    packed = tmp_path / "data.npz"
+    summary = save_compact(tmp_path / "first", packed)
+    first = load_regenerated(tmp_path / "first")
+    assert summary["rows"] == 5 and load_compact(packed).to_list() == first.select_columns(
+        ["id", "input_ids", "prompt_length"]).to_list()
+    # a fresh folder (a new clone): skip what the compact file holds, regenerate the rest, pack both
+    ids, settings = compact_ids(packed)
+    assert ids == {f"p{i}" for i in range(5)} and settings["max_new_tokens"] == RUN["max_new_tokens"]
+    rest = [p for p in prompts if p["id"] not in ids]
+    regenerate(model, tokenizer, rest, tmp_path / "second", **RUN)
+    save_compact(tmp_path / "second", packed)
+    merged = load_compact(packed)
+    regenerate(model, tokenizer, prompts, tmp_path / "whole", **RUN)
+    whole = load_regenerated(tmp_path / "whole")
+    assert merged["id"] == [f"p{i}" for i in range(11)]
+    # greedy answers do not depend on which other prompts shared a batch
+    assert merged["input_ids"] == whole["input_ids"]
+    regenerate(model, tokenizer, rest, tmp_path / "other", **dict(RUN, max_new_tokens=3))
+    with pytest.raises(ValueError, match="expected the settings of the rows already in"):
+        save_compact(tmp_path / "other", packed)

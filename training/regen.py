@@ -372,11 +372,25 @@ def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
 COMPACT_SUFFIX = ".npz"
 
 
+def compact_ids(path: Union[str, os.PathLike]) -> tuple[set[str], dict]:
+    """The row ids and the regeneration settings held by a compact file (empty when it does not exist)."""
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        return set(), {}
+    with np.load(path) as data:
+        return {str(i) for i in data["id"]}, json.loads(str(data["settings"]))
+
+
 def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]) -> dict[str, Any]:
     """
     Packs the rows written by [`regenerate`] into one small file to commit: token ids as uint16 (uint32 for
     vocabularies of 65,536 or more), one offset and prompt length per row, and the row ids; text is left out
     (prompts are in the prompt file, answers decode from the ids).
+
+    When `path` already exists its rows are kept first and the folder's rows not in it are appended, so a
+    regeneration resumed on a fresh clone (which skips the ids already packed) extends the committed file.
 
     Args:
         out_dir (`str` or `os.PathLike`): the output folder of [`regenerate`].
@@ -390,17 +404,26 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     path = Path(path)
     if path.suffix != COMPACT_SUFFIX:
         raise ValueError(f"expected a {COMPACT_SUFFIX} file to write, got {path}")
-    dataset = load_regenerated(out_dir)
-    ids = dataset["input_ids"]
+    settings = json.loads((Path(out_dir) / MANIFEST_NAME).read_text(encoding="utf-8"))["settings"]
+    previous_ids, previous_settings = compact_ids(path)
+    if previous_ids and previous_settings != settings:
+        raise ValueError(
+            f"expected the settings of the rows already in {path}, {previous_settings}, got {settings} in {out_dir}"
+        )
+    rows = load_compact(path).to_list() if previous_ids else []
+    rows += [
+        {"id": row["id"], "input_ids": row["input_ids"], "prompt_length": row["prompt_length"]}
+        for row in load_regenerated(out_dir) if row["id"] not in previous_ids
+    ]
+    ids = [row["input_ids"] for row in rows]
     flat = [token for row in ids for token in row]
     dtype = np.uint16 if max(flat, default=0) < 2**16 else np.uint32
     lengths = np.array([len(row) for row in ids], dtype=np.int64)
-    settings = json.loads((Path(out_dir) / MANIFEST_NAME).read_text(encoding="utf-8"))["settings"]
     arrays = {
         "tokens": np.array(flat, dtype=dtype),
         "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        "prompt_length": np.array(dataset["prompt_length"], dtype=np.int32),
-        "id": np.array(dataset["id"]),
+        "prompt_length": np.array([row["prompt_length"] for row in rows], dtype=np.int32),
+        "id": np.array([row["id"] for row in rows]),
         "settings": np.array(json.dumps(settings)),
     }
     tmp = path.with_name(f".{path.stem}.tmp{COMPACT_SUFFIX}")

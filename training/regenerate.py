@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
 from jetspec.targets import load_target  # noqa: E402
-from training.regen import read_prompts, regenerate, save_compact  # noqa: E402
+from training.regen import compact_ids, read_prompts, regenerate, save_compact  # noqa: E402
 
 
 @dataclass
@@ -67,6 +67,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.prompts is None:
         raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
     prompts = read_prompts(args.prompts, limit=args.limit)
+    if args.export is not None:  # rows already packed (e.g. committed) are not regenerated again
+        packed, _ = compact_ids(args.export)
+        prompts = [record for record in prompts if record["id"] not in packed]
+        if not prompts:
+            print(f"every prompt is already in {args.export}")
+            return
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     if args.dtype not in dtypes:
         raise ValueError(f"expected --dtype in {sorted(dtypes)}, got {args.dtype!r}")

@@ -163,6 +163,29 @@ def tau_table(eval_metrics: dict, measured: dict | None) -> str:
     return "\n".join(lines) if len(lines) > 2 else "Not measured."
 
 
+def write_learning_curve(log_history: list, path: Path) -> Path | None:
+    """Held-out top-1 agreement per depth over training steps (the eval logs), as a PNG; None without eval logs."""
+    evals = [entry for entry in log_history if "eval_acc_depth_1" in entry]
+    if not evals:
+        return None
+    from matplotlib.figure import Figure
+
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in evals[0] if k.startswith("eval_acc_depth_"))
+    figure = Figure(figsize=(6, 4))
+    axes = figure.add_subplot()
+    steps = [entry["step"] for entry in evals]
+    for d in depths:
+        axes.plot(steps, [entry[f"eval_acc_depth_{d}"] for entry in evals], marker="o", label=f"depth {d}")
+    axes.set_xlabel("training step")
+    axes.set_ylabel("held-out top-1 agreement with the target")
+    axes.set_ylim(0, 1)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return path
+
+
 def main(argv=None) -> dict:
     jargs, targs = parse_args(argv)
     push, repo_id = targs.push_to_hub, targs.hub_model_id
@@ -227,6 +250,7 @@ def main(argv=None) -> dict:
         licence="Apache-2.0 for the head's weights and code. The target's own licence governs the target.",
     )
     (out / "training_log.json").write_text(json.dumps(trainer.state.log_history, indent=1) + "\n")
+    write_learning_curve(trainer.state.log_history, out / "learning_curve.png")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     if push:
         push_folder(out, repo_id, private=targs.hub_private_repo)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import EvalPrediction, PreTrainedModel, Trainer
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback
 
 from .losses import LOSS_KINDS, block_loss_terms, chain_accept_length, check_loss_kind
 
@@ -97,6 +97,11 @@ class JetSpecArguments:
         metadata={"help": "Keep each row's target features in memory after its first target forward, so later "
                           "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."},
     )
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Stop training after this many minutes of wall time (a checkpoint-free run still saves "
+                          "its head); the schedule still follows max_steps."},
+    )
     target_dtype: str = field(
         default="float32",
         metadata={"help": "Dtype of the frozen target during training: float32 or bfloat16 (features are cached "
@@ -138,6 +143,8 @@ class JetSpecArguments:
             raise ValueError(f"expected eval_fraction in [0, 1), got {self.eval_fraction}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
+        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
+            raise ValueError(f"expected max_train_minutes > 0 or None, got {self.max_train_minutes}")
         if self.target_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"expected target_dtype 'float32' or 'bfloat16', got {self.target_dtype!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
@@ -156,6 +163,23 @@ class JetSpecArguments:
         if "tree_depth" not in overrides and "block_size" in overrides:
             overrides["tree_depth"] = min(7, overrides["block_size"] - 1)  # keep the default depth servable
         return overrides
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Ends training (and evaluates once more) once `minutes` of wall time have passed since training began."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60.0
+        self.started = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() - self.started >= self.seconds:
+            control.should_training_stop = True
+            control.should_evaluate = args.eval_strategy != "no"
+        return control
 
 
 def sample_key(sample_id) -> int:
@@ -339,6 +363,8 @@ class JetSpecTrainer(Trainer):
         if kwargs.get("compute_metrics") is None:
             kwargs["compute_metrics"] = self._agreement_metrics
         super().__init__(*args, **kwargs)
+        if jetspec_args.max_train_minutes is not None:
+            self.add_callback(TimeBudgetCallback(jetspec_args.max_train_minutes))
         self.target = freeze(target).to(self.args.device)
         self._feature_cache = {} if jetspec_args.cache_features else None  # sample_key -> (features, final)
         self._tokens_seen = 0
