@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback
 
-from .losses import LOSS_KINDS, block_loss_terms, chain_accept_length, check_loss_kind
+from .losses import LOSS_KINDS, block_loss_terms, chain_accept_length, check_loss_kind, depth_weights
 
 
 @dataclass
@@ -333,6 +333,10 @@ class JetSpecTrainer(Trainer):
         to per-depth agreement with the target.
     """
 
+    # `compute_loss` divides by the whole step's `num_items_in_batch` (see `_get_num_items_in_batch`): the Trainer must
+    # not divide again by the gradient-accumulation steps
+    loss_is_scaled_for_ga = True
+
     def __init__(self, *args, target: PreTrainedModel, jetspec_args: JetSpecArguments, **kwargs):
         model = kwargs.get("model", args[0] if args else None)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -455,11 +459,41 @@ class JetSpecTrainer(Trainer):
             loss_mask = loss_mask & (mapped >= 0)
         return mapped, loss_mask
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Distillation loss of one batch: the weighted mean over every counted MASK slot of all processes.
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        """The loss weight (depth-weighted counted MASK slots) of every micro-batch of one optimizer step, summed
+        over processes when `average_tokens_across_devices`: the Trainer's `num_items_in_batch`.
 
-        Each process divides its weighted sum by the global weight total times the process count, so that the
-        gradient average of DDP equals the single-process gradient of the concatenated batch.
+        The blocks are drawn exactly as [`compute_loss`] will draw them (same step offset, same row keys), so the
+        loss of a step is the weighted mean over all its slots however the rows are split into micro-batches.
+        """
+        offset = self.state.global_step + 1
+        total = torch.zeros((), dtype=torch.float32)
+        for batch in batch_samples:
+            lengths = batch["attention_mask"].sum(-1).cpu()
+            anchors, generators = draw_anchors(
+                lengths, batch["prompt_length"].cpu(), batch["sample_key"].cpu(),
+                self.jetspec_args.num_blocks_per_sequence, self.args.seed, self.jetspec_args.answer_anchor_prob,
+                generator_offset=offset,
+            )
+            blocks = pack_blocks(
+                batch["input_ids"].cpu(), lengths, anchors, self.block_size, self.head_config.mask_token_id,
+                causal=self.head_config.block_attention == "causal", reveal_prob=self.jetspec_args.reveal_prob,
+                generators=generators,
+            )
+            b, n, d = blocks.labels.shape
+            _, loss_mask = self._draft_labels(blocks.labels.view(b * n, d), blocks.loss_mask.view(b * n, d))
+            total += (depth_weights(d, self.jetspec_args.gamma) * loss_mask.float()).sum()
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            total = self.accelerator.gather(total.to(device)[None]).sum()
+        return total.to(device)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Distillation loss of one batch: the weighted sum over its counted MASK slots divided by the weight of the
+        whole optimizer step (`num_items_in_batch`: all micro-batches of gradient accumulation, all processes).
+
+        With the step's weight summed over processes, each process's loss is scaled by the process count, so the
+        gradient average of DDP equals the single-process gradient of the concatenated batch (the Trainer's
+        convention for token-level losses). Evaluation (no `num_items_in_batch`) averages over the batch's slots.
         """
         training = model.training
         blocks, teacher_hidden, features, lengths = self._blocks_and_teacher(inputs, training)
@@ -470,8 +504,10 @@ class JetSpecTrainer(Trainer):
         total, weight = block_loss_terms(
             logits, teacher, labels, loss_mask, self.jetspec_args.loss, self.jetspec_args.gamma,
         )
-        if training and self.accelerator.num_processes > 1:
-            weight = self.accelerator.reduce(weight.clone(), reduction="sum") / self.accelerator.num_processes
+        if num_items_in_batch is not None:
+            weight = num_items_in_batch.to(total.device).float()
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                weight = weight / self.accelerator.num_processes
         loss = total / weight if weight > 0 else total * 0.0
         if training:
             self._tokens_seen += int(lengths.sum())
