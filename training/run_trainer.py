@@ -95,7 +95,7 @@ def build_head(jargs: JetSpecArguments, target, checkpoint: str | None = None):
     elif jargs.init_head is not None:
         source = jargs.init_head
     if source is not None:
-        head = JetSpecDraftModel.from_pretrained(source, dtype=target.dtype)
+        head = JetSpecDraftModel.from_pretrained(source, dtype=torch.float32)  # the head trains in float32
         head.attach_target(target)  # raises for a head built for another target
     else:
         head = JetSpecDraftModel.from_target(target, **jargs.head_overrides())
