@@ -17,9 +17,10 @@ from jetspec.targets import apply_chat_template, load_target
 from modeling_jetspec import JetSpecDraftModel
 
 HEAD = Path(__file__).resolve().parents[1] / "jetspec" / "heads" / "smollm2-135m"
-# The committed head reaches tau ~2 on these prompts (README results); a random head stays at ~1.0 and the previous
-# committed head (250 steps on 99K tokens) at ~1.3. Below this bound the head has stopped being a trained head.
-MIN_TAU = 1.6
+# The committed head reaches tau 1.42 on these prompts at its default budget 8 (float32, 64 new tokens); an untrained
+# head stays near 1.0 and the previous committed head (250 steps on 99K tokens) reached 1.23-1.30 at budget 8. Below
+# this bound the head is no longer the trained one.
+MIN_TAU = 1.35
 NEW_TOKENS = 64
 
 
