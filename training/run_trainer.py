@@ -220,8 +220,18 @@ def main(argv=None) -> dict:
     if eval_set is not None:
         metrics.update(trainer.evaluate())
 
-    if not trainer.is_world_process_zero():
-        return metrics
+    if trainer.is_world_process_zero():
+        ship(trainer, jargs, targs, metrics, eval_set, train_set, target, push, repo_id)
+    # every process leaves together and closes the process group: a rank that exits while others still hold gloo
+    # connections can abort at interpreter shutdown ("terminate called without an active exception")
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return metrics
+
+
+def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push: bool, repo_id) -> None:
+    """Main process only: save the head, measure tau, write the card, logs and curve, push on request."""
     out = Path(targs.output_dir)
     final = unwrap_head(trainer.model)
     if jargs.use_lora:
@@ -254,7 +264,6 @@ def main(argv=None) -> dict:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     if push:
         push_folder(out, repo_id, private=targs.hub_private_repo)
-    return metrics
 
 
 if __name__ == "__main__":
