@@ -97,6 +97,11 @@ class JetSpecArguments:
         metadata={"help": "Keep each row's target features in memory after its first target forward, so later "
                           "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."},
     )
+    feature_store: str | None = field(
+        default=None,
+        metadata={"help": "Folder written by training/feature_store.py: rows it holds read their target features from "
+                          "disk and the target never runs for them (any run, any epoch)."},
+    )
     max_train_minutes: float | None = field(
         default=None,
         metadata={"help": "Stop training after this many minutes of wall time (a checkpoint-free run still saves "
@@ -371,6 +376,12 @@ class JetSpecTrainer(Trainer):
             self.add_callback(TimeBudgetCallback(jetspec_args.max_train_minutes))
         self.target = freeze(target).to(self.args.device)
         self._feature_cache = {} if jetspec_args.cache_features else None  # sample_key -> (features, final)
+        self._feature_store = None
+        if jetspec_args.feature_store is not None:
+            from .feature_store import FeatureStore
+
+            self._feature_store = FeatureStore(jetspec_args.feature_store)
+            self._feature_store.check(head.config.target_layer_ids, head.config.target_hidden_size)
         self._tokens_seen = 0
         self._last_log = (time.perf_counter(), 0)
 
@@ -378,15 +389,22 @@ class JetSpecTrainer(Trainer):
     def _target_states(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The frozen target's selected-layer features `(B, L, k*H)` and final (post-norm) hidden states `(B, L, H)`.
 
-        With `cache_features`, rows seen before come from memory (bf16) and the target runs only on a batch that
-        holds an unseen row; the head needs nothing else from the target, so later epochs skip it entirely.
+        Rows held by the `feature_store` come from disk. Otherwise, with `cache_features`, rows seen before come from
+        memory (bf16) and the target runs only on a batch that holds an unseen row; the head needs nothing else from
+        the target, so later epochs skip it entirely.
         """
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (B, L)
         keys = inputs["sample_key"].tolist()
-        cache = self._feature_cache
-        if cache is not None and all(key in cache for key in keys):
-            width = input_ids.shape[1]
+        cache, store = self._feature_cache, self._feature_store
+        rows = None
+        if store is not None:
+            lengths = attention_mask.sum(-1).tolist()
+            if all(store.covers(key, length) for key, length in zip(keys, lengths)):
+                rows = [store.get(key, length) for key, length in zip(keys, lengths)]
+        if rows is None and cache is not None and all(key in cache for key in keys):
             rows = [cache[key] for key in keys]
+        if rows is not None:
+            width = input_ids.shape[1]
             features = torch.zeros(len(rows), width, rows[0][0].shape[-1], dtype=rows[0][0].dtype)
             final = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=rows[0][1].dtype)
             for i, (f, h) in enumerate(rows):

@@ -1,0 +1,89 @@
+"""The on-disk feature store (training/feature_store.py): it holds exactly the target's features, builds resumably,
+serves the trainer so the target never runs, trains the same head as the live target, and refuses a mismatch."""
+
+import datasets
+import pytest
+import torch
+
+from test_training import losses_of, regenerated_rows, sharp_target, training_args
+from tiny import tiny_head
+from training.feature_store import META_NAME, FeatureStore, build_feature_store, row_key
+from training.trainer import JetSpecArguments, JetSpecTrainer
+
+
+def test_store_holds_the_targets_features_and_final_states(tmp_path):
+    target = sharp_target()
+    head = tiny_head(target)
+    rows = regenerated_rows(target, count=6)
+    store = build_feature_store(target, head.config.target_layer_ids, rows, tmp_path / "store", batch_tokens=64,
+                                chunk_rows=4, progress=False)
+    assert len(store) == 6
+    for row in rows:
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            out = target.get_decoder()(input_ids=ids, output_hidden_states=True)
+        features, final = store.get(row_key(row["id"]), len(row["input_ids"]))
+        expected = head.target_features(out.hidden_states)[0].to(torch.bfloat16)
+        # rows are batched with others (padded right): equal to a lone forward up to float rounding
+        torch.testing.assert_close(features.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(final.float(), out.last_hidden_state[0].to(torch.bfloat16).float(),
+                                   atol=2e-2, rtol=2e-2)
+        assert store.covers(row_key(row["id"]), len(row["input_ids"]))
+        assert not store.covers(row_key(row["id"]), len(row["input_ids"]) + 1)
+
+
+def test_store_resumes_and_extends_to_the_same_bytes(tmp_path):
+    target = sharp_target()
+    layers = tiny_head(target).config.target_layer_ids
+    rows = regenerated_rows(target, count=10)
+    whole = build_feature_store(target, layers, rows, tmp_path / "whole", chunk_rows=3, progress=False)
+    part = build_feature_store(target, layers, rows[:4], tmp_path / "part", chunk_rows=3, progress=False)
+    with open(tmp_path / "part" / "features.bin", "ab") as handle:  # an interrupted chunk's bytes, never named
+        handle.write(b"\x01" * 1000)
+    part = build_feature_store(target, layers, rows, tmp_path / "part", chunk_rows=3, progress=False)
+    assert len(part) == len(whole) == 10
+    for row in rows:
+        key, n = row_key(row["id"]), len(row["input_ids"])
+        for a, b in zip(part.get(key, n), whole.get(key, n)):
+            assert torch.equal(a, b)
+
+
+def test_trainer_reads_the_store_and_never_runs_the_target(tmp_path):
+    target = sharp_target()
+    rows = regenerated_rows(target)
+    dataset = datasets.Dataset.from_list(rows)
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store",
+                        progress=False)
+    curves = []
+    for store in (None, str(tmp_path / "store")):
+        head = tiny_head(target, last_context_input=True).train()
+        calls = []
+        hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+        trainer = JetSpecTrainer(model=head, args=training_args(tmp_path / str(bool(store)), max_steps=6),
+                                 train_dataset=dataset, target=target,
+                                 jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, feature_store=store))
+        trainer.train()
+        hook.remove()
+        assert (len(calls) == 0) == (store is not None)
+        curves.append(losses_of(trainer.state.log_history))
+    # the live target runs in float32, the store holds bf16: the same head learns along the same curve
+    assert curves[1] == pytest.approx(curves[0], rel=0.05)
+    assert curves[1][-1] < curves[1][0]
+
+
+def test_store_refuses_other_layers_and_bad_input(tmp_path):
+    target = sharp_target()
+    head = tiny_head(target)
+    rows = regenerated_rows(target, count=3)
+    build_feature_store(target, [0], rows, tmp_path / "store", progress=False)
+    with pytest.raises(ValueError, match="expected a feature store of target layers"):
+        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=datasets.Dataset.from_list(rows),
+                       target=target, jetspec_args=JetSpecArguments(feature_store=str(tmp_path / "store")))
+    with pytest.raises(ValueError, match="expected the settings of the store"):
+        build_feature_store(target, [1], rows, tmp_path / "store", progress=False)
+    with pytest.raises(ValueError, match="expected target layer ids"):
+        build_feature_store(target, [99], rows, tmp_path / "other", progress=False)
+    with pytest.raises(ValueError, match=f"holding {META_NAME}"):
+        FeatureStore(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="at most"):
+        FeatureStore(tmp_path / "store").get(row_key(rows[0]["id"]), 10_000)
