@@ -87,3 +87,30 @@ def test_store_refuses_other_layers_and_bad_input(tmp_path):
         FeatureStore(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="at most"):
         FeatureStore(tmp_path / "store").get(row_key(rows[0]["id"]), 10_000)
+
+
+def test_regeneration_captures_the_same_features_as_a_forward(tmp_path):
+    """Features kept while generating (left-padded batches, EOS at varied steps) match a later forward over the
+    finished rows, position by position; the last position of a row, never fed to the target, is zero."""
+    from test_regenerate import RUN, tiny_model, tiny_tokenizer, write_prompts
+    from training.feature_store import StoreWriter, store_settings
+    from training.regen import load_regenerated, read_prompts, regenerate
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    write_prompts(tmp_path / "prompts.jsonl", 11)
+    prompts = read_prompts(tmp_path / "prompts.jsonl")
+    writer = StoreWriter(tmp_path / "captured", store_settings(model, [0, 1], max_length=512))
+    regenerate(model, tokenizer, prompts, tmp_path / "regen", feature_store=writer, **RUN)
+    rows = list(load_regenerated(tmp_path / "regen"))
+    regenerate(model, tokenizer, prompts, tmp_path / "plain", **RUN)
+    assert [r["input_ids"] for r in load_regenerated(tmp_path / "plain")] == [r["input_ids"] for r in rows]
+    lengths = {len(r["input_ids"]) - r["prompt_length"] for r in rows}
+    assert len(lengths) > 1  # some answers stopped at EOS, others ran to max_new_tokens
+    captured = FeatureStore(tmp_path / "captured")
+    forward = build_feature_store(model, [0, 1], rows, tmp_path / "forward", progress=False)
+    assert len(captured) == len(forward) == len(rows)
+    for row in rows:
+        key, n = row_key(row["id"]), len(row["input_ids"])
+        for got, want in zip(captured.get(key, n), forward.get(key, n)):
+            torch.testing.assert_close(got[:-1].float(), want[:-1].float(), atol=1e-2, rtol=1e-2)
+            assert not got[-1].any()

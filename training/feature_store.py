@@ -96,6 +96,74 @@ def _write_meta(path: Path, meta: dict) -> None:
     os.replace(tmp, path / META_NAME)
 
 
+def store_settings(target, layer_ids, max_length: int, target_name: str = "") -> dict:
+    """What a store records and checks when extended: the target, its layers read, widths and row truncation."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    hidden_size, num_layers = int(config.hidden_size), int(config.num_hidden_layers)
+    layer_ids = [int(i) for i in layer_ids]
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if not layer_ids or bad:
+        raise ValueError(f"expected target layer ids in [0, {num_layers}), got {layer_ids}")
+    if max_length < 1:
+        raise ValueError(f"expected max_length >= 1, got {max_length}")
+    return {"target": target_name, "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": "bfloat16",
+            "max_length": int(max_length)}
+
+
+def stack_states(hidden_states, layer_ids) -> torch.Tensor:
+    """One store row block from a forward's `hidden_states` (index i + 1 is layer i, the last one the final normed
+    state): `(..., (k + 1) * H)` bf16, the selected layers then the final state."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids] + [hidden_states[-1]], -1).to("cpu", torch.bfloat16)
+
+
+class StoreWriter:
+    """Appends rows to a store folder, creating it or checking that its settings match; each `append` is durable.
+
+    Args:
+        out_dir (`str` or `os.PathLike`): the store folder.
+        settings (`dict`): from [`store_settings`].
+    """
+
+    def __init__(self, out_dir, settings: dict):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if (self.out / META_NAME).is_file():
+            self.meta = json.loads((self.out / META_NAME).read_text(encoding="utf-8"))
+            previous = {k: self.meta.get(k) for k in settings}
+            if previous != settings:
+                raise ValueError(f"expected the settings of the store in {self.out}, {previous}, got {settings}")
+        else:
+            self.meta = dict(settings, total=0, rows={})
+            _write_meta(self.out, self.meta)
+        self.max_length = settings["max_length"]
+        self.width = (len(settings["target_layer_ids"]) + 1) * settings["hidden_size"]
+        data_path = self.out / DATA_NAME
+        with open(data_path, "ab"):
+            pass
+        # bytes of an append interrupted before store.json named them are dropped
+        os.truncate(data_path, self.meta["total"] * self.width * 2)
+
+    def has(self, key: int) -> bool:
+        return str(int(key)) in self.meta["rows"]
+
+    def append(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
+        """Store `(row key, (length, (k + 1) * H) tensor)` pairs, truncated to the store's `max_length`; rows already
+        stored are kept as they are."""
+        with open(self.out / DATA_NAME, "ab") as handle:
+            for key, block in blocks:
+                if self.has(key):
+                    continue
+                if block.dim() != 2 or block.shape[1] != self.width:
+                    raise ValueError(f"expected a (length, {self.width}) block for row {key}, got {tuple(block.shape)}")
+                block = block[: self.max_length].to(torch.bfloat16).contiguous()
+                handle.write(block.view(torch.uint16).numpy().tobytes())
+                self.meta["rows"][str(int(key))] = [self.meta["total"], int(block.shape[0])]
+                self.meta["total"] += int(block.shape[0])
+            handle.flush()
+            os.fsync(handle.fileno())
+        _write_meta(self.out, self.meta)
+
+
 def _length_batches(order: list[int], lengths: list[int], batch_tokens: int) -> Iterable[list[int]]:
     """Consecutive groups of `order` (sorted by length) whose padded size rows * longest stays within the budget."""
     batch = []
@@ -124,41 +192,18 @@ def build_feature_store(target, layer_ids, rows, out_dir, max_length: int = 512,
         chunk_rows (`int`, *optional*, defaults to 128): rows written (and made durable) together.
         target_name (`str`, *optional*): recorded, and checked when extending an existing store.
     """
-    if max_length < 1 or batch_tokens < 1 or chunk_rows < 1:
-        raise ValueError(f"expected max_length, batch_tokens and chunk_rows >= 1, got {max_length}, {batch_tokens}, "
-                         f"{chunk_rows}")
-    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    hidden_size, num_layers = int(config.hidden_size), int(config.num_hidden_layers)
-    layer_ids = [int(i) for i in layer_ids]
-    bad = [i for i in layer_ids if not 0 <= i < num_layers]
-    if not layer_ids or bad:
-        raise ValueError(f"expected target layer ids in [0, {num_layers}), got {layer_ids}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = {"target": target_name, "target_layer_ids": layer_ids, "hidden_size": hidden_size,
-                "dtype": "bfloat16", "max_length": max_length}
-    if (out / META_NAME).is_file():
-        meta = json.loads((out / META_NAME).read_text(encoding="utf-8"))
-        previous = {k: meta.get(k) for k in settings}
-        if previous != settings:
-            raise ValueError(f"expected the settings of the store in {out}, {previous}, got {settings}")
-    else:
-        meta = dict(settings, total=0, rows={})
-    width = (len(layer_ids) + 1) * hidden_size
-    data_path = out / DATA_NAME
-    with open(data_path, "ab"):
-        pass
-    # a chunk interrupted after its bytes but before store.json named it is dropped
-    os.truncate(data_path, meta["total"] * width * 2)
-
-    done = {int(k) for k in meta["rows"]}
+    if batch_tokens < 1 or chunk_rows < 1:
+        raise ValueError(f"expected batch_tokens and chunk_rows >= 1, got {batch_tokens} and {chunk_rows}")
+    settings = store_settings(target, layer_ids, max_length, target_name)
+    layer_ids = settings["target_layer_ids"]
+    writer = StoreWriter(out_dir, settings)
     todo, seen = [], {}
     for row in rows:
         key = row_key(row["id"])
         if key in seen and seen[key] != str(row["id"]):
             raise ValueError(f"expected distinct row keys, got rows {seen[key]!r} and {row['id']!r} sharing key {key}")
         seen[key] = str(row["id"])
-        if key not in done:
+        if not writer.has(key):
             todo.append((key, list(row["input_ids"])[:max_length]))
     device = next(target.parameters()).device
     decoder = target.get_decoder()
@@ -177,23 +222,13 @@ def build_feature_store(target, layer_ids, rows, out_dir, max_length: int = 512,
                 attention_mask[j, : lengths[i]] = 1
             output = decoder(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              output_hidden_states=True, use_cache=False)
-            features = torch.cat([output.hidden_states[i + 1] for i in layer_ids] + [output.last_hidden_state], -1)
-            features = features.to("cpu", torch.bfloat16)  # (b, longest, (k+1)*H)
+            states = stack_states(output.hidden_states, layer_ids)  # (b, longest, (k+1)*H)
             for j, i in enumerate(batch):
-                stored[i] = features[j, : lengths[i]]
+                stored[i] = states[j, : lengths[i]]
             bar.update(sum(lengths[i] for i in batch))
-        with open(data_path, "ab") as handle:
-            for (key, _), block in zip(chunk, stored):
-                handle.write(block.contiguous().view(torch.uint16).numpy().tobytes())
-                meta["rows"][str(key)] = [meta["total"], int(block.shape[0])]
-                meta["total"] += int(block.shape[0])
-            handle.flush()
-            os.fsync(handle.fileno())
-        _write_meta(out, meta)
+        writer.append([(key, block) for (key, _), block in zip(chunk, stored)])
     bar.close()
-    if not (out / META_NAME).is_file():
-        _write_meta(out, meta)
-    return FeatureStore(out)
+    return FeatureStore(out_dir)
 
 
 @dataclass

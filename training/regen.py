@@ -162,8 +162,15 @@ def _generate_shard(
     sample_temperature: float,
     pad_token_id: int,
     on_batch: Callable[[int, int], None],
+    capture_layers: Optional[list[int]] = None,
 ) -> list[dict[str, Any]]:
-    """Answers the prompts of one shard; rows come back in the shard's order."""
+    """Answers the prompts of one shard; rows come back in the shard's order.
+
+    With `capture_layers`, each row also carries `"states"`: the target's selected-layer and final hidden states at
+    every position, as computed during generation, in the feature store's layout ([`training.feature_store.stack_states`]).
+    Generation never feeds the last token of an answer, so its row is zero; training never reads it (an anchor
+    needs a next token, and its context ends before it).
+    """
     eos_ids = _eos_ids(model)
     device = model.device
     # batches of similar length waste less compute on padding; the order is deterministic
@@ -184,8 +191,17 @@ def _generate_shard(
             attention_mask=attention_mask.to(device),
             max_new_tokens=max_new_tokens,
             pad_token_id=pad_token_id,
+            output_hidden_states=capture_layers is not None,
+            return_dict_in_generate=capture_layers is not None,
             **sampling,
-        )  # (B, T + new)
+        )
+        steps = None
+        if capture_layers is not None:
+            from .feature_store import stack_states
+
+            # step 0 is the prompt forward (B, T, .); step s >= 1 fed answer token s - 1 (B, 1, .)
+            steps = [stack_states(states, capture_layers) for states in output.hidden_states]
+            output = output.sequences  # (B, T + new)
         new_tokens = 0
         for row, i in enumerate(batch):
             answer_ids = output[row, width:].tolist()
@@ -202,6 +218,10 @@ def _generate_shard(
                 "prompt_length": len(shard[i]["prompt_ids"]),
                 "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
             }
+            if steps is not None:
+                prompt = steps[0][row, width - len(prompt_ids[row]) :]
+                fed = [steps[s][row] for s in range(1, len(answer_ids))]
+                rows[i]["states"] = torch.cat([prompt, *fed, torch.zeros_like(prompt[:1])])
         on_batch(len(batch), new_tokens)
     return [rows[i] for i in range(len(shard))]
 
@@ -219,6 +239,7 @@ def regenerate(
     shard_size: int = 64,
     target: Optional[str] = None,
     progress: bool = True,
+    feature_store: Optional[Any] = None,
 ) -> dict[str, Any]:
     """
     Answers every prompt with the target and writes the rows as shards in `out_dir`, resuming
@@ -248,6 +269,9 @@ def regenerate(
             Name of the target, recorded in `progress.json` and checked on restart.
         progress (`bool`, *optional*, defaults to `True`):
             Show a tqdm bar with rows and generated tokens/s.
+        feature_store ([`training.feature_store.StoreWriter`], *optional*):
+            Also keep what training needs of the target (its selected layers and final hidden states, as computed
+            while generating) in this store, after each shard: training then never runs the target on these rows.
 
     Returns:
         `dict[str, Any]`: `{"rows": rows in out_dir, "new_rows": rows written by this call,
@@ -325,7 +349,12 @@ def regenerate(
                 sample_temperature=sample_temperature,
                 pad_token_id=pad_token_id,
                 on_batch=on_batch,
+                capture_layers=None if feature_store is None else feature_store.meta["target_layer_ids"],
             )
+            if feature_store is not None:
+                from .feature_store import row_key
+
+                feature_store.append([(row_key(row["id"]), row.pop("states")) for row in rows])
             path = out_dir / f"shard-{index:05d}.jsonl"
             _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
             shards_summary.append({"file": path.name, "rows": len(rows)})

@@ -50,6 +50,13 @@ class RegenerateArguments:
                           "offsets, prompt lengths, ids) for committing; training reads it like a folder."},
     )
     export_only: bool = field(default=False, metadata={"help": "Only pack --out into --export; regenerate nothing."})
+    feature_store: Optional[str] = field(
+        default=None,
+        metadata={"help": "Also store the target's features of every new row, as computed while generating, in "
+                          "this folder (see training/feature_store.py): training reads them instead of running the "
+                          "target."},
+    )
+    feature_max_length: int = field(default=512, metadata={"help": "Positions stored per row (training max_length)."})
     dtype: str = field(
         default="bfloat16",
         metadata={"help": "Target weights: `bfloat16` (fastest on CPUs with native bf16 and on GPUs) or `float32`."},
@@ -77,6 +84,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.dtype not in dtypes:
         raise ValueError(f"expected --dtype in {sorted(dtypes)}, got {args.dtype!r}")
     model, tokenizer = load_target(args.target, dtype=dtypes[args.dtype])
+    writer = None
+    if args.feature_store is not None:
+        from modeling_jetspec.configuration_jetspec import default_target_layer_ids
+        from training.feature_store import StoreWriter, store_settings
+
+        layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
+        writer = StoreWriter(args.feature_store, store_settings(model, layers, args.feature_max_length, args.target))
     stats = regenerate(
         model,
         tokenizer,
@@ -88,6 +102,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         sample_temperature=args.sample_temperature,
         shard_size=args.shard_size,
         target=args.target,
+        feature_store=writer,
     )
     if args.export is not None:
         summary = save_compact(args.out, args.export)
