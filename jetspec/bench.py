@@ -17,6 +17,8 @@ Methods:
 - `auto`: the head with `tree_budget="auto"`.
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
   `tree-B` without it.
+- `lookup`: the tree with a prompt-lookup branch of D tokens first (`tree_lookup=D`, `tree-B-lookup`), one method
+  per budget: the head and transformers-style n-gram drafting in one verify forward.
 
 Equality: in float32 every output must equal plain greedy's token for token. In bfloat16/float16 an output may
 leave plain greedy at a numerical tie (see `jetspec.equality`); each prompt is classified `exact`, `tie` or
@@ -59,7 +61,7 @@ from .prompts import check_suites, load_prompts
 from .targets import apply_chat_template
 
 
-METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning")
+METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup")
 DEFAULT_METHODS = METHOD_KINDS
 PROMPT_LOOKUP_TOKENS = 10
 NOTES = {
@@ -96,7 +98,8 @@ def build_methods(
     kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32
 ) -> list[Method]:
     """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget;
-    `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting)."""
+    `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting; `"lookup"` expands to one
+    tree per budget with a prompt-lookup branch of `chain_depth` tokens)."""
     unknown = [k for k in kinds if k not in METHOD_KINDS]
     if unknown:
         raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
@@ -123,6 +126,10 @@ def build_methods(
                 f"tree-{default_budget}-pc", kind, {"tree_budget": default_budget, "path_conditioning": True},
                 uses_head=True, budget=default_budget,
             ))
+        elif kind == "lookup":
+            for b in budgets:
+                methods.append(Method(f"tree-{b}-lookup", kind, {"tree_budget": b, "tree_lookup": chain_depth},
+                                      uses_head=True, budget=b))
     return methods
 
 
@@ -562,7 +569,7 @@ def run_benchmark(
             "head_config": {
                 k: getattr(head.config, k)
                 for k in ("num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth",
-                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "draft_vocab_size",
+                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "draft_vocab_size",
                           "last_context_input")
             },
             "suites": suites,

@@ -95,6 +95,10 @@ class JetSpecConfig(PretrainedConfig):
             Best-first key: `"logprob"` (the paper), `"entropy"` or `"mixed"` (ablations).
         path_conditioning (`bool`, *optional*, defaults to `False`):
             Rescore the tree with a second draft pass whose MASK probes see their own branch's real tokens.
+        tree_lookup (`int`, *optional*, defaults to 0):
+            Put a prompt-lookup branch first in every tree: the up to `tree_lookup` tokens that followed the last
+            earlier occurrence of the sequence's final 3 (else 2, 1) tokens, then the head's best nodes up to
+            `tree_budget`. 0 drafts with the head alone.
         draft_vocab_size (`int`, *optional*):
             Number of target tokens the head drafts from, defaults to `vocab_size` (the full vocabulary). A smaller
             value drafts only inside a fixed subset (FR-Spec / EAGLE-3 `d2t`): the head's LM head is the target's
@@ -132,6 +136,7 @@ class JetSpecConfig(PretrainedConfig):
         tree_budget: int = 32,
         tree_scoring: str = "logprob",
         path_conditioning: bool = False,
+        tree_lookup: int = 0,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         initializer_range: float = 0.02,
@@ -174,6 +179,7 @@ class JetSpecConfig(PretrainedConfig):
         self.tree_budget = tree_budget
         self.tree_scoring = tree_scoring
         self.path_conditioning = path_conditioning
+        self.tree_lookup = tree_lookup
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         self.last_context_input = last_context_input
         self.initializer_range = initializer_range
@@ -203,7 +209,7 @@ class JetSpecConfig(PretrainedConfig):
             raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
         check_tree_shape(
             self.tree_depth, self.tree_width, self.tree_budget, self.tree_scoring, self.block_size,
-            self.path_conditioning,
+            self.path_conditioning, self.tree_lookup,
         )
         if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(

@@ -28,7 +28,8 @@ class Tree:
     scores: list[float]  # (n,) best-first key of node i + 1
 
 
-def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False):
+def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False,
+                     lookup: int = 0):
     """The one validation of tree arguments (per call and on the head's config); raises a `ValueError`.
 
     Args:
@@ -40,6 +41,8 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
         path_conditioning (`bool`, *optional*, defaults to `False`): the second, path-conditioned draft pass. It
             rebuilds the tree from probes placed under the first tree, so a smaller budget's tree is not a prefix of
             a larger one's, which the measured budget (`"auto"`) relies on: the two are rejected together.
+        lookup (`int`, *optional*, defaults to 0): tokens of the prompt-lookup branch, in `[0, depth]` (0: none).
+            Its nodes come first in every tree, which path conditioning would rebuild away: also rejected together.
     """
     if not isinstance(depth, int) or not 1 <= depth <= block_size - 1:
         raise ValueError(
@@ -51,6 +54,13 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
         raise ValueError(f"expected tree_budget >= 1 draft node or 'auto', got {budget!r}")
     if scoring not in TREE_SCORINGS:
         raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {scoring!r}")
+    if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= depth:
+        raise ValueError(f"expected tree_lookup in [0, {depth}] (the tree depth), got {lookup!r}")
+    if lookup and path_conditioning:
+        raise ValueError(
+            "expected tree_lookup=0 with path_conditioning=True (the second pass rebuilds the tree from the head's "
+            f"probes only), got tree_lookup={lookup}"
+        )
     if budget == "auto" and path_conditioning:
         raise ValueError(
             "expected a fixed tree_budget with path_conditioning=True (its trees are not nested, and the measured "
@@ -135,6 +145,44 @@ def marginal_children(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, en
         return (lps[d], toks[d], ents[d]) if d < len(lps) else None
 
     return children
+
+
+def lookup_continuation(sequence: list, count: int, max_ngram: int = 3) -> list:
+    """Prompt lookup (n-gram) drafting over a row's own tokens: the `count` tokens that followed the most recent
+    earlier occurrence of the sequence's last n tokens, trying n = `max_ngram` down to 1; `[]` without a match.
+
+    Args:
+        sequence (`list[int]`): the committed tokens, prompt included, ending with the anchor.
+        count (`int`): the longest continuation returned.
+        max_ngram (`int`, *optional*, defaults to 3): the longest suffix matched.
+    """
+    length = len(sequence)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = sequence[length - n :]
+        for start in range(length - n - 1, -1, -1):  # most recent first; the suffix itself is excluded
+            if sequence[start : start + n] == suffix:
+                return list(sequence[start + n : start + n + count])
+    return []
+
+
+def with_lookup(children: ChildrenFn, chain: list) -> ChildrenFn:
+    """Children that put `chain` (e.g. a [`lookup_continuation`]) first: along its own path, its next token is the
+    first child with log-prob 0, so a best-first tree holds the whole chain before any other node (the head's
+    candidate for the same token is dropped, never duplicated)."""
+
+    def merged(path):
+        found = children(path)
+        depth = len(path)
+        if depth >= len(chain) or tuple(path) != tuple(chain[:depth]):
+            return found
+        token = chain[depth]
+        if found is None:
+            return [0.0], [token], 0.0
+        lps, toks, ent = found
+        rest = [(lp, t) for lp, t in zip(lps, toks) if int(t) != token]
+        return [0.0] + [lp for lp, _ in rest], [token] + [t for _, t in rest], ent
+
+    return merged
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 )
 BUDGETS = [4, 12]
 MAX_NEW = 10
-HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto", "tree-12-pc")
+HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup", "tree-12-lookup")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -100,8 +100,10 @@ def test_every_method_reproduces_plain_greedy(run):
         assert [tuple(tokens)] == reference, (key, assisted)
     # every method ran on every prompt, path conditioning at the head's default budget (12)
     methods = {r["method"] for r in results["prompts"]}
-    assert methods == {"plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc"}
+    assert methods == {"plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
+                       "tree-12-lookup"}
     assert results["config"]["method_arguments"]["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True}
+    assert results["config"]["method_arguments"]["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 4}
     assert all(r["equality"] == "exact" for r in results["prompts"])  # float32: bitwise
     for name in methods:
         assert sum(r["method"] == name for r in results["prompts"]) == 2 * len(SUITES)

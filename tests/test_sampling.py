@@ -109,12 +109,14 @@ def sample(target, prompt, **kwargs):
     return torch.cat(chunks)
 
 
-@pytest.mark.parametrize("width,budget", [(8, 72), (2, 6)], ids=["full-tree", "partial-tree"])
-def test_tree_sampling_matches_the_exact_reference(setup, width, budget):
+@pytest.mark.parametrize("width,budget,lookup", [(8, 72, 0), (2, 6, 0), (2, 6, 2)],
+                         ids=["full-tree", "partial-tree", "partial-tree-lookup"])
+def test_tree_sampling_matches_the_exact_reference(setup, width, budget, lookup):
     target, prompt, probs = setup
     torch.manual_seed(1)
     head = MarginalHead.from_target(
-        target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=width, tree_budget=budget
+        target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=width, tree_budget=budget,
+        tree_lookup=lookup,
     ).eval()
     marginals = torch.zeros(NEW, VOCAB)
     for seq, p in probs.items():

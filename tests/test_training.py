@@ -472,3 +472,20 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     assert curves[0] == pytest.approx(curves[1], rel=1e-4)
     for (name, a), b in zip(heads[0].named_parameters(), heads[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_eval_split_is_stable_as_the_data_grows():
+    """A row's side of the split depends on its id only: rows held out before stay held out once more data is
+    regenerated, and no held-out row ever reaches training."""
+    from training.trainer import split_train_eval
+
+    rows = datasets.Dataset.from_list([{"id": f"r{i}", "input_ids": [1, 2, 3], "prompt_length": 1} for i in range(400)])
+    small_train, small_eval = split_train_eval(rows.select(range(150)), 0.05, seed=0)
+    big_train, big_eval = split_train_eval(rows, 0.05, seed=0)
+    assert set(small_eval["id"]) == set(big_eval["id"]) & {f"r{i}" for i in range(150)}
+    assert not set(big_train["id"]) & set(big_eval["id"]) and len(big_train) + len(big_eval) == 400
+    assert 5 <= len(big_eval) <= 40  # about 5% of 400
+    _, one = split_train_eval(rows.select(range(3)), 0.01, seed=0)
+    assert len(one) == 1  # at least one row
+    with pytest.raises(ValueError, match="leaves training rows"):
+        split_train_eval(rows.select(range(1)), 0.5, seed=0)

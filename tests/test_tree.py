@@ -10,9 +10,11 @@ from modeling_jetspec.tree import (
     build_tree,
     check_tree_shape,
     entropy,
+    lookup_continuation,
     marginal_children,
     max_tree_nodes,
     tree_key,
+    with_lookup,
 )
 
 
@@ -185,9 +187,40 @@ def test_vectorized_greedy_acceptance_equals_the_walk(seed):
         ((4, 3, 0, "logprob", 8), "tree_budget >= 1 draft node or 'auto', got 0"),
         ((4, 3, True, "logprob", 8), "tree_budget >= 1 draft node or 'auto', got True"),
         ((4, 3, 8, "random", 8), "tree_scoring in .*got 'random'"),
+        ((4, 3, 8, "logprob", 8, False, 5), r"tree_lookup in \[0, 4\] \(the tree depth\), got 5"),
+        ((4, 3, 8, "logprob", 8, False, -1), r"tree_lookup in \[0, 4\]"),
+        ((4, 3, 8, "logprob", 8, True, 2), "tree_lookup=0 with path_conditioning=True"),
     ],
 )
 def test_tree_shape_checks(args, message):
     with pytest.raises(ValueError, match=message):
         check_tree_shape(*args)
     check_tree_shape(4, 3, "auto", "mixed", 8)  # and a valid shape passes
+
+
+def test_lookup_continuation_takes_the_most_recent_longest_match():
+    # last 3 tokens (7, 8, 9) occurred at 1..3 and 6..8: the most recent one wins, continuation 4, 5, 6
+    seq = [1, 7, 8, 9, 2, 3, 7, 8, 9, 4, 5, 6, 7, 8, 9]
+    assert lookup_continuation(seq, 2) == [4, 5]
+    assert lookup_continuation(seq, 10) == [4, 5, 6, 7, 8, 9]  # runs up to the end of the sequence
+    assert lookup_continuation([5, 1, 2, 6, 2], 3) == [6, 2]  # no 3- or 2-gram match: the last 1-gram
+    assert lookup_continuation([1, 2, 3], 4) == []
+    assert lookup_continuation([4], 4) == []
+
+
+def test_lookup_chain_comes_first_and_the_head_fills_the_budget():
+    top_lp = torch.log(torch.tensor([[0.6, 0.3, 0.1]] * 3))
+    top_tok = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    children = marginal_children(top_lp, top_tok, torch.zeros(3))
+    chain = [11, 99, 30]  # depth 1 shares the head's second candidate; 99 is not among the head's
+    tree = build_tree(with_lookup(children, chain), budget=6, depth=3)
+    paths = [p for p in sorted(tree_paths(tree), key=len)]
+    assert {(11,), (11, 99), (11, 99, 30)} <= set(paths)
+    assert tree.tokens[:3] == chain and tree.parents[:3] == [0, 1, 2]  # the chain is built first
+    # the rest is the head's best-first tree: (10,), (10, 20) and (11, 20), without a second (11,)
+    head_only = build_tree(children, budget=3, depth=3)
+    assert tree_paths(head_only) | {(11,), (11, 99), (11, 99, 30)} >= set(paths) - {(11, 20)}
+    assert sum(1 for p in paths if p == (11,)) == 1 and len(tree.tokens) == 6
+    # no chain: the head's own tree
+    plain = build_tree(with_lookup(children, []), budget=6, depth=3)
+    assert plain.tokens == build_tree(children, budget=6, depth=3).tokens

@@ -260,7 +260,7 @@ def draw_anchors(lengths, prompt_lengths, keys, n, seed, answer_prob, generator_
 
 
 def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=True, reveal_prob=0.0,
-                generators=None) -> PackedBlocks:
+                generators=None, attention=True) -> PackedBlocks:
     """Build the packed blocks, their positions, their attention mask over `[context ; blocks]` and the targets.
 
     Args:
@@ -272,6 +272,8 @@ def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=T
         causal (`bool`, *optional*, defaults to `True`): causal (JetSpec) or bidirectional (DFlash) block.
         reveal_prob (`float`, *optional*, defaults to 0): probability that a slot holds its real token.
         generators (`list[torch.Generator]`, *optional*): per-row generators for the reveal draw.
+        attention (`bool`, *optional*, defaults to `True`): build the attention mask; without it (counting slots
+            only) `attention_mask` is None.
     """
     b, length = input_ids.shape
     n = anchors.shape[1]
@@ -289,15 +291,9 @@ def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=T
     block_ids = torch.where(reveal, real, torch.full_like(real, mask_token_id))  # (B, n, bs)
 
     t = n * block_size
-    ctx_pos = torch.arange(length, device=device)
-    ctx_ok = (ctx_pos.view(1, 1, length) < anchors.unsqueeze(-1)) & (
-        ctx_pos.view(1, 1, length) < lengths.view(b, 1, 1)
-    )  # (B, n, L): context j < a, never padding
-    ctx_mask = ctx_ok.unsqueeze(2).expand(b, n, block_size, length).reshape(b, 1, t, length)
-    inner = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
-    inner = inner.tril() if causal else inner
-    block_diag = torch.block_diag(*([inner] * n)).expand(b, 1, t, t)  # each block sees only itself
-    attention_mask = torch.cat([ctx_mask, block_diag], dim=-1)  # (B, 1, T, L + T)
+    attention_mask = None
+    if attention:
+        attention_mask = _block_attention_mask(anchors, lengths, length, block_size, causal)
 
     depth_pos = positions[..., 1:]  # (B, n, D)
     valid = inside[..., 1:]
@@ -312,6 +308,22 @@ def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=T
         valid=valid,
         last_context_index=(anchors.unsqueeze(-1) - 1).expand(b, n, block_size).reshape(b, t),
     )
+
+
+def _block_attention_mask(anchors, lengths, length: int, block_size: int, causal: bool) -> torch.Tensor:
+    """`(B, 1, T, L + T)` bool: each slot sees the context before its anchor (never padding), then its own block."""
+    b, n = anchors.shape
+    device = anchors.device
+    t = n * block_size
+    ctx_pos = torch.arange(length, device=device)
+    ctx_ok = (ctx_pos.view(1, 1, length) < anchors.unsqueeze(-1)) & (
+        ctx_pos.view(1, 1, length) < lengths.view(b, 1, 1)
+    )  # (B, n, L): context j < a, never padding
+    ctx_mask = ctx_ok.unsqueeze(2).expand(b, n, block_size, length).reshape(b, 1, t, length)
+    inner = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    inner = inner.tril() if causal else inner
+    block_diag = torch.block_diag(*([inner] * n)).expand(b, 1, t, t)  # each block sees only itself
+    return torch.cat([ctx_mask, block_diag], dim=-1)  # (B, 1, T, L + T)
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -382,6 +394,7 @@ class JetSpecTrainer(Trainer):
 
             self._feature_store = FeatureStore(jetspec_args.feature_store)
             self._feature_store.check(head.config.target_layer_ids, head.config.target_hidden_size)
+        self._draft_table = None  # (target id -> draft id table, the d2t it was built from)
         self._tokens_seen = 0
         self._last_log = (time.perf_counter(), 0)
 
@@ -467,12 +480,16 @@ class JetSpecTrainer(Trainer):
     def _draft_labels(self, labels: torch.Tensor, loss_mask: torch.Tensor):
         """Labels as draft-vocabulary ids, and the loss mask without slots whose token the head cannot draft."""
         head = unwrap_head(self.model)
-        ids = head.draft_token_ids()
-        if ids is None:
+        if head.d2t is None:
             return labels, loss_mask
-        table = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
-        table[ids.to(labels.device)] = torch.arange(ids.numel(), device=labels.device)
-        mapped = table[labels.clamp_min(0)].masked_fill(labels < 0, -100)
+        key = (id(head.d2t), head.d2t._version, labels.device)  # rebuilt only if the vocabulary changes
+        if self._draft_table is None or self._draft_table[1] != key:
+            ids = head.draft_token_ids().to(labels.device)
+            table = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
+            table[ids] = torch.arange(ids.numel(), device=labels.device)
+            self._draft_table = (table, key)
+        table = self._draft_table
+        mapped = table[0][labels.clamp_min(0)].masked_fill(labels < 0, -100)
         if self.jetspec_args.loss == "sft":
             loss_mask = loss_mask & (mapped >= 0)
         return mapped, loss_mask
@@ -496,7 +513,7 @@ class JetSpecTrainer(Trainer):
             blocks = pack_blocks(
                 batch["input_ids"].cpu(), lengths, anchors, self.block_size, self.head_config.mask_token_id,
                 causal=self.head_config.block_attention == "causal", reveal_prob=self.jetspec_args.reveal_prob,
-                generators=generators,
+                generators=generators, attention=False,
             )
             b, n, d = blocks.labels.shape
             _, loss_mask = self._draft_labels(blocks.labels.view(b * n, d), blocks.loss_mask.view(b * n, d))
@@ -577,16 +594,20 @@ class JetSpecTrainer(Trainer):
 
 
 def split_train_eval(dataset, eval_fraction: float, seed: int):
-    """`(train, eval)`: a seeded random hold-out of `eval_fraction` of the rows (at least one; None if 0)."""
+    """`(train, eval)`: the rows whose seeded id hash falls below `eval_fraction` are held out (at least one; None if
+    0). A row's side depends only on its id and the seed, so data regenerated later never moves a held-out row into
+    training (a random split of the grown dataset would)."""
     if len(dataset) == 0:
         raise ValueError("expected a non-empty training dataset, got an empty dataset")
     if eval_fraction == 0:
         return dataset, None
-    n_eval = max(1, math.floor(len(dataset) * eval_fraction))
-    if n_eval >= len(dataset):
+    names = dataset["id"] if "id" in dataset.column_names else [str(ids) for ids in dataset["input_ids"]]
+    draws = [zlib.crc32(f"{seed}:{name}".encode("utf-8")) / 2**32 for name in names]
+    held = [i for i, u in enumerate(draws) if u < eval_fraction] or [int(np.argmin(draws))]
+    if len(held) >= len(dataset):
         raise ValueError(
-            f"expected more than {n_eval} rows so that eval_fraction={eval_fraction} leaves training rows, "
+            f"expected more than {len(held)} rows so that eval_fraction={eval_fraction} leaves training rows, "
             f"got {len(dataset)}"
         )
-    split = dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
-    return split["train"], split["test"]
+    held_set = set(held)
+    return dataset.select([i for i in range(len(dataset)) if i not in held_set]), dataset.select(held)
