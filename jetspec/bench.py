@@ -99,7 +99,8 @@ def build_methods(
 ) -> list[Method]:
     """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget;
     `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting; `"lookup"` expands to one
-    tree per budget with a prompt-lookup branch of `chain_depth` tokens)."""
+    tree per budget with a prompt-lookup branch of `chain_depth` tokens). `chain`, `tree-B`, `auto` and `tree-B-pc`
+    measure the head alone: they set `tree_lookup=0` whatever the head's default."""
     unknown = [k for k in kinds if k not in METHOD_KINDS]
     if unknown:
         raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
@@ -114,16 +115,17 @@ def build_methods(
         elif kind == "prompt_lookup":
             methods.append(Method("prompt_lookup", kind, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}))
         elif kind == "chain":
-            shape = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth}
+            shape = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth, "tree_lookup": 0}
             methods.append(Method("chain", kind, shape, uses_head=True, budget=chain_depth))
         elif kind == "tree":
             for b in budgets:
-                methods.append(Method(f"tree-{b}", kind, {"tree_budget": b}, uses_head=True, budget=b))
+                methods.append(Method(f"tree-{b}", kind, {"tree_budget": b, "tree_lookup": 0}, uses_head=True, budget=b))
         elif kind == "auto":
-            methods.append(Method("auto", kind, {"tree_budget": "auto"}, uses_head=True))
+            methods.append(Method("auto", kind, {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True))
         elif kind == "path_conditioning":
             methods.append(Method(
-                f"tree-{default_budget}-pc", kind, {"tree_budget": default_budget, "path_conditioning": True},
+                f"tree-{default_budget}-pc", kind,
+                {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0},
                 uses_head=True, budget=default_budget,
             ))
         elif kind == "lookup":

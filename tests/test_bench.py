@@ -51,7 +51,8 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_pair():
     # suite prompts run to ~1,400 characters (one token each): room for them plus the answer
     target = tiny_target("llama", max_position_embeddings=4096)
-    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12)
+    # a default prompt-lookup branch, as the shipped head has: the head-only methods must switch it off
+    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12, tree_lookup=4)
 
 
 def spy_generate(monkeypatch, target):
@@ -63,7 +64,7 @@ def spy_generate(monkeypatch, target):
         out = original(*args, **kwargs)
         if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
             ids = kwargs["input_ids"]
-            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", "tree_budget", "tree_width") if k in kwargs}
+            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", "tree_budget", "tree_width", "tree_lookup") if k in kwargs}
             calls.append((tuple(ids[0].tolist()), key, "assistant_model" in kwargs, out[0, ids.shape[1]:].tolist()))
         return out
 
@@ -102,8 +103,14 @@ def test_every_method_reproduces_plain_greedy(run):
     methods = {r["method"] for r in results["prompts"]}
     assert methods == {"plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
                        "tree-12-lookup"}
-    assert results["config"]["method_arguments"]["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True}
-    assert results["config"]["method_arguments"]["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 4}
+    arguments = results["config"]["method_arguments"]
+    assert arguments["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True, "tree_lookup": 0}
+    assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 4}
+    # chain, tree-B, auto and tree-B-pc measure the head alone although the head's default has a lookup branch
+    for name in ("chain", "tree-4", "tree-12", "auto", "tree-12-pc"):
+        assert arguments[name]["tree_lookup"] == 0, name
+    assisted_lookups = {key.get("tree_lookup") for _, key, assisted, _ in calls if assisted}
+    assert assisted_lookups == {0, 4}
     assert all(r["equality"] == "exact" for r in results["prompts"])  # float32: bitwise
     for name in methods:
         assert sum(r["method"] == name for r in results["prompts"]) == 2 * len(SUITES)
@@ -122,7 +129,7 @@ def test_results_json_has_every_field(run):
     assert "muse_glimmer" in on_disk["notes"]["chain"]
     config = on_disk["config"]
     assert config["budgets"] == BUDGETS and config["max_new_tokens"] == MAX_NEW and config["chain_depth"] == 4
-    assert config["method_arguments"]["chain"] == {"tree_depth": 4, "tree_width": 1, "tree_budget": 4}
+    assert config["method_arguments"]["chain"] == {"tree_depth": 4, "tree_width": 1, "tree_budget": 4, "tree_lookup": 0}
 
     costs = on_disk["costs"]
     assert costs["draft_cost_c"] == pytest.approx(costs["draft_forward_seconds"] / costs["target_step_seconds"])
