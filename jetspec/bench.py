@@ -17,8 +17,11 @@ Methods:
 - `auto`: the head with `tree_budget="auto"`.
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
   `tree-B` without it.
-- `lookup`: the tree with a prompt-lookup branch of D tokens first (`tree_lookup=D`, `tree-B-lookup`), one method
-  per budget: the head and transformers-style n-gram drafting in one verify forward.
+- `lookup`: the tree with a prompt-lookup branch of D tokens (`tree_lookup=D`, `tree-B-lookup`), one method per
+  budget: the head and transformers-style n-gram drafting in one verify forward. With the head's
+  `tree_lookup_prior` the chain's tokens compete with the head's nodes at their measured odds.
+- `lookup_first`: the same with `tree_lookup_prior=False` (`tree-B-lookup-first`): the whole chain first, whatever
+  its odds (the ablation of the prior).
 
 Equality: in float32 every output must equal plain greedy's token for token. In bfloat16/float16 an output may
 leave plain greedy at a numerical tie (see `jetspec.equality`); each prompt is classified `exact`, `tie` or
@@ -61,7 +64,7 @@ from .prompts import check_suites, load_prompts
 from .targets import apply_chat_template
 
 
-METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup")
+METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup", "lookup_first")
 DEFAULT_METHODS = METHOD_KINDS
 PROMPT_LOOKUP_TOKENS = 10
 NOTES = {
@@ -132,6 +135,12 @@ def build_methods(
             for b in budgets:
                 methods.append(Method(f"tree-{b}-lookup", kind, {"tree_budget": b, "tree_lookup": chain_depth},
                                       uses_head=True, budget=b))
+        elif kind == "lookup_first":
+            for b in budgets:
+                methods.append(Method(
+                    f"tree-{b}-lookup-first", kind,
+                    {"tree_budget": b, "tree_lookup": chain_depth, "tree_lookup_prior": False}, uses_head=True, budget=b,
+                ))
     return methods
 
 
@@ -571,8 +580,8 @@ def run_benchmark(
             "head_config": {
                 k: getattr(head.config, k)
                 for k in ("num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth",
-                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "draft_vocab_size",
-                          "last_context_input")
+                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup",
+                          "tree_lookup_prior", "draft_vocab_size", "last_context_input")
             },
             "suites": suites,
             "budgets": budgets,

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     bench.add_argument(
         "--methods", default=None,
-        help="comma-separated method kinds among plain, prompt_lookup, chain, tree, auto (default: all)",
+        help="comma-separated method kinds among plain, prompt_lookup, chain, tree, auto, path_conditioning, lookup, "
+        "lookup_first (default: all)",
     )
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every method")
     for sub in (gen, bench):

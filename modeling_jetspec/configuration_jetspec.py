@@ -2,7 +2,7 @@
 
 from transformers import PretrainedConfig
 
-from .tree import check_tree_shape
+from .tree import check_lookup_prior, check_tree_shape
 
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
 MASK_SOURCES = ("head", "target")
@@ -99,6 +99,12 @@ class JetSpecConfig(PretrainedConfig):
             Put a prompt-lookup branch first in every tree: the up to `tree_lookup` tokens that followed the last
             earlier occurrence of the sequence's final 3 (else 2, 1) tokens, then the head's best nodes up to
             `tree_budget`. 0 drafts with the head alone.
+        tree_lookup_prior (`list[list[float]]`, *optional*):
+            How often a prompt-lookup chain is accepted, per match order: `tree_lookup_prior[n - 1][k - 1]` is the
+            fraction of chains from an n-gram match (n = 1, 2, 3) with at least k tokens accepted, measured on the
+            target's own answers (`training/lookup_prior.py`). With it the chain's tokens are scored by these
+            odds and compete with the head's nodes for the budget (a bigram or unigram match, rarely right, takes
+            only the nodes it earns); without it the whole chain comes first.
         draft_vocab_size (`int`, *optional*):
             Number of target tokens the head drafts from, defaults to `vocab_size` (the full vocabulary). A smaller
             value drafts only inside a fixed subset (FR-Spec / EAGLE-3 `d2t`): the head's LM head is the target's
@@ -137,6 +143,7 @@ class JetSpecConfig(PretrainedConfig):
         tree_scoring: str = "logprob",
         path_conditioning: bool = False,
         tree_lookup: int = 0,
+        tree_lookup_prior: list | None = None,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         initializer_range: float = 0.02,
@@ -180,6 +187,7 @@ class JetSpecConfig(PretrainedConfig):
         self.tree_scoring = tree_scoring
         self.path_conditioning = path_conditioning
         self.tree_lookup = tree_lookup
+        self.tree_lookup_prior = tree_lookup_prior
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         self.last_context_input = last_context_input
         self.initializer_range = initializer_range
@@ -211,6 +219,7 @@ class JetSpecConfig(PretrainedConfig):
             self.tree_depth, self.tree_width, self.tree_budget, self.tree_scoring, self.block_size,
             self.path_conditioning, self.tree_lookup,
         )
+        check_lookup_prior(self.tree_lookup_prior)
         if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"expected draft_vocab_size in [1, {self.vocab_size}] (the target's vocabulary size), got "

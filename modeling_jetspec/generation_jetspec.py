@@ -30,16 +30,20 @@ from .timing import clock
 from .tree import (
     ancestor_mask,
     build_tree,
+    check_lookup_prior,
     check_tree_shape,
     entropy,
-    lookup_continuation,
+    lookup_logprobs,
+    lookup_match,
     marginal_children,
     max_tree_nodes,
     verification_mask,
     with_lookup,
 )
 
-TREE_ARGUMENTS = ("tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup")
+TREE_ARGUMENTS = (
+    "tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior",
+)
 MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
 TREE_LAYER_TYPES = ("full_attention", "sliding_attention")  # a key/value cache the tree loop can compact
 # model kwargs the tree loop reads; any other model kwarg (pixel_values, token_type_ids, past_key_values, ...) raises
@@ -76,7 +80,8 @@ class TreeShape:
     budget: int | str  # B, draft nodes per tree (root excluded), or "auto" (chosen per round, see `budget.py`)
     scoring: str  # best-first key, see `tree.tree_key`
     path_conditioning: bool  # second draft pass with MASK probes under the tree's real tokens
-    lookup: int = 0  # tokens of the prompt-lookup branch put first in every tree (0: none)
+    lookup: int = 0  # tokens of the prompt-lookup branch in every tree (0: none)
+    lookup_prior: list | None = None  # acceptance odds of lookup chains per match order; None: the chain goes first
 
 
 @dataclass
@@ -155,7 +160,11 @@ def resolve_tree_shape(config, **given) -> TreeShape:
         scoring=pick("tree_scoring", config.tree_scoring),
         path_conditioning=pick("path_conditioning", config.path_conditioning),
         lookup=pick("tree_lookup", getattr(config, "tree_lookup", 0)),
+        # False switches the head's prior off for this call (the whole chain first)
+        lookup_prior=None if given.get("tree_lookup_prior") is False
+        else pick("tree_lookup_prior", getattr(config, "tree_lookup_prior", None)),
     )
+    check_lookup_prior(shape.lookup_prior)
     check_tree_shape(shape.depth, shape.width, shape.budget, shape.scoring, config.block_size, shape.path_conditioning,
                      shape.lookup)
     return shape
@@ -325,8 +334,8 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
     The head's logits at block slot d are its distribution of the token at depth d, `(A, N, V_draft)`; their top-W
     become the candidates of every depth-(d - 1) branch (`tree.marginal_children`). With `path_conditioning`, a
     second forward rescores the tree from what the head predicts under each branch's real tokens. With `lookup`,
-    each tree first holds the row's prompt-lookup continuation (`tree.lookup_continuation`), then the head's best
-    nodes up to the budget.
+    each tree also holds the row's prompt-lookup continuation (`tree.lookup_match`): first, or, with the head's
+    `tree_lookup_prior`, scored by how often such chains are accepted against the head's own nodes.
     """
     a, device = state.anchors.shape[0], state.anchors.device
     length = shape.depth + 1 if head.config.block_attention == "causal" else head.config.block_size
@@ -340,7 +349,13 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
     children = [marginal_children(top_lp[i], top_tok[i], ent[i]) for i in range(a)]
     if shape.lookup:
         sequences = [state.sequences[row, : state.lengths[row]].tolist() for row in state.rows.tolist()]
-        children = [with_lookup(fn, lookup_continuation(seq, shape.lookup)) for fn, seq in zip(children, sequences)]
+        prior = shape.lookup_prior
+        merged = []
+        for fn, seq in zip(children, sequences):
+            chain, order = lookup_match(seq, shape.lookup, max_ngram=len(prior) if prior else 3)
+            logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
+            merged.append(with_lookup(fn, chain, logprobs))
+        children = merged
     trees = [build_tree(children[i], budget, shape.depth, shape.scoring) for i in range(a)]
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)

@@ -529,8 +529,9 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def tree_generate(self, target: PreTrainedModel, *args, **kwargs):
         """Lossless tree speculative decoding of `target` with this head; same arguments as `target.generate`.
 
-        Extra keyword arguments: `tree_depth`, `tree_width`, `tree_budget`, `tree_scoring`, `path_conditioning`
-        (defaults from this head's config). With `return_dict_in_generate=True` the output is a
+        Extra keyword arguments: `tree_depth`, `tree_width`, `tree_budget`, `tree_scoring`, `path_conditioning`,
+        `tree_lookup`, `tree_lookup_prior` (defaults from this head's config; `tree_lookup_prior=False` puts the
+        whole prompt-lookup chain first instead of scoring it). With `return_dict_in_generate=True` the output is a
         [`JetSpecGenerateOutput`] whose `jetspec_stats` holds the call's statistics; `self.last_stats` keeps the latest
         call's statistics as a convenience.
         """

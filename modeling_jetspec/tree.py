@@ -6,6 +6,7 @@ target); draft nodes are 1..n. `parents[i - 1]` is the parent of node i and alwa
 """
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +67,22 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
             "expected a fixed tree_budget with path_conditioning=True (its trees are not nested, and the measured "
             "budget needs nested trees), got tree_budget='auto'"
         )
+
+
+def check_lookup_prior(prior):
+    """Raise a `ValueError` unless `prior` is None or 1-3 non-empty lists (match orders 1, 2, 3) of acceptance
+    fractions in (0, 1], non-increasing along each list."""
+    if prior is None:
+        return
+    expected = "None or 1-3 lists (n-gram orders 1, 2, 3) of non-increasing fractions in (0, 1]"
+    if not isinstance(prior, (list, tuple)) or not 1 <= len(prior) <= 3:
+        raise ValueError(f"expected tree_lookup_prior {expected}, got {prior!r}")
+    for row in prior:
+        ok = isinstance(row, (list, tuple)) and len(row) > 0 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in row
+        )
+        if not ok or any(b > a for a, b in zip(row, row[1:])):
+            raise ValueError(f"expected tree_lookup_prior {expected}, got the row {row!r}")
 
 
 def tree_key(scoring: str, logprob: float, entropy: float) -> float:
@@ -147,9 +164,10 @@ def marginal_children(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, en
     return children
 
 
-def lookup_continuation(sequence: list, count: int, max_ngram: int = 3) -> list:
+def lookup_match(sequence: list, count: int, max_ngram: int = 3) -> tuple[list, int]:
     """Prompt lookup (n-gram) drafting over a row's own tokens: the `count` tokens that followed the most recent
-    earlier occurrence of the sequence's last n tokens, trying n = `max_ngram` down to 1; `[]` without a match.
+    earlier occurrence of the sequence's last n tokens, trying n = `max_ngram` down to 1, and that n (the match's
+    order); `([], 0)` without a match.
 
     Args:
         sequence (`list[int]`): the committed tokens, prompt included, ending with the anchor.
@@ -161,14 +179,46 @@ def lookup_continuation(sequence: list, count: int, max_ngram: int = 3) -> list:
         suffix = sequence[length - n :]
         for start in range(length - n - 1, -1, -1):  # most recent first; the suffix itself is excluded
             if sequence[start : start + n] == suffix:
-                return list(sequence[start + n : start + n + count])
-    return []
+                return list(sequence[start + n : start + n + count]), n
+    return [], 0
 
 
-def with_lookup(children: ChildrenFn, chain: list) -> ChildrenFn:
-    """Children that put `chain` (e.g. a [`lookup_continuation`]) first: along its own path, its next token is the
-    first child with log-prob 0, so a best-first tree holds the whole chain before any other node (the head's
-    candidate for the same token is dropped, never duplicated)."""
+def lookup_continuation(sequence: list, count: int, max_ngram: int = 3) -> list:
+    """The continuation of [`lookup_match`] alone."""
+    return lookup_match(sequence, count, max_ngram)[0]
+
+
+def lookup_logprobs(prior, order: int, length: int) -> list:
+    """Per-token conditional log-probs of a lookup chain of `length` tokens from a match of order `order`.
+
+    Args:
+        prior (`list[list[float]]`): `prior[n - 1][k - 1]` is how often a chain from an order-n match had at least k
+            tokens accepted (non-increasing in k, in (0, 1]); the head's `tree_lookup_prior`, measured on the
+            target's own answers. A chain longer than its list repeats the last ratio.
+        order (`int`): the match's n-gram order, in `[1, len(prior)]`.
+        length (`int`): tokens in the chain.
+    """
+    survival = list(prior[order - 1])
+    logps, previous = [], 1.0
+    for k in range(length):
+        if k < len(survival):
+            ratio = survival[k] / previous
+            previous = survival[k]
+        else:  # past the measured depths: the last measured ratio
+            ratio = survival[-1] / survival[-2] if len(survival) > 1 else survival[-1]
+        logps.append(math.log(min(max(ratio, 1e-6), 1.0)))
+    return logps
+
+
+def with_lookup(children: ChildrenFn, chain: list, logprobs: list | None = None) -> ChildrenFn:
+    """Children that add `chain` (e.g. a [`lookup_match`] continuation) to the head's candidates along its own path.
+
+    Without `logprobs` each chain token is the first child with log-prob 0, so a best-first tree holds the whole
+    chain before any other node. With `logprobs` (conditional log-probs per chain token, [`lookup_logprobs`]) each
+    chain token competes with the head's candidates at that score, or at the head's own, whichever is higher, and
+    the tree keeps the chain's nodes only where they outscore the head's. The head's candidate for a chain token
+    is merged into it, never duplicated.
+    """
 
     def merged(path):
         found = children(path)
@@ -176,11 +226,22 @@ def with_lookup(children: ChildrenFn, chain: list) -> ChildrenFn:
         if depth >= len(chain) or tuple(path) != tuple(chain[:depth]):
             return found
         token = chain[depth]
+        lp = 0.0 if logprobs is None else float(logprobs[depth])
         if found is None:
-            return [0.0], [token], 0.0
+            return [lp], [token], 0.0
         lps, toks, ent = found
-        rest = [(lp, t) for lp, t in zip(lps, toks) if int(t) != token]
-        return [0.0] + [lp for lp, _ in rest], [token] + [t for _, t in rest], ent
+        rest = []
+        for other_lp, t in zip(lps, toks):
+            if int(t) == token:
+                lp = max(lp, float(other_lp))
+            else:
+                rest.append((float(other_lp), t))
+        if logprobs is None:
+            at = 0
+        else:  # keep the list sorted by log-prob, as best-first expansion needs
+            at = next((i for i, (other_lp, _) in enumerate(rest) if other_lp < lp), len(rest))
+        rest.insert(at, (lp, token))
+        return [x for x, _ in rest], [t for _, t in rest], ent
 
     return merged
 

@@ -28,7 +28,8 @@ CHAT_TEMPLATE = (
 )
 BUDGETS = [4, 12]
 MAX_NEW = 10
-HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup", "tree-12-lookup")
+HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup", "tree-12-lookup",
+                "tree-4-lookup-first", "tree-12-lookup-first")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -52,7 +53,8 @@ def tiny_pair():
     # suite prompts run to ~1,400 characters (one token each): room for them plus the answer
     target = tiny_target("llama", max_position_embeddings=4096)
     # a default prompt-lookup branch, as the shipped head has: the head-only methods must switch it off
-    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12, tree_lookup=4)
+    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12, tree_lookup=4,
+                             tree_lookup_prior=[[0.2, 0.1], [0.5, 0.3], [0.9, 0.8]])
 
 
 def spy_generate(monkeypatch, target):
@@ -64,7 +66,7 @@ def spy_generate(monkeypatch, target):
         out = original(*args, **kwargs)
         if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
             ids = kwargs["input_ids"]
-            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", "tree_budget", "tree_width", "tree_lookup") if k in kwargs}
+            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", "tree_budget", "tree_width", "tree_lookup", "tree_lookup_prior") if k in kwargs}
             calls.append((tuple(ids[0].tolist()), key, "assistant_model" in kwargs, out[0, ids.shape[1]:].tolist()))
         return out
 
@@ -102,10 +104,11 @@ def test_every_method_reproduces_plain_greedy(run):
     # every method ran on every prompt, path conditioning at the head's default budget (12)
     methods = {r["method"] for r in results["prompts"]}
     assert methods == {"plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
-                       "tree-12-lookup"}
+                       "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first"}
     arguments = results["config"]["method_arguments"]
     assert arguments["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True, "tree_lookup": 0}
-    assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 4}
+    assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 4}  # the head's prior scores the chain
+    assert arguments["tree-4-lookup-first"] == {"tree_budget": 4, "tree_lookup": 4, "tree_lookup_prior": False}
     # chain, tree-B, auto and tree-B-pc measure the head alone although the head's default has a lookup branch
     for name in ("chain", "tree-4", "tree-12", "auto", "tree-12-pc"):
         assert arguments[name]["tree_lookup"] == 0, name

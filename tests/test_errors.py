@@ -52,6 +52,24 @@ def test_unknown_block_attention():
                       block_attention="sideways")
 
 
+@pytest.mark.parametrize(
+    "prior,what",
+    [
+        ([], "got \\[\\]"),
+        ([[0.5], [0.6], [0.7], [0.8]], "got \\[\\[0.5\\]"),
+        ([[0.5, 0.6]], "got the row \\[0.5, 0.6\\]"),  # increasing
+        ([[1.5]], "got the row \\[1.5\\]"),
+        ([[0.0]], "got the row \\[0.0\\]"),
+        ([[]], "got the row \\[\\]"),
+        ("0.5", "got '0.5'"),
+    ],
+)
+def test_bad_lookup_prior(prior, what):
+    with pytest.raises(ValueError, match="tree_lookup_prior None or 1-3 lists .*" + what):
+        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
+                      tree_lookup_prior=prior)
+
+
 def test_beam_search(pair):
     with pytest.raises(ValueError, match="num_beams == 1 .*got 3"):
         run(*pair, num_beams=3)
@@ -85,6 +103,8 @@ def test_empty_prompt(pair):
         (dict(tree_depth=0), r"tree_depth in \[1, 7\]"),
         (dict(tree_width=0), "tree_width >= 1, got 0"),
         (dict(tree_scoring="random"), "tree_scoring .*got 'random'"),
+        (dict(tree_lookup=2, tree_lookup_prior=[[0.5, 2.0]]), r"tree_lookup_prior .*got the row \[0.5, 2.0\]"),
+        (dict(tree_lookup=2, tree_lookup_prior=True), "tree_lookup_prior .*got True"),
     ],
 )
 def test_bad_tree_shape(pair, tree, message):

@@ -290,6 +290,8 @@ def test_fuzz_random_settings_match_greedy(seed):
         kwargs.update(eos_token_id=int(free[0, ids.shape[1] + 2]))
     plain = greedy(target, ids, mask, **kwargs)
     mode = pick(["random", "sometimes", "always", "never"])
+    if shape["tree_lookup"] and pick([False, True]):  # the chain scored by a prior, competing with the head's nodes
+        shape["tree_lookup_prior"] = [[0.3, 0.1], [0.6, 0.4, 0.2], [0.95, 0.9]]
     if mode == "random":
         conditioning = pick([False, True]) and not shape["tree_lookup"]  # the two are exclusive
         head = tiny_head(target, seed=seed, block_size=8, path_conditioning=conditioning, **shape)
@@ -328,8 +330,8 @@ def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch):
     ids = torch.cat([ids, ids[:, -6:], ids[:, -6:]], dim=1)  # the last 6 tokens twice more
     mask = torch.cat([mask, mask[:, -6:], mask[:, -6:]], dim=1)
     plain = greedy(target, ids, mask, max_new_tokens=24)
-    for budget in (1, 8):
-        head = tiny_head(target, tree_depth=4, tree_budget=budget, tree_lookup=4)
+    for budget, prior in ((1, None), (8, None), (8, [[0.2], [0.5], [0.9]])):
+        head = tiny_head(target, tree_depth=4, tree_budget=budget, tree_lookup=4, tree_lookup_prior=prior)
         assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=head), plain), budget
     alone = tiny_head(target, tree_depth=4, tree_budget=8)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=alone), plain)

@@ -221,6 +221,11 @@ def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
 
     head = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
     assert head.config.block_size == 6
+    # the lookup odds measured on the training answers ride with the head: one non-increasing row per match order
+    prior = head.config.tree_lookup_prior
+    assert len(prior) == 3 and all(len(row) == head.config.tree_depth for row in prior)
+    assert all(0 < b <= a <= 1 for row in prior for a, b in zip(row, row[1:]))
+    assert sum(metrics["lookup_matches_per_order"]) > 0
     prompt = torch.tensor([regenerated_rows(target, count=1, seed=7)[0]["input_ids"][:6]])
     mask = torch.ones_like(prompt)
     plain = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=20)

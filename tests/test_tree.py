@@ -1,6 +1,7 @@
 """Tree construction, tree masks and acceptance, against brute-force references."""
 
 
+import math
 import pytest
 import torch
 
@@ -11,6 +12,8 @@ from modeling_jetspec.tree import (
     check_tree_shape,
     entropy,
     lookup_continuation,
+    lookup_logprobs,
+    lookup_match,
     marginal_children,
     max_tree_nodes,
     tree_key,
@@ -206,6 +209,20 @@ def test_lookup_continuation_takes_the_most_recent_longest_match():
     assert lookup_continuation([5, 1, 2, 6, 2], 3) == [6, 2]  # no 3- or 2-gram match: the last 1-gram
     assert lookup_continuation([1, 2, 3], 4) == []
     assert lookup_continuation([4], 4) == []
+    # the match's order comes with it
+    assert lookup_match(seq, 2) == ([4, 5], 3)
+    assert lookup_match([5, 1, 2, 6, 2], 3) == ([6, 2], 1)
+    assert lookup_match([5, 1, 2, 6, 1, 2], 3) == ([6, 1, 2], 2)
+    assert lookup_match([1, 2, 3], 4) == ([], 0)
+
+
+def test_lookup_logprobs_are_the_prior_s_conditional_odds():
+    prior = [[0.25, 0.125], [0.5, 0.4, 0.3], [0.9, 0.81]]
+    assert lookup_logprobs(prior, 1, 2) == pytest.approx([math.log(0.25), math.log(0.5)])
+    assert lookup_logprobs(prior, 2, 3) == pytest.approx([math.log(0.5), math.log(0.8), math.log(0.75)])
+    # past the measured depths: the last ratio again; their sum is the chain's whole log-odds
+    assert lookup_logprobs(prior, 3, 4) == pytest.approx([math.log(0.9)] * 4)
+    assert lookup_logprobs(prior, 3, 0) == []
 
 
 def test_lookup_chain_comes_first_and_the_head_fills_the_budget():
@@ -224,3 +241,37 @@ def test_lookup_chain_comes_first_and_the_head_fills_the_budget():
     # no chain: the head's own tree
     plain = build_tree(with_lookup(children, []), budget=6, depth=3)
     assert plain.tokens == build_tree(children, budget=6, depth=3).tokens
+
+
+def test_a_scored_lookup_chain_takes_only_the_nodes_it_earns():
+    top_lp = torch.log(torch.tensor([[0.6, 0.3, 0.1]] * 3))
+    top_tok = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    children = marginal_children(top_lp, top_tok, torch.zeros(3))
+    chain = [12, 99, 98]
+    # a likely chain (0.95 per token) outranks everything: built first, as an unscored one
+    sure = build_tree(with_lookup(children, chain, [math.log(0.95)] * 3), budget=5, depth=3)
+    assert sure.tokens[:3] == chain and sure.parents[:3] == [0, 1, 2]
+    # an unlikely one (0.05 at depth 1) loses to the head's nodes: a budget of 3 holds none of it
+    weak = with_lookup(children, chain, [math.log(0.05), math.log(0.9), math.log(0.9)])
+    assert build_tree(weak, budget=3, depth=3).tokens == build_tree(children, budget=3, depth=3).tokens
+    # children lists stay sorted, and a chain token the head also proposes keeps the higher of the two scores
+    lps, toks, _ = weak(())
+    assert list(lps) == sorted(lps, reverse=True) and toks.count(12) == 1
+    assert lps[toks.index(12)] == pytest.approx(math.log(0.1))
+    lps, toks, _ = weak((12,))
+    assert toks[0] == 99 and lps[0] == pytest.approx(math.log(0.9)) and len(toks) == 4
+    # off the chain's path: the head's candidates only
+    assert weak((10,))[1] == children((10,))[1]
+
+
+def test_the_lookup_prior_comes_from_the_head_unless_the_call_sets_it():
+    from modeling_jetspec import JetSpecConfig
+    from modeling_jetspec.generation_jetspec import resolve_tree_shape
+
+    prior = [[0.2], [0.5], [0.9]]
+    config = JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
+                           block_size=8, tree_lookup=3, tree_lookup_prior=prior)
+    assert resolve_tree_shape(config).lookup_prior == prior
+    assert resolve_tree_shape(config, tree_lookup_prior=False).lookup_prior is None  # the chain first, this call
+    assert resolve_tree_shape(config, tree_lookup_prior=[[0.1]]).lookup_prior == [[0.1]]
+    assert JetSpecConfig.from_dict(config.to_dict()).tree_lookup_prior == prior  # saved with the head

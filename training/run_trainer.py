@@ -34,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jetspec.targets import load_target  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
+from training.lookup_prior import measure_lookup_prior  # noqa: E402
 from training.losses import chain_accept_length  # noqa: E402
 from training.regen import COMPACT_SUFFIX, SHARD_GLOB, load_compact, load_regenerated  # noqa: E402
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import JetSpecArguments, JetSpecTrainer, split_train_eval, unwrap_head  # noqa: E402
 
+LOOKUP_PRIOR_ROWS = 1000  # training rows the lookup prior is measured on (about 5 s per 1,000 rows)
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 LOSS_NAMES = {
     "fkl": "forward KL(p_target || q_draft) on every MASK slot (soft labels)",
@@ -236,6 +238,12 @@ def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push
     final = unwrap_head(trainer.model)
     if jargs.use_lora:
         final = trainer.model.merge_and_unload()  # a plain head: the Hub folder needs no peft to load
+    # the odds of prompt-lookup chains on the target's own answers: the head scores its lookup branch with them
+    sample = train_set.select(range(min(LOOKUP_PRIOR_ROWS, len(train_set))))
+    lookup = measure_lookup_prior(zip(sample["input_ids"], sample["prompt_length"]), final.config.tree_depth)
+    if lookup["prior"] is not None:
+        final.config.tree_lookup_prior = [[round(x, 4) for x in row] for row in lookup["prior"]]
+    metrics["lookup_matches_per_order"] = lookup["matches"]
     final.save_pretrained(out)
     measured = None
     if jargs.measure_tau_prompts > 0 and eval_set is not None:
@@ -247,7 +255,7 @@ def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push
         out,
         jargs.card_template,
         base_model=base_model,
-        repo_id=repo_id or f"<your-org>/{out.name}",
+        repo_id=repo_id or f"<your-org>/jetspec-{Path(str(jargs.target)).name}",  # a placeholder id until pushed
         max_depth=final.config.block_size - 1,
         num_hidden_layers=final.config.num_hidden_layers,
         block_size=final.config.block_size,
