@@ -17,8 +17,8 @@ Methods:
 - `auto`: the head with `tree_budget="auto"`.
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
   `tree-B` without it.
-- `lookup`: the tree with a prompt-lookup branch of D tokens (`tree_lookup=D`, `tree-B-lookup`), one method per
-  budget: the head and transformers-style n-gram drafting in one verify forward. With the head's
+- `lookup`: the tree with a prompt-lookup branch of L tokens (`tree_lookup=L`, the head's default, else the tree
+  depth; `tree-B-lookup`), one method per budget: the head and transformers-style n-gram drafting in one verify forward. With the head's
   `tree_lookup_prior` the chain's tokens compete with the head's nodes at their measured odds.
 - `lookup_first`: the same with `tree_lookup_prior=False` (`tree-B-lookup-first`): the whole chain first, whatever
   its odds (the ablation of the prior).
@@ -98,11 +98,12 @@ class Method:
 
 
 def build_methods(
-    kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32
+    kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32,
+    lookup_tokens: Optional[int] = None,
 ) -> list[Method]:
     """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget;
     `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting; `"lookup"` expands to one
-    tree per budget with a prompt-lookup branch of `chain_depth` tokens). `chain`, `tree-B`, `auto` and `tree-B-pc`
+    tree per budget with a prompt-lookup branch of `lookup_tokens` tokens, by default `chain_depth`). `chain`, `tree-B`, `auto` and `tree-B-pc`
     measure the head alone: they set `tree_lookup=0` whatever the head's default."""
     unknown = [k for k in kinds if k not in METHOD_KINDS]
     if unknown:
@@ -111,6 +112,7 @@ def build_methods(
         raise ValueError(f"expected 'plain' among the methods (every output is checked against it), got {list(kinds)}")
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"expected each method once, got {list(kinds)}")
+    lookup_tokens = lookup_tokens or chain_depth
     methods = []
     for kind in kinds:
         if kind == "plain":
@@ -133,13 +135,14 @@ def build_methods(
             ))
         elif kind == "lookup":
             for b in budgets:
-                methods.append(Method(f"tree-{b}-lookup", kind, {"tree_budget": b, "tree_lookup": chain_depth},
+                methods.append(Method(f"tree-{b}-lookup", kind, {"tree_budget": b, "tree_lookup": lookup_tokens},
                                       uses_head=True, budget=b))
         elif kind == "lookup_first":
             for b in budgets:
                 methods.append(Method(
                     f"tree-{b}-lookup-first", kind,
-                    {"tree_budget": b, "tree_lookup": chain_depth, "tree_lookup_prior": False}, uses_head=True, budget=b,
+                    {"tree_budget": b, "tree_lookup": lookup_tokens, "tree_lookup_prior": False}, uses_head=True,
+                    budget=b,
                 ))
     return methods
 
@@ -447,7 +450,8 @@ def run_benchmark(
         )
     head.attach_target(target)
     chain_depth = head.config.tree_depth
-    plan = build_methods(list(methods), budgets, chain_depth, head.config.tree_budget)
+    # the lookup methods use the head's own chain length when it has one
+    plan = build_methods(list(methods), budgets, chain_depth, head.config.tree_budget, head.config.tree_lookup)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

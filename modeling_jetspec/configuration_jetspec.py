@@ -96,9 +96,9 @@ class JetSpecConfig(PretrainedConfig):
         path_conditioning (`bool`, *optional*, defaults to `False`):
             Rescore the tree with a second draft pass whose MASK probes see their own branch's real tokens.
         tree_lookup (`int`, *optional*, defaults to 0):
-            Put a prompt-lookup branch first in every tree: the up to `tree_lookup` tokens that followed the last
-            earlier occurrence of the sequence's final 3 (else 2, 1) tokens, then the head's best nodes up to
-            `tree_budget`. 0 drafts with the head alone.
+            Add a prompt-lookup branch to every tree: the up to `tree_lookup` tokens (at most 64, possibly more than
+            `tree_depth`) that followed the last earlier occurrence of the sequence's final 3 (else 2, 1) tokens,
+            with the head's best nodes up to `tree_budget`. 0 drafts with the head alone.
         tree_lookup_prior (`list[list[float]]`, *optional*):
             How often a prompt-lookup chain is accepted, per match order: `tree_lookup_prior[n - 1][k - 1]` is the
             fraction of chains from an n-gram match (n = 1, 2, 3) with at least k tokens accepted, measured on the

@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .budget import DEFAULT_CANDIDATES, BudgetController, measure_verify_seconds
 from .timing import clock
 from .tree import (
+    Tree,
     ancestor_mask,
     build_tree,
     check_lookup_prior,
@@ -80,7 +81,7 @@ class TreeShape:
     budget: int | str  # B, draft nodes per tree (root excluded), or "auto" (chosen per round, see `budget.py`)
     scoring: str  # best-first key, see `tree.tree_key`
     path_conditioning: bool  # second draft pass with MASK probes under the tree's real tokens
-    lookup: int = 0  # tokens of the prompt-lookup branch in every tree (0: none)
+    lookup: int = 0  # tokens of the prompt-lookup branch in every tree (0: none); may exceed `depth`
     lookup_prior: list | None = None  # acceptance odds of lookup chains per match order; None: the chain goes first
 
 
@@ -356,7 +357,8 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
             logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
             merged.append(with_lookup(fn, chain, logprobs))
         children = merged
-    trees = [build_tree(children[i], budget, shape.depth, shape.scoring) for i in range(a)]
+    deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
+    trees = [build_tree(children[i], budget, deepest, shape.scoring) for i in range(a)]
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
     return _stack_trees(trees, budget, device)
@@ -543,7 +545,8 @@ def _decode(
     want_records = generation_config.return_dict_in_generate and (
         generation_config.output_scores or generation_config.output_logits
     )
-    stats = JetSpecStats(target_forwards=1, accepted_at_depth=[0] * shape.depth)  # the prefill is a forward
+    # the prefill is a forward; a lookup chain may be accepted past the head's depths
+    stats = JetSpecStats(target_forwards=1, accepted_at_depth=[0] * max(shape.depth, shape.lookup))
     started = clock()
     state, first_logits = _prefill(head, target, input_ids, model_kwargs.get("attention_mask"), generation_config)
     first_scores = logits_processor(input_ids, first_logits)  # (B, V): every row has the same length here
@@ -697,9 +700,19 @@ def _budget_controller(head, target, shape: TreeShape, batch: int) -> BudgetCont
 
 
 def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
-    sizes = {len(t.tokens) for t in trees}
-    if len(sizes) != 1:
-        raise ValueError(f"expected trees of one size per round, got sizes {sorted(sizes)}")
+    """One batch of trees. A tree short of the others' size (a row whose lookup chain added fewer nodes, or none) is
+    padded with copies of its last node: same token, parent and position, so the same keys and logits, and acceptance
+    takes the first of equal nodes; the copies only cost verify width."""
+    size = max(len(t.tokens) for t in trees)
+    if any(not t.tokens for t in trees):
+        raise ValueError(f"expected at least one draft node per tree, got sizes {[len(t.tokens) for t in trees]}")
+    trees = [
+        t if len(t.tokens) == size else Tree(
+            t.tokens + [t.tokens[-1]] * (size - len(t.tokens)), t.parents + [t.parents[-1]] * (size - len(t.tokens)),
+            t.depths + [t.depths[-1]] * (size - len(t.tokens)), t.scores + [t.scores[-1]] * (size - len(t.tokens)),
+        )
+        for t in trees
+    ]
     parents = torch.tensor([t.parents for t in trees], dtype=torch.long, device=device)  # (A, n)
     return DraftTrees(
         tokens=torch.tensor([t.tokens for t in trees], dtype=torch.long, device=device),

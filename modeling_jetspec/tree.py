@@ -29,6 +29,9 @@ class Tree:
     scores: list[float]  # (n,) best-first key of node i + 1
 
 
+MAX_TREE_LOOKUP = 64  # the longest prompt-lookup chain (transformers' prompt lookup drafts 10 tokens by default)
+
+
 def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False,
                      lookup: int = 0):
     """The one validation of tree arguments (per call and on the head's config); raises a `ValueError`.
@@ -42,8 +45,10 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
         path_conditioning (`bool`, *optional*, defaults to `False`): the second, path-conditioned draft pass. It
             rebuilds the tree from probes placed under the first tree, so a smaller budget's tree is not a prefix of
             a larger one's, which the measured budget (`"auto"`) relies on: the two are rejected together.
-        lookup (`int`, *optional*, defaults to 0): tokens of the prompt-lookup branch, in `[0, depth]` (0: none).
-            Its nodes come first in every tree, which path conditioning would rebuild away: also rejected together.
+        lookup (`int`, *optional*, defaults to 0): tokens of the prompt-lookup branch, in `[0, MAX_TREE_LOOKUP]`
+            (0: none). It may run deeper than `depth`: past the head's depths the chain alone continues. Its nodes
+            are placed before the head's ranks would put them, which path conditioning would rebuild away: also
+            rejected together.
     """
     if not isinstance(depth, int) or not 1 <= depth <= block_size - 1:
         raise ValueError(
@@ -55,8 +60,8 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
         raise ValueError(f"expected tree_budget >= 1 draft node or 'auto', got {budget!r}")
     if scoring not in TREE_SCORINGS:
         raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {scoring!r}")
-    if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= depth:
-        raise ValueError(f"expected tree_lookup in [0, {depth}] (the tree depth), got {lookup!r}")
+    if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_TREE_LOOKUP:
+        raise ValueError(f"expected tree_lookup in [0, {MAX_TREE_LOOKUP}] (tokens of the lookup chain), got {lookup!r}")
     if lookup and path_conditioning:
         raise ValueError(
             "expected tree_lookup=0 with path_conditioning=True (the second pass rebuilds the tree from the head's "

@@ -53,7 +53,8 @@ def tiny_pair():
     # suite prompts run to ~1,400 characters (one token each): room for them plus the answer
     target = tiny_target("llama", max_position_embeddings=4096)
     # a default prompt-lookup branch, as the shipped head has: the head-only methods must switch it off
-    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12, tree_lookup=4,
+    # and a chain (6) longer than the head's depth (4): the lookup methods take the head's chain length
+    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12, tree_lookup=6,
                              tree_lookup_prior=[[0.2, 0.1], [0.5, 0.3], [0.9, 0.8]])
 
 
@@ -107,13 +108,13 @@ def test_every_method_reproduces_plain_greedy(run):
                        "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first"}
     arguments = results["config"]["method_arguments"]
     assert arguments["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True, "tree_lookup": 0}
-    assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 4}  # the head's prior scores the chain
-    assert arguments["tree-4-lookup-first"] == {"tree_budget": 4, "tree_lookup": 4, "tree_lookup_prior": False}
+    assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 6}  # the head's prior scores the chain
+    assert arguments["tree-4-lookup-first"] == {"tree_budget": 4, "tree_lookup": 6, "tree_lookup_prior": False}
     # chain, tree-B, auto and tree-B-pc measure the head alone although the head's default has a lookup branch
     for name in ("chain", "tree-4", "tree-12", "auto", "tree-12-pc"):
         assert arguments[name]["tree_lookup"] == 0, name
     assisted_lookups = {key.get("tree_lookup") for _, key, assisted, _ in calls if assisted}
-    assert assisted_lookups == {0, 4}
+    assert assisted_lookups == {0, 6}
     assert all(r["equality"] == "exact" for r in results["prompts"])  # float32: bitwise
     for name in methods:
         assert sum(r["method"] == name for r in results["prompts"]) == 2 * len(SUITES)
@@ -153,9 +154,10 @@ def test_results_json_has_every_field(run):
             if name in HEAD_METHODS:
                 rows = [r for r in on_disk["prompts"] if r["method"] == name and (suite == "all" or r["suite"] == suite)]
                 assert agg["tau_mean"] == pytest.approx(sum(r["tau"] for r in rows) / len(rows))
-                assert 1 <= len(agg["acceptance_per_depth"]) <= 4 and agg["budget_mean"] >= 1
+                deepest = 6 if "lookup" in name else 4  # the lookup chain (6) runs past the head's depth (4)
+                assert 1 <= len(agg["acceptance_per_depth"]) <= deepest and agg["budget_mean"] >= 1
                 if name != "auto":
-                    assert agg["limit_speedup"] > 0 and len(agg["acceptance_per_depth"]) == 4
+                    assert agg["limit_speedup"] > 0 and len(agg["acceptance_per_depth"]) == deepest
                     assert agg["budget_mean"] == (4 if name == "chain" else int(name.split("-")[1]))
             else:
                 assert agg["tau_mean"] is None
@@ -167,7 +169,7 @@ def test_results_json_has_every_field(run):
             # the prefill commits one token, each verify round (one target forward each) commits tau on average
             assert row["tau"] == pytest.approx((MAX_NEW - 1) / (row["target_forwards"] - 1))
             assert row["draft_seconds"] > 0 and row["verify_seconds"] > 0
-            assert 1 <= len(row["acceptance_per_depth"]) <= 4
+            assert 1 <= len(row["acceptance_per_depth"]) <= (6 if "lookup" in row["method"] else 4)
     # rotating order: over the prompts, plain runs in more than one slot
     assert len({r["slot"] for r in on_disk["prompts"] if r["method"] == "plain"}) > 1
 

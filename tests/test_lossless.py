@@ -281,7 +281,7 @@ def test_fuzz_random_settings_match_greedy(seed):
     ids, mask = prompts(batch, lengths=tuple(int(n) for n in torch.randint(1, 15, (3,), generator=g)), seed=seed)
     depth = pick([1, 2, 4, 7])
     shape = dict(tree_depth=depth, tree_width=pick([1, 2, 3, 5]), tree_budget=pick([1, 3, 8, 20, 40]),
-                 tree_lookup=pick([0, 0, depth, 1]))
+                 tree_lookup=pick([0, 0, depth, 1, 12]))  # 12: a chain past the head's depths
     kwargs = dict(max_new_tokens=pick([1, 5, 17, 30]))
     if pick([False, True]):
         kwargs.update(repetition_penalty=1.3)
@@ -336,3 +336,31 @@ def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch):
     alone = tiny_head(target, tree_depth=4, tree_budget=8)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=alone), plain)
     assert head.last_stats.target_forwards < alone.last_stats.target_forwards  # measured 12-16 vs 22-24 at batch 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_lookup_chain_past_the_head_s_depth_is_lossless_and_accepted(arch, batch):
+    """A head of depth 2 with a 12-token lookup chain: on a prompt that repeats, rounds accept past depth 2."""
+    target = tiny_target(arch)
+    ids, mask = prompts(batch)
+    ids = torch.cat([ids] + [ids[:, -8:]] * 4, dim=1)  # the last 8 tokens four more times
+    mask = torch.cat([mask] + [mask[:, -8:]] * 4, dim=1)
+    plain = greedy(target, ids, mask, max_new_tokens=40)
+    for prior in (None, [[0.2], [0.5], [0.95]]):
+        head = tiny_head(target, tree_depth=2, tree_budget=16, tree_lookup=12, tree_lookup_prior=prior)
+        assert torch.equal(greedy(target, ids, mask, max_new_tokens=40, assistant_model=head), plain), prior
+        stats = head.last_stats
+        assert len(stats.acceptance_per_depth) == 12
+        assert stats.acceptance_per_depth[2] > 0  # some round accepted a third drafted token: the chain's alone
+
+
+def test_rows_whose_lookup_chains_differ_in_length_share_a_round():
+    """Width 1, depth 1: the head gives every tree one node, the lookup chain 0-6 more depending on the row, so one
+    round's trees differ in size; the shorter ones are padded with copies of their last node."""
+    target = tiny_target("llama")
+    ids, mask = prompts(3)
+    ids[0, -4:] = ids[0, -8:-4]  # row 0 repeats itself: long chains; rows 1 and 2 are random
+    plain = greedy(target, ids, mask, max_new_tokens=30)
+    head = tiny_head(target, tree_depth=1, tree_width=1, tree_budget=8, tree_lookup=6)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head), plain)

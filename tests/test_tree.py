@@ -190,8 +190,8 @@ def test_vectorized_greedy_acceptance_equals_the_walk(seed):
         ((4, 3, 0, "logprob", 8), "tree_budget >= 1 draft node or 'auto', got 0"),
         ((4, 3, True, "logprob", 8), "tree_budget >= 1 draft node or 'auto', got True"),
         ((4, 3, 8, "random", 8), "tree_scoring in .*got 'random'"),
-        ((4, 3, 8, "logprob", 8, False, 5), r"tree_lookup in \[0, 4\] \(the tree depth\), got 5"),
-        ((4, 3, 8, "logprob", 8, False, -1), r"tree_lookup in \[0, 4\]"),
+        ((4, 3, 8, "logprob", 8, False, 65), r"tree_lookup in \[0, 64\] \(tokens of the lookup chain\), got 65"),
+        ((4, 3, 8, "logprob", 8, False, -1), r"tree_lookup in \[0, 64\]"),
         ((4, 3, 8, "logprob", 8, True, 2), "tree_lookup=0 with path_conditioning=True"),
     ],
 )

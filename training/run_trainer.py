@@ -240,7 +240,8 @@ def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push
         final = trainer.model.merge_and_unload()  # a plain head: the Hub folder needs no peft to load
     # the odds of prompt-lookup chains on the target's own answers: the head scores its lookup branch with them
     sample = train_set.select(range(min(LOOKUP_PRIOR_ROWS, len(train_set))))
-    lookup = measure_lookup_prior(zip(sample["input_ids"], sample["prompt_length"]), final.config.tree_depth)
+    depth = max(final.config.tree_depth, final.config.tree_lookup)
+    lookup = measure_lookup_prior(zip(sample["input_ids"], sample["prompt_length"]), depth)
     if lookup["prior"] is not None:
         final.config.tree_lookup_prior = [[round(x, 4) for x in row] for row in lookup["prior"]]
     metrics["lookup_matches_per_order"] = lookup["matches"]

@@ -1,0 +1,108 @@
+"""Decoding settings of a head side by side on held-out regenerated prompts (never the benchmark suites): tau and
+speed over plain greedy, every setting on every prompt in one process, in an order that rotates per prompt.
+
+    python scripts/ablate_decoding.py --out results/ablation-decoding --prompts 12 --max-new-tokens 128
+
+The prompts are the held-out rows of the training data (the trainer's hash split), so the defaults chosen here are
+not tuned on the evaluation suites. Each setting is a set of `generate` tree arguments (see SETTINGS).
+Results: OUT/decoding.json and OUT/decoding.md.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from jetspec.cli import load_head  # noqa: E402
+from jetspec.targets import load_target, resolve_dtype  # noqa: E402
+from modeling_jetspec.timing import clock  # noqa: E402
+from training.regen import COMPACT_SUFFIX, load_compact, load_regenerated  # noqa: E402
+from training.trainer import split_train_eval  # noqa: E402
+
+SETTINGS = {
+    "tree-16": {"tree_budget": 16, "tree_lookup": 0},
+    "tree-16-lookup7-first": {"tree_budget": 16, "tree_lookup": 7, "tree_lookup_prior": False},
+    "tree-16-lookup7": {"tree_budget": 16, "tree_lookup": 7},
+    "tree-16-lookup12": {"tree_budget": 16, "tree_lookup": 12},
+    "tree-16-lookup16": {"tree_budget": 16, "tree_lookup": 16},
+    "tree-24-lookup16": {"tree_budget": 24, "tree_lookup": 16},
+    "tree-8-lookup12": {"tree_budget": 8, "tree_lookup": 12},
+}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head", default=str(REPO / "jetspec/heads/smollm2-135m"))
+    parser.add_argument("--data", default=str(REPO / "training/data/smollm2-135m-mix.npz"))
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=sorted(SETTINGS))
+    parser.add_argument("--out", default="results/ablation-decoding")
+    args = parser.parse_args(argv)
+    dtype, reason = resolve_dtype(args.dtype)
+    target, tokenizer = load_target(dtype=dtype)
+    head = load_head(Path(args.head), target)
+    data = load_compact(args.data) if args.data.endswith(COMPACT_SUFFIX) else load_regenerated(args.data)
+    _, held_out = split_train_eval(data.select_columns(["id", "input_ids", "prompt_length"]), 0.02, 0)
+    rows = held_out.select(range(min(args.prompts, len(held_out))))
+    names = ["plain"] + list(args.settings)
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
+    per = {name: {"speedup": [], "tau": []} for name in names}
+    warm = torch.tensor([rows[0]["input_ids"][: rows[0]["prompt_length"]]])
+    for name in names:  # untimed warm-up of every setting
+        extra = {} if name == "plain" else dict(SETTINGS[name], assistant_model=head)
+        target.generate(input_ids=warm, attention_mask=torch.ones_like(warm), **dict(common, max_new_tokens=8), **extra)
+    for i, row in enumerate(tqdm(rows, desc="prompts")):
+        ids = torch.tensor([row["input_ids"][: row["prompt_length"]]])
+        order = names[i % len(names):] + names[: i % len(names)]  # rotate: drifts fall on every setting alike
+        seconds, outputs = {}, {}
+        for name in order:
+            extra = {} if name == "plain" else dict(SETTINGS[name], assistant_model=head)
+            started = clock()
+            out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **common, **extra)
+            seconds[name] = clock() - started
+            outputs[name] = out[0, ids.shape[1]:]
+            if name != "plain":
+                per[name]["tau"].append(head.last_stats.tau)
+        for name in names:
+            n = min(len(outputs[name]), len(outputs["plain"]))
+            per[name]["speedup"].append((len(outputs[name]) / seconds[name]) / (len(outputs["plain"]) / seconds["plain"]))
+            per[name].setdefault("same_prefix", []).append(bool(torch.equal(outputs[name][:n], outputs["plain"][:n])))
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "dtype": str(dtype), "dtype_reason": reason, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+        "head": args.head, "settings": {k: SETTINGS[k] for k in args.settings},
+        "results": {
+            name: {
+                "speedup_median": statistics.median(v["speedup"]),
+                "tau_mean": statistics.fmean(v["tau"]) if v["tau"] else None,
+                "outputs_equal_plain": sum(v["same_prefix"]),
+            }
+            for name, v in per.items()
+        },
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decoding.json").write_text(json.dumps(summary, indent=1) + "\n")
+    lines = [f"# Decoding settings on {len(rows)} held-out regenerated prompts, {args.max_new_tokens} new tokens, "
+             f"{dtype}", "", f"`{summary['command']}`", "",
+             "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |", "|---|---|---|---|---|"]
+    for name, r in summary["results"].items():
+        tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
+        lines.append(f"| {name} | {SETTINGS.get(name, {})} | {r['speedup_median']:.2f}x | {tau} | "
+                     f"{r['outputs_equal_plain']}/{len(rows)} |")
+    (out / "decoding.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
