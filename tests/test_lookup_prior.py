@@ -31,3 +31,21 @@ def test_bad_input_is_named():
         measure_lookup_prior([([1, 2], 5)], depth=2)
     # no match at all: nothing to score by
     assert measure_lookup_prior([([1, 2, 3, 4], 2)], depth=2) == {"prior": None, "matches": [0, 0, 0], "positions": 2}
+
+
+def test_the_command_writes_the_odds_into_a_saved_head_s_config(tmp_path, capsys):
+    from test_training import regenerated_rows, sharp_target, write_shards
+    from tiny import tiny_head
+
+    from modeling_jetspec import JetSpecDraftModel
+    from training.lookup_prior import main
+
+    target = sharp_target()
+    data = write_shards(tmp_path / "regen", regenerated_rows(target, count=12))
+    tiny_head(target).save_pretrained(tmp_path / "head")
+    assert main(["--data", str(data), "--head", str(tmp_path / "head"), "--depth", "5"]) == 0
+    head = JetSpecDraftModel.from_pretrained(tmp_path / "head")
+    prior = head.config.tree_lookup_prior
+    assert len(prior) == 3 and all(len(row) == 5 for row in prior)
+    assert all(0 < b <= a <= 1 for row in prior for a, b in zip(row, row[1:]))
+    assert '"tree_lookup_prior"' in capsys.readouterr().out
