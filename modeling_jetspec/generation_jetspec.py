@@ -706,13 +706,13 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
     size = max(len(t.tokens) for t in trees)
     if any(not t.tokens for t in trees):
         raise ValueError(f"expected at least one draft node per tree, got sizes {[len(t.tokens) for t in trees]}")
-    trees = [
-        t if len(t.tokens) == size else Tree(
-            t.tokens + [t.tokens[-1]] * (size - len(t.tokens)), t.parents + [t.parents[-1]] * (size - len(t.tokens)),
-            t.depths + [t.depths[-1]] * (size - len(t.tokens)), t.scores + [t.scores[-1]] * (size - len(t.tokens)),
-        )
-        for t in trees
-    ]
+
+    def padded(t: Tree) -> Tree:
+        extra = size - len(t.tokens)
+        return Tree(t.tokens + t.tokens[-1:] * extra, t.parents + t.parents[-1:] * extra,
+                    t.depths + t.depths[-1:] * extra, t.scores + t.scores[-1:] * extra)
+
+    trees = [padded(t) for t in trees]
     parents = torch.tensor([t.parents for t in trees], dtype=torch.long, device=device)  # (A, n)
     return DraftTrees(
         tokens=torch.tensor([t.tokens for t in trees], dtype=torch.long, device=device),
