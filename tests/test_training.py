@@ -4,6 +4,7 @@ that reloads and decodes losslessly, LoRA, 1 vs 2 processes, shipping, and bad i
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -300,7 +301,7 @@ def test_two_process_run_matches_one_process_with_the_doubled_batch(tmp_path):
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(REPO / "training" / "run_trainer.py"), *common, "--output_dir", str(tmp_path / "two"),
                "--per_device_train_batch_size", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    result = run_bounded(command, env, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     two = losses_of(json.loads((tmp_path / "two" / "training_log.json").read_text()))
 
@@ -310,6 +311,29 @@ def test_two_process_run_matches_one_process_with_the_doubled_batch(tmp_path):
     assert "world size 2" in result.stdout + result.stderr  # really two processes, not one of each
     assert len(set(one)) > 1  # the head learns; a flat curve would match trivially
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=TWO_PROCESS_TOLERANCE, atol=0.0)
+
+
+def run_bounded(command, env, timeout: int) -> subprocess.CompletedProcess:
+    """Run `command` in its own process group. If it outlives `timeout`, every process of the group (launcher and
+    workers) gets SIGABRT, so faulthandler prints where each one hung, then SIGKILL: no worker is left behind holding
+    the rendezvous port, and the failure shows the stacks."""
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+        pytest.fail(f"expected the launch to finish within {timeout} s, it hung; stacks:\n{(err or '')[-8000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 # -------------------------------------------------------------------------------------------------------- shipping
