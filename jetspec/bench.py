@@ -18,8 +18,9 @@ Methods:
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
   `tree-B` without it.
 - `lookup`: the tree with a prompt-lookup branch of L tokens (`tree_lookup=L`, the head's default, else the tree
-  depth; `tree-B-lookup`), one method per budget: the head and transformers-style n-gram drafting in one verify forward. With the head's
-  `tree_lookup_prior` the chain's tokens compete with the head's nodes at their measured odds.
+  depth; `tree-B-lookup`), one method per budget: the head and transformers-style n-gram drafting in one verify
+  forward. With the head's `tree_lookup_prior` the chain's tokens compete with the head's nodes at their measured
+  odds.
 - `lookup_first`: the same with `tree_lookup_prior=False` (`tree-B-lookup-first`): the whole chain first, whatever
   its odds (the ablation of the prior).
 
@@ -103,8 +104,8 @@ def build_methods(
 ) -> list[Method]:
     """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget;
     `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting; `"lookup"` expands to one
-    tree per budget with a prompt-lookup branch of `lookup_tokens` tokens, by default `chain_depth`). `chain`, `tree-B`, `auto` and `tree-B-pc`
-    measure the head alone: they set `tree_lookup=0` whatever the head's default."""
+    tree per budget with a prompt-lookup branch of `lookup_tokens` tokens, by default `chain_depth`). `chain`,
+    `tree-B`, `auto` and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default."""
     unknown = [k for k in kinds if k not in METHOD_KINDS]
     if unknown:
         raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
@@ -124,7 +125,8 @@ def build_methods(
             methods.append(Method("chain", kind, shape, uses_head=True, budget=chain_depth))
         elif kind == "tree":
             for b in budgets:
-                methods.append(Method(f"tree-{b}", kind, {"tree_budget": b, "tree_lookup": 0}, uses_head=True, budget=b))
+                methods.append(Method(f"tree-{b}", kind, {"tree_budget": b, "tree_lookup": 0}, uses_head=True,
+                                      budget=b))
         elif kind == "auto":
             methods.append(Method("auto", kind, {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True))
         elif kind == "path_conditioning":

@@ -28,6 +28,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .budget import DEFAULT_CANDIDATES, BudgetController, measure_verify_seconds
 from .timing import clock
 from .tree import (
+    LOOKUP_MAX_NGRAM,
     Tree,
     ancestor_mask,
     build_tree,
@@ -353,7 +354,7 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
         prior = shape.lookup_prior
         merged = []
         for fn, seq in zip(children, sequences):
-            chain, order = lookup_match(seq, shape.lookup, max_ngram=len(prior) if prior else 3)
+            chain, order = lookup_match(seq, shape.lookup, max_ngram=len(prior) if prior else LOOKUP_MAX_NGRAM)
             logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
             merged.append(with_lookup(fn, chain, logprobs))
         children = merged

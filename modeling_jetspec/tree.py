@@ -30,6 +30,7 @@ class Tree:
 
 
 MAX_TREE_LOOKUP = 64  # the longest prompt-lookup chain (transformers' prompt lookup drafts 10 tokens by default)
+LOOKUP_MAX_NGRAM = 3  # prompt lookup matches the last 3, else 2, else 1 tokens; a lookup prior has a row per order
 
 
 def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False,
@@ -80,7 +81,7 @@ def check_lookup_prior(prior):
     if prior is None:
         return
     expected = "None or 1-3 lists (n-gram orders 1, 2, 3) of non-increasing fractions in (0, 1]"
-    if not isinstance(prior, (list, tuple)) or not 1 <= len(prior) <= 3:
+    if not isinstance(prior, (list, tuple)) or not 1 <= len(prior) <= LOOKUP_MAX_NGRAM:
         raise ValueError(f"expected tree_lookup_prior {expected}, got {prior!r}")
     for row in prior:
         ok = isinstance(row, (list, tuple)) and len(row) > 0 and all(
@@ -169,7 +170,7 @@ def marginal_children(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, en
     return children
 
 
-def lookup_match(sequence: list, count: int, max_ngram: int = 3) -> tuple[list, int]:
+def lookup_match(sequence: list, count: int, max_ngram: int = LOOKUP_MAX_NGRAM) -> tuple[list, int]:
     """Prompt lookup (n-gram) drafting over a row's own tokens: the `count` tokens that followed the most recent
     earlier occurrence of the sequence's last n tokens, trying n = `max_ngram` down to 1, and that n (the match's
     order); `([], 0)` without a match.
@@ -186,11 +187,6 @@ def lookup_match(sequence: list, count: int, max_ngram: int = 3) -> tuple[list, 
             if sequence[start : start + n] == suffix:
                 return list(sequence[start + n : start + n + count]), n
     return [], 0
-
-
-def lookup_continuation(sequence: list, count: int, max_ngram: int = 3) -> list:
-    """The continuation of [`lookup_match`] alone."""
-    return lookup_match(sequence, count, max_ngram)[0]
 
 
 def lookup_logprobs(prior, order: int, length: int) -> list:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 from jetspec.cli import load_head  # noqa: E402
 from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec.timing import clock  # noqa: E402
-from training.regen import COMPACT_SUFFIX, load_compact, load_regenerated  # noqa: E402
+from training.regen import load_source  # noqa: E402
 from training.trainer import split_train_eval  # noqa: E402
 
 SETTINGS = {
@@ -50,12 +50,12 @@ def main(argv=None) -> dict:
     dtype, reason = resolve_dtype(args.dtype)
     target, tokenizer = load_target(dtype=dtype)
     head = load_head(Path(args.head), target)
-    data = load_compact(args.data) if args.data.endswith(COMPACT_SUFFIX) else load_regenerated(args.data)
+    data = load_source(args.data)
     _, held_out = split_train_eval(data.select_columns(["id", "input_ids", "prompt_length"]), 0.02, 0)
     rows = held_out.select(range(min(args.prompts, len(held_out))))
     names = ["plain"] + list(args.settings)
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
-    per = {name: {"speedup": [], "tau": []} for name in names}
+    per = {name: {"speedup": [], "tau": [], "same_prefix": []} for name in names}
     warm = torch.tensor([rows[0]["input_ids"][: rows[0]["prompt_length"]]])
     for name in names:  # untimed warm-up of every setting
         extra = {} if name == "plain" else dict(SETTINGS[name], assistant_model=head)
@@ -74,8 +74,9 @@ def main(argv=None) -> dict:
                 per[name]["tau"].append(head.last_stats.tau)
         for name in names:
             n = min(len(outputs[name]), len(outputs["plain"]))
-            per[name]["speedup"].append((len(outputs[name]) / seconds[name]) / (len(outputs["plain"]) / seconds["plain"]))
-            per[name].setdefault("same_prefix", []).append(bool(torch.equal(outputs[name][:n], outputs["plain"][:n])))
+            rate, plain_rate = len(outputs[name]) / seconds[name], len(outputs["plain"]) / seconds["plain"]
+            per[name]["speedup"].append(rate / plain_rate)
+            per[name]["same_prefix"].append(bool(torch.equal(outputs[name][:n], outputs["plain"][:n])))
     summary = {
         "command": "python " + " ".join(sys.argv),
         "dtype": str(dtype), "dtype_reason": reason, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
@@ -94,7 +95,8 @@ def main(argv=None) -> dict:
     (out / "decoding.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"# Decoding settings on {len(rows)} held-out regenerated prompts, {args.max_new_tokens} new tokens, "
              f"{dtype}", "", f"`{summary['command']}`", "",
-             "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |", "|---|---|---|---|---|"]
+             "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |",
+             "|---|---|---|---|---|"]
     for name, r in summary["results"].items():
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
         lines.append(f"| {name} | {SETTINGS.get(name, {})} | {r['speedup_median']:.2f}x | {tau} | "

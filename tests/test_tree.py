@@ -11,7 +11,6 @@ from modeling_jetspec.tree import (
     build_tree,
     check_tree_shape,
     entropy,
-    lookup_continuation,
     lookup_logprobs,
     lookup_match,
     marginal_children,
@@ -201,14 +200,14 @@ def test_tree_shape_checks(args, message):
     check_tree_shape(4, 3, "auto", "mixed", 8)  # and a valid shape passes
 
 
-def test_lookup_continuation_takes_the_most_recent_longest_match():
+def test_lookup_match_takes_the_most_recent_longest_match():
     # last 3 tokens (7, 8, 9) occurred at 1..3 and 6..8: the most recent one wins, continuation 4, 5, 6
     seq = [1, 7, 8, 9, 2, 3, 7, 8, 9, 4, 5, 6, 7, 8, 9]
-    assert lookup_continuation(seq, 2) == [4, 5]
-    assert lookup_continuation(seq, 10) == [4, 5, 6, 7, 8, 9]  # runs up to the end of the sequence
-    assert lookup_continuation([5, 1, 2, 6, 2], 3) == [6, 2]  # no 3- or 2-gram match: the last 1-gram
-    assert lookup_continuation([1, 2, 3], 4) == []
-    assert lookup_continuation([4], 4) == []
+    assert lookup_match(seq, 2)[0] == [4, 5]
+    assert lookup_match(seq, 10)[0] == [4, 5, 6, 7, 8, 9]  # runs up to the end of the sequence
+    assert lookup_match([5, 1, 2, 6, 2], 3)[0] == [6, 2]  # no 3- or 2-gram match: the last 1-gram
+    assert lookup_match([1, 2, 3], 4)[0] == []
+    assert lookup_match([4], 4)[0] == []
     # the match's order comes with it
     assert lookup_match(seq, 2) == ([4, 5], 3)
     assert lookup_match([5, 1, 2, 6, 2], 3) == ([6, 2], 1)

@@ -250,7 +250,7 @@ def main(argv=None) -> FeatureStore:
 
     from jetspec.targets import load_target
     from modeling_jetspec.configuration_jetspec import default_target_layer_ids
-    from training.regen import COMPACT_SUFFIX, load_compact, load_regenerated
+    from training.regen import load_source
 
     (args,) = HfArgumentParser(StoreArguments).parse_args_into_dataclasses(argv)
     if args.dtype not in ("float32", "bfloat16"):
@@ -260,7 +260,7 @@ def main(argv=None) -> FeatureStore:
     config = target.config.get_text_config()
     layer_ids = args.target_layer_ids or default_target_layer_ids(config.num_hidden_layers)
     for source in args.data:
-        rows = load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source)
+        rows = load_source(source)
         store = build_feature_store(target, layer_ids, rows.select_columns(["id", "input_ids"]), args.out,
                                     max_length=args.max_length, batch_tokens=args.batch_tokens,
                                     target_name=args.target)

@@ -21,12 +21,10 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_jetspec.tree import lookup_match  # noqa: E402
-
-MAX_NGRAM = 3
+from modeling_jetspec.tree import LOOKUP_MAX_NGRAM, lookup_match  # noqa: E402
 
 
-def measure_lookup_prior(rows, depth: int, max_ngram: int = MAX_NGRAM, progress: bool = False) -> dict:
+def measure_lookup_prior(rows, depth: int, max_ngram: int = LOOKUP_MAX_NGRAM, progress: bool = False) -> dict:
     """Survival fractions of lookup chains on answers, per match order.
 
     Args:
@@ -69,7 +67,7 @@ def measure_lookup_prior(rows, depth: int, max_ngram: int = MAX_NGRAM, progress:
     def survival(counts):
         total = counts.sum()
         at_least = np.cumsum(counts[::-1])[::-1][1:] / total  # P(accepted >= k), k = 1..depth
-        return [float(max(x, 1e-4)) for x in at_least]  # never 0: a log-prob must exist
+        return [round(float(max(x, 1e-4)), 4) for x in at_least]  # never 0: a log-prob must exist; 4 decimals
 
     prior = [survival(hist[n] if matches[n] else pooled) for n in range(max_ngram)]
     return {"prior": prior, "matches": [int(m) for m in matches], "positions": positions}
@@ -84,11 +82,11 @@ def main(argv=None) -> int:
                         help="longest chain measured (default 16; longer chains repeat the last ratio)")
     parser.add_argument("--eval_fraction", type=float, default=0.02, help="as the trainer's: its rows are skipped")
     args = parser.parse_args(argv)
-    from training.regen import COMPACT_SUFFIX, load_compact, load_regenerated
+    from training.regen import load_source
     from training.trainer import split_train_eval
 
     source = args.data
-    dataset = load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source)
+    dataset = load_source(source)
     train, _ = split_train_eval(dataset.select_columns(["id", "input_ids", "prompt_length"]), args.eval_fraction, 0)
     train = train.select(range(min(args.max_rows, len(train))))
     config_path = Path(args.head) / "config.json"
@@ -97,7 +95,7 @@ def main(argv=None) -> int:
     if result["prior"] is None:
         raise ValueError(f"expected lookup matches in the answers of {source}, got none in {result['positions']} "
                          "positions")
-    config["tree_lookup_prior"] = [[round(x, 4) for x in row] for row in result["prior"]]
+    config["tree_lookup_prior"] = result["prior"]
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     print(json.dumps({"matches_per_order": result["matches"], "positions": result["positions"],
                       "tree_lookup_prior": config["tree_lookup_prior"]}))

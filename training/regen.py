@@ -490,3 +490,9 @@ def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
         }
     )
     return datasets.Dataset.from_dict(rows, features=features)
+
+
+def load_source(source: Union[str, os.PathLike]) -> datasets.Dataset:
+    """Regenerated rows from either form: a compact file ([`load_compact`], `.npz`) or a regenerate folder of shards
+    ([`load_regenerated`])."""
+    return load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source)

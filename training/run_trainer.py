@@ -36,7 +36,7 @@ from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
 from training.losses import chain_accept_length  # noqa: E402
-from training.regen import COMPACT_SUFFIX, SHARD_GLOB, load_compact, load_regenerated  # noqa: E402
+from training.regen import COMPACT_SUFFIX, SHARD_GLOB, load_source  # noqa: E402
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import JetSpecArguments, JetSpecTrainer, split_train_eval, unwrap_head  # noqa: E402
 
@@ -127,8 +127,7 @@ def load_data(jargs: JetSpecArguments, seed: int):
             raise ValueError(f"expected regenerated rows in {folder}, got an empty dataset ({len(shards)} empty shards)")
     # a compact file (committed) or a regenerate folder (shards); training reads only these columns
     parts = [
-        (load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source))
-        .select_columns(["id", "input_ids", "prompt_length"])
+        load_source(source).select_columns(["id", "input_ids", "prompt_length"])
         for source in jargs.data
     ]
     dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
@@ -243,7 +242,7 @@ def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push
     depth = max(final.config.tree_depth, final.config.tree_lookup)
     lookup = measure_lookup_prior(zip(sample["input_ids"], sample["prompt_length"]), depth)
     if lookup["prior"] is not None:
-        final.config.tree_lookup_prior = [[round(x, 4) for x in row] for row in lookup["prior"]]
+        final.config.tree_lookup_prior = lookup["prior"]
     metrics["lookup_matches_per_order"] = lookup["matches"]
     final.save_pretrained(out)
     measured = None

@@ -488,8 +488,8 @@ class JetSpecTrainer(Trainer):
             table = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
             table[ids] = torch.arange(ids.numel(), device=labels.device)
             self._draft_table = (table, key)
-        table = self._draft_table
-        mapped = table[0][labels.clamp_min(0)].masked_fill(labels < 0, -100)
+        table, _ = self._draft_table
+        mapped = table[labels.clamp_min(0)].masked_fill(labels < 0, -100)
         if self.jetspec_args.loss == "sft":
             loss_mask = loss_mask & (mapped >= 0)
         return mapped, loss_mask
