@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-TREE_SCORINGS = ("logprob", "entropy", "mixed")
+TREE_SCORINGS = ("logprob", "entropy", "mixed", "gap")
+# `gap` scoring (JetSpec's low-budget "top-2-gap fanout"): a node keeps only the candidates whose log-prob is within
+# this many nats of its best one, so a confident depth (top-1 far above top-2) spends no budget on siblings and the
+# budget goes deeper along the likely path instead. 2 nats: a sibling must be at least 1/e^2 (~14%) as likely.
+GAP_FANOUT_NATS = 2.0
 
 # children(path) -> (log-probs, tokens, entropy) of the candidates below the branch `path` (tuple of tokens, root
 # excluded), sorted by decreasing log-prob; None when the branch cannot be expanded.
@@ -95,10 +99,11 @@ def tree_key(scoring: str, logprob: float, entropy: float) -> float:
     """Best-first key of a path from its cumulative draft log-prob and the summed entropies of its depths.
 
     `logprob` (the paper's choice) ranks by cumulative log-prob; `entropy` by minus the summed entropy of the
-    distributions the path's tokens were drawn from (siblings tie and keep rank order); `mixed` adds both.
+    distributions the path's tokens were drawn from (siblings tie and keep rank order); `mixed` adds both; `gap`
+    ranks by cumulative log-prob too, over children capped by [`cap_by_gap`] (see `build_tree`).
     Every key is non-increasing along a path, so best-first trees are closed under prefixes.
     """
-    if scoring == "logprob":
+    if scoring in ("logprob", "gap"):
         return logprob
     if scoring == "entropy":
         return -entropy
@@ -110,11 +115,23 @@ def max_tree_nodes(depth: int, width: int) -> int:
     return sum(width**d for d in range(1, depth + 1))
 
 
+def cap_by_gap(found, nats: float = GAP_FANOUT_NATS):
+    """Top-2-gap fanout: the candidates `(log-probs, tokens, entropy)` (sorted, best first) cut to those within `nats`
+    of the best; the best one always stays. A wide gap between the top two leaves a single child."""
+    if found is None:
+        return None
+    lps, toks, ent = found
+    best = float(lps[0])
+    keep = 1 + sum(1 for lp in list(lps)[1:] if best - float(lp) <= nats)
+    return list(lps)[:keep], list(toks)[:keep], ent
+
+
 def build_tree(children: ChildrenFn, budget: int, depth: int, scoring: str = "logprob") -> Tree:
     """Best-first tree: pop the best open node, attach it, open its next sibling and its first child; stop at `budget`.
 
     With the `logprob` key this returns exactly the `budget` highest-scoring paths (ties aside), because keys never
-    increase from a node to its child or to its next sibling.
+    increase from a node to its child or to its next sibling. `gap` does the same over children capped by
+    [`cap_by_gap`]: the `budget` best paths among those the fanout cap admits.
     """
     tokens, parents, depths, scores, paths = [], [], [], [], [()]
     acc = [(0.0, 0.0)]  # (cumulative log-prob, cumulative entropy) per node, root first
@@ -134,6 +151,8 @@ def build_tree(children: ChildrenFn, budget: int, depth: int, scoring: str = "lo
         if len(paths[node]) >= depth:
             return
         found = children(paths[node])
+        if scoring == "gap":
+            found = cap_by_gap(found)
         if found is not None:
             lists[node] = found
             open_child(node, 0)

@@ -8,7 +8,9 @@ import torch
 from modeling_jetspec.generation_jetspec import DraftTrees, RoundState, accept
 from modeling_jetspec.tree import (
     ancestor_mask,
+    GAP_FANOUT_NATS,
     build_tree,
+    cap_by_gap,
     check_tree_shape,
     entropy,
     lookup_logprobs,
@@ -61,9 +63,50 @@ def test_best_first_matches_brute_force(scoring, depth, width, budget, seed):
     assert tree_paths(tree) == brute_force_tree(children, budget, depth, scoring)
 
 
+def test_cap_by_gap_keeps_the_candidates_within_the_gap_of_the_best():
+    lps, toks = [-0.1, -1.5, -2.2, -9.0], [5, 6, 7, 8]
+    # (a) siblings within 2 nats of the best stay, the rest go; the best always stays
+    assert cap_by_gap((lps, toks, 0.3), nats=2.0) == ([-0.1, -1.5], [5, 6], 0.3)
+    assert cap_by_gap((lps, toks, 0.3), nats=2.5) == ([-0.1, -1.5, -2.2], [5, 6, 7], 0.3)
+    # (b) a wide top-2 gap leaves one child: a confident depth spends no budget on siblings
+    assert cap_by_gap(([-0.01, -6.0], [1, 2], 0.0), nats=2.0) == ([-0.01], [1], 0.0)
+    assert cap_by_gap(None) is None
+
+
+@pytest.mark.parametrize("depth,width,budget", [(3, 2, 5), (4, 3, 12), (5, 4, 40)])
+@pytest.mark.parametrize("seed", range(5))
+def test_gap_tree_is_the_best_first_tree_over_capped_children(depth, width, budget, seed):
+    children = marginal_children(*random_depth_logits(depth, vocab=50, width=width, seed=seed))
+
+    def capped(path):
+        return cap_by_gap(children(path), GAP_FANOUT_NATS)
+
+    tree = build_tree(children, budget, depth, "gap")
+    assert tree_paths(tree) == brute_force_tree(capped, budget, depth, "logprob")
+    # every node's children are within the gap of that node's best candidate
+    for node in range(len(tree.tokens) + 1):
+        kids = [tok for tok, parent in zip(tree.tokens, tree.parents) if parent == node]
+        if kids:
+            d = 0 if node == 0 else tree.depths[node - 1]
+            lps, toks, _ = children((0,) * d)
+            allowed = {int(t) for lp, t in zip(lps, toks) if float(lps[0]) - float(lp) <= GAP_FANOUT_NATS}
+            assert set(kids) <= allowed
+
+
+def test_gap_tree_goes_deeper_than_logprob_when_the_top_two_are_far_apart():
+    # every depth: top-1 at -0.9, top-2 at -2.95 (a 2.05-nat gap): the depth-1 sibling (-2.95) outscores the depth-4
+    # chain node (-3.6), so the logprob tree takes the sibling; the gap cap leaves one child per node
+    lps = torch.tensor([[-0.9, -2.95, -3.0]] * 4)
+    toks = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
+    children = marginal_children(lps, toks, torch.zeros(4))
+    gap, plain = build_tree(children, 4, 4, "gap"), build_tree(children, 4, 4, "logprob")
+    assert gap.tokens == [1, 4, 7, 10] and max(gap.depths) == 4
+    assert max(plain.depths) < 4
+
+
 def test_tree_is_well_formed_under_every_scoring():
     children = marginal_children(*random_depth_logits(6, vocab=40, width=3, seed=7))
-    for scoring in ("logprob", "entropy", "mixed"):
+    for scoring in ("logprob", "entropy", "mixed", "gap"):
         tree = build_tree(children, 30, 6, scoring)
         assert len(tree.tokens) == 30
         for i, (parent, depth) in enumerate(zip(tree.parents, tree.depths), start=1):
