@@ -1,10 +1,10 @@
-"""Benchmark of lossless tree decoding against plain greedy decoding (DESIGN section 4, "Measures").
+"""Benchmark of lossless tree decoding against plain greedy decoding (`docs/design.md`, "§6 Measured costs").
 
 Every method decodes the same prompts with the same target, greedily, for the same `max_new_tokens`, in one
 process. For each prompt every method runs once, in an order that rotates from prompt to prompt, so that slow
-drifts of a shared machine fall on every method alike. Wall-clock time (`time.perf_counter`) spans the whole
-`generate` call, prefill included. Every method's tokens must equal plain greedy's on every prompt: a mismatch
-raises [`LosslessError`] and fails the run.
+drifts of a shared machine fall on every method alike. Wall-clock time (`modeling_jetspec.timing.clock`, which
+waits for the accelerator) spans the whole `generate` call, prefill included. The head's statistics (tau,
+acceptance per depth, rounds) come from the `jetspec_stats` of each call's output.
 
 Methods:
 
@@ -24,9 +24,10 @@ Methods:
 - `lookup_first`: the same with `tree_lookup_prior=False` (`tree-B-lookup-first`): the whole chain first, whatever
   its odds (the ablation of the prior).
 
-Equality: in float32 every output must equal plain greedy's token for token. In bfloat16/float16 an output may
-leave plain greedy at a numerical tie (see `jetspec.equality`); each prompt is classified `exact`, `tie` or
-`mismatch`, the counts are reported, and any `mismatch` fails the run.
+Equality (`docs/design.md`, "§4 Lossless: exactness and the bf16 tie rule"): every output is judged against plain
+greedy's by [`jetspec.equality.check_lossless`]; in float32 it must be equal token for token, in bfloat16/float16
+it may leave plain greedy at a numerical tie. Each prompt is `exact` or `tie`, the counts are reported, and a
+mismatch raises [`LosslessError`] and fails the run.
 
 Costs, measured once per run on the first prompt's prefilled cache (median of repeats):
 
@@ -36,7 +37,8 @@ Costs, measured once per run on the first prompt's prefilled cache (median of re
 - t_draft: one head forward over the block `[anchor, MASK x D]`; the draft cost is c = t_draft / t(1);
 - limit speedup tau * t(1) / (t(B) + t_draft): what the measured tau would give without any other overhead.
 
-Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared CPU only ratios hold.
+Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared CPU only ratios hold. The
+markdown report and the plots are drawn by `jetspec.report`.
 """
 
 import datetime
@@ -48,10 +50,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
@@ -60,14 +63,20 @@ from modeling_jetspec.tree import verification_mask
 
 from modeling_jetspec.timing import clock, median_seconds
 
-from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, Verdict, classify_outputs, first_difference
+from modeling_jetspec import JetSpecGenerateOutput, JetSpecStats
+
+from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, LosslessError, Verdict, check_lossless, strict_for
 from .prompts import check_suites, load_prompts
+from .report import markdown, write_plots
 from .targets import apply_chat_template
+
+__all__ = ["BenchConfig", "LosslessError", "Method", "PromptRow", "aggregate", "build_methods", "run_benchmark"]
 
 
 METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup", "lookup_first")
 DEFAULT_METHODS = METHOD_KINDS
 PROMPT_LOOKUP_TOKENS = 10
+REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTES = {
     "chain": (
         "The JetSpec head decoding a single chain (tree_width=1, tree_depth=D, tree_budget=D): the DFlash-style "
@@ -85,72 +94,9 @@ NOTES = {
 }
 
 
-class LosslessError(RuntimeError):
-    """A speculative method's output differs from plain greedy decoding: the decoding is not lossless."""
-
-
-@dataclass
-class Method:
-    name: str  # row label: "plain", "prompt_lookup", "chain", "tree-16", "auto"
-    kind: str  # one of METHOD_KINDS
-    generate_kwargs: dict = field(default_factory=dict)  # extra arguments of `target.generate`
-    uses_head: bool = False
-    budget: Optional[int] = None  # draft nodes per round, when fixed
-
-
-def build_methods(
-    kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32,
-    lookup_tokens: Optional[int] = None,
-) -> list[Method]:
-    """The measured methods, in the order of `kinds` (`"tree"` expands to one method per budget;
-    `"path_conditioning"` is the tree at `default_budget` with path-conditioned drafting; `"lookup"` expands to one
-    tree per budget with a prompt-lookup branch of `lookup_tokens` tokens, by default `chain_depth`). `chain`,
-    `tree-B`, `auto` and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default."""
-    unknown = [k for k in kinds if k not in METHOD_KINDS]
-    if unknown:
-        raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
-    if "plain" not in kinds:
-        raise ValueError(f"expected 'plain' among the methods (every output is checked against it), got {list(kinds)}")
-    if len(set(kinds)) != len(kinds):
-        raise ValueError(f"expected each method once, got {list(kinds)}")
-    lookup_tokens = lookup_tokens or chain_depth
-    methods = []
-    for kind in kinds:
-        if kind == "plain":
-            methods.append(Method("plain", kind))
-        elif kind == "prompt_lookup":
-            methods.append(Method("prompt_lookup", kind, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}))
-        elif kind == "chain":
-            shape = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth, "tree_lookup": 0}
-            methods.append(Method("chain", kind, shape, uses_head=True, budget=chain_depth))
-        elif kind == "tree":
-            for b in budgets:
-                methods.append(Method(f"tree-{b}", kind, {"tree_budget": b, "tree_lookup": 0}, uses_head=True,
-                                      budget=b))
-        elif kind == "auto":
-            methods.append(Method("auto", kind, {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True))
-        elif kind == "path_conditioning":
-            methods.append(Method(
-                f"tree-{default_budget}-pc", kind,
-                {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0},
-                uses_head=True, budget=default_budget,
-            ))
-        elif kind == "lookup":
-            for b in budgets:
-                methods.append(Method(f"tree-{b}-lookup", kind, {"tree_budget": b, "tree_lookup": lookup_tokens},
-                                      uses_head=True, budget=b))
-        elif kind == "lookup_first":
-            for b in budgets:
-                methods.append(Method(
-                    f"tree-{b}-lookup-first", kind,
-                    {"tree_budget": b, "tree_lookup": lookup_tokens, "tree_lookup_prior": False}, uses_head=True,
-                    budget=b,
-                ))
-    return methods
-
-
+# ------------------------------------------------------------------------------------------------ settings
 def check_budgets(budgets: Sequence[int]) -> list[int]:
-    """Validated list of tree budgets (integers >= 1, at least one)."""
+    """Validated list of tree budgets (integers >= 1, at least one, distinct)."""
     budgets = list(budgets)
     if not budgets:
         raise ValueError("expected at least one tree budget, got an empty list")
@@ -162,22 +108,197 @@ def check_budgets(budgets: Sequence[int]) -> list[int]:
     return budgets
 
 
-# ------------------------------------------------------------------------------------------------ one generate call
-def _generate(target, head, method: Method, input_ids, attention_mask, common: dict):
-    """Runs one method on one prompt. Returns `(new tokens of shape (n,), seconds, head stats or None)`."""
-    kwargs = dict(common, **method.generate_kwargs)
-    if method.uses_head:
-        head.last_stats = None
-        kwargs["assistant_model"] = head
-    started = clock()
-    out = target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    seconds = clock() - started
-    stats = None
-    if method.uses_head:
-        if head.last_stats is None:
-            raise ValueError(f"expected head statistics after method {method.name!r}, got none")
-        stats = head.last_stats
-    return out[0, input_ids.shape[1] :].cpu(), seconds, stats
+def check_method_kinds(kinds: Sequence[str]) -> list[str]:
+    """Validated method kinds: known, each once, `"plain"` among them (every output is checked against it)."""
+    kinds = list(kinds)
+    unknown = [k for k in kinds if k not in METHOD_KINDS]
+    if unknown:
+        raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
+    if "plain" not in kinds:
+        raise ValueError(f"expected 'plain' among the methods (every output is checked against it), got {kinds}")
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"expected each method once, got {kinds}")
+    return kinds
+
+
+@dataclass
+class BenchConfig:
+    """What one benchmark run measures; validated on construction (bad values raise `ValueError`)."""
+
+    suites: Sequence[str]  # prompt suites among `jetspec.prompts.SUITES`
+    budgets: Sequence[int]  # tree budgets B; one `tree-B` method each (and one `tree-B-lookup`, ...)
+    max_new_tokens: int = 256  # tokens generated per prompt (fewer when the target stops)
+    limit: Optional[int] = 10  # the first `limit` prompts of each suite; None for all
+    methods: Sequence[str] = DEFAULT_METHODS  # method kinds among METHOD_KINDS, "plain" included
+    warmup: bool = True  # run every method once, untimed, on the first prompt (at most 8 new tokens)
+    cost_repeats: int = 10  # timed repeats of each forward in `measure_costs`
+    tie_tolerance: float = DEFAULT_TIE_TOLERANCE  # float32 logit gap still called a tie (half precisions)
+
+    def __post_init__(self):
+        self.suites = check_suites(self.suites)
+        self.budgets = check_budgets(self.budgets)
+        self.methods = check_method_kinds(self.methods)
+        for name in ("max_new_tokens", "cost_repeats") + (("limit",) if self.limit is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"expected {name} to be an integer >= 1, got {value!r}")
+
+
+@dataclass
+class Method:
+    name: str  # row label: "plain", "prompt_lookup", "chain", "tree-16", "auto", "tree-16-lookup", ...
+    kind: str  # one of METHOD_KINDS
+    generate_kwargs: dict = field(default_factory=dict)  # extra arguments of `target.generate`
+    uses_head: bool = False
+    budget: Optional[int] = None  # draft nodes per round, when fixed
+
+
+def build_methods(
+    kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32,
+    lookup_tokens: Optional[int] = None,
+) -> list[Method]:
+    """The measured methods, in the order of `kinds`.
+
+    `"tree"`, `"lookup"` and `"lookup_first"` expand to one method per budget; `"path_conditioning"` is the tree at
+    `default_budget`; the lookup branch holds `lookup_tokens` tokens, by default `chain_depth`. `chain`, `tree-B`,
+    `auto` and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default.
+    """
+    lookup_tokens = lookup_tokens or chain_depth
+    per_budget = {  # kind -> (name suffix, arguments besides the budget)
+        "tree": ("", {"tree_lookup": 0}),
+        "lookup": ("-lookup", {"tree_lookup": lookup_tokens}),
+        "lookup_first": ("-lookup-first", {"tree_lookup": lookup_tokens, "tree_lookup_prior": False}),
+    }
+    chain = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth, "tree_lookup": 0}
+    single = {
+        "plain": Method("plain", "plain"),
+        "prompt_lookup": Method("prompt_lookup", "prompt_lookup", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
+        "chain": Method("chain", "chain", chain, uses_head=True, budget=chain_depth),
+        "auto": Method("auto", "auto", {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True),
+        "path_conditioning": Method(
+            f"tree-{default_budget}-pc", "path_conditioning",
+            {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0}, uses_head=True,
+            budget=default_budget,
+        ),
+    }
+    methods = []
+    for kind in check_method_kinds(kinds):
+        if kind in single:
+            methods.append(single[kind])
+            continue
+        suffix, extra = per_budget[kind]
+        methods += [Method(f"tree-{b}{suffix}", kind, {"tree_budget": b, **extra}, uses_head=True, budget=b)
+                    for b in budgets]
+    return methods
+
+
+def portable_name(name_or_path: Optional[str]) -> Optional[str]:
+    """How `results.json` names a model: a Hub id as given, a local folder relative to the repository when inside
+    it, else by its own name (never an absolute path, which would only hold on the machine that ran)."""
+    if not name_or_path:
+        return None
+    path = Path(name_or_path).expanduser()
+    if not path.is_absolute() and not path.exists():
+        return name_or_path  # a Hub id
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path.resolve().name
+
+
+# ------------------------------------------------------------------------------------------------ per-prompt rows
+@dataclass
+class PromptRow:
+    """One method on one prompt: an entry of `results.json`'s `prompts`."""
+
+    suite: str
+    prompt_id: str
+    method: str  # `Method.name`
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float  # the whole `generate` call, prefill included
+    speedup: float  # tokens/s over plain greedy's on the same prompt
+    slot: int  # the method's place in this prompt's rotating order
+    verdict: Verdict  # equality with plain greedy: `exact` or `tie`
+    stats: Optional[JetSpecStats] = None  # the call's `jetspec_stats`, for methods that use the head
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds
+
+    @property
+    def budget_mean(self) -> Optional[float]:
+        """Mean tree budget verified per round, None without a head or without a verify round."""
+        return float(np.mean(self.stats.budgets)) if self.stats is not None and self.stats.budgets else None
+
+    def as_dict(self) -> dict:
+        row = {
+            "suite": self.suite, "prompt_id": self.prompt_id, "method": self.method,
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s, "speedup": self.speedup, "slot": self.slot,
+            "equality": self.verdict.kind,
+        }
+        if self.verdict.kind != "exact":
+            row["tie"] = self.verdict.as_dict()
+        if self.stats is not None:
+            figures = self.stats.as_dict()
+            row.update({k: figures[k] for k in HEAD_FIELDS}, budget_mean=self.budget_mean)
+        return row
+
+
+HEAD_FIELDS = ("tau", "acceptance_per_depth", "target_forwards", "rounds", "draft_seconds", "verify_seconds")
+
+
+@dataclass
+class Bench:
+    """The constants of one benchmark run: the models, the methods and the arguments every `generate` shares."""
+
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    head: JetSpecDraftModel
+    plan: list  # `Method`s, "plain" among them
+    common: dict  # `generate` arguments of every method (greedy, max_new_tokens, pad id, return_dict_in_generate)
+    float32_logits: Optional[Callable]  # the tie check's float32 reference, None for a float32 target
+    tie_tolerance: float
+
+    def encode(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(input_ids, attention_mask)`, each of shape `(1, L)`: the chat template already holds the special
+        tokens, so none is added (the same encoding for every method)."""
+        text = apply_chat_template(self.tokenizer, prompt)
+        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        return enc["input_ids"].to(self.target.device), enc["attention_mask"].to(self.target.device)
+
+    def generate(self, method: Method, input_ids, attention_mask, **overrides) -> tuple:
+        """Runs one method on one prompt: `(new tokens of shape (n,), seconds, jetspec_stats or None)`."""
+        kwargs = {**self.common, **method.generate_kwargs, **overrides}
+        if method.uses_head:
+            kwargs["assistant_model"] = self.head
+        started = clock()
+        out = self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        seconds = clock() - started
+        if method.uses_head and not isinstance(out, JetSpecGenerateOutput):
+            raise ValueError(f"expected a JetSpecGenerateOutput from method {method.name!r}, got {type(out).__name__}")
+        stats = out.jetspec_stats if method.uses_head else None
+        return out.sequences[0, input_ids.shape[1] :].cpu(), seconds, stats
+
+    def measure_prompt(self, suite: str, prompt: dict, turn: int) -> list[PromptRow]:
+        """Every method once on one prompt, in an order rotated by `turn`; each output judged against plain's."""
+        input_ids, attention_mask = self.encode(prompt["prompt"])
+        shift = turn % len(self.plan)
+        order = self.plan[shift:] + self.plan[:shift]  # each method takes every slot in turn
+        runs = {m.name: self.generate(m, input_ids, attention_mask) for m in order}
+        reference, plain_seconds, _ = runs["plain"]
+        rows = []
+        for method in self.plan:
+            tokens, seconds, stats = runs[method.name]
+            verdict = check_lossless(
+                input_ids[0].cpu(), reference, tokens, self.target.dtype, self.float32_logits, self.tie_tolerance,
+                label=f"method {method.name!r} on {suite} prompt {prompt['id']!r}",
+            )
+            speedup = (len(tokens) / seconds) / (len(reference) / plain_seconds)
+            rows.append(PromptRow(suite, prompt["id"], method.name, input_ids.shape[1], len(tokens), seconds,
+                                  speedup, order.index(method), verdict, stats))
+        return rows
 
 
 # ------------------------------------------------------------------------------------------------ costs
@@ -301,50 +422,71 @@ def _quartiles(values: list) -> dict:
             "min": float(min(values)), "max": float(max(values))}
 
 
-def aggregate(rows: list[dict], method: Method, costs: Optional[dict]) -> dict:
-    """Per-suite figures of one method from its per-prompt rows."""
-    speedup = _quartiles([r["speedup"] for r in rows])
-    tps = _quartiles([r["tokens_per_s"] for r in rows])
+def aggregate(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) -> dict:
+    """
+    Figures of one method over its per-prompt rows (one suite, or all).
+
+    Args:
+        rows (`Sequence[PromptRow]`): the method's rows, at least one.
+        method (`Method`): the method they measured.
+        costs (`dict`, *optional*): [`measure_costs`]'s result, for the limit speedup of head methods.
+
+    Returns:
+        `dict`: prompts, tokens and seconds, median tokens/s, speedup quartiles, equality counts, and for head
+        methods the mean tau, budget and target forwards, mean acceptance per depth, seconds per round and the
+        limit speedup.
+    """
+    speedup = _quartiles([r.speedup for r in rows])
     result = {
         "prompts": len(rows),
         "budget": method.budget,
-        "new_tokens": int(sum(r["new_tokens"] for r in rows)),
-        "seconds": float(sum(r["seconds"] for r in rows)),
-        "tokens_per_s_median": tps["median"],
-        "speedup_median": speedup["median"],
-        "speedup_q25": speedup["q25"],
-        "speedup_q75": speedup["q75"],
-        "speedup_iqr": speedup["iqr"],
-        "speedup_min": speedup["min"],
-        "speedup_max": speedup["max"],
-        "budget_mean": None,
-        "tau_mean": None,
-        "acceptance_per_depth": None,
-        "target_forwards_mean": None,
-        "draft_seconds_per_round": None,
-        "verify_seconds_per_round": None,
-        "limit_speedup": None,
-        "equality": {kind: sum(r["equality"] == kind for r in rows) for kind in VERDICTS},
+        "new_tokens": int(sum(r.new_tokens for r in rows)),
+        "seconds": float(sum(r.seconds for r in rows)),
+        "tokens_per_s_median": float(np.median([r.tokens_per_s for r in rows])),
+        **{f"speedup_{name}": value for name, value in speedup.items()},
+        "equality": {kind: sum(r.verdict.kind == kind for r in rows) for kind in VERDICTS},
     }
     if method.uses_head:
-        rounds = sum(r["rounds"] for r in rows)
-        # (prompts, N); a prompt decoded with a shallower tree accepted nothing deeper
-        depth = max(len(r["acceptance_per_depth"]) for r in rows)
-        acceptance = np.array([r["acceptance_per_depth"] + [0.0] * (depth - len(r["acceptance_per_depth"]))
-                               for r in rows], dtype=float)
-        budgets = [r["budget_mean"] for r in rows if r["budget_mean"] is not None]
-        result.update(
-            budget_mean=float(np.mean(budgets)) if budgets else None,
-            tau_mean=float(np.mean([r["tau"] for r in rows])),
-            acceptance_per_depth=acceptance.mean(0).tolist(),
-            target_forwards_mean=float(np.mean([r["target_forwards"] for r in rows])),
-            draft_seconds_per_round=float(sum(r["draft_seconds"] for r in rows) / max(rounds, 1)),
-            verify_seconds_per_round=float(sum(r["verify_seconds"] for r in rows) / max(rounds, 1)),
-        )
-        if costs is not None:
-            budget_costs = costs["chain"] if method.kind == "chain" else costs["verify"].get(str(method.budget))
-            result["limit_speedup"] = limit_speedup(result["tau_mean"], budget_costs, costs)
+        result.update(_head_figures(rows, method, costs))
     return result
+
+
+def _head_figures(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) -> dict:
+    """Means over prompts of the head's per-call statistics (each prompt weighs the same), seconds per round."""
+    stats = [r.stats for r in rows]
+    rounds = max(sum(s.rounds for s in stats), 1)
+    depth = max(len(s.accepted_at_depth) for s in stats)
+    # (prompts, N); a prompt decoded with a shallower tree accepted nothing deeper
+    acceptance = np.array([s.acceptance_per_depth + [0.0] * (depth - len(s.accepted_at_depth)) for s in stats])
+    budgets = [r.budget_mean for r in rows if r.budget_mean is not None]
+    figures = {
+        "budget_mean": float(np.mean(budgets)) if budgets else method.budget,
+        "tau_mean": float(np.mean([s.tau for s in stats])),
+        "acceptance_per_depth": acceptance.mean(0).tolist(),
+        "target_forwards_mean": float(np.mean([s.target_forwards for s in stats])),
+        "draft_seconds_per_round": sum(s.draft_seconds for s in stats) / rounds,
+        "verify_seconds_per_round": sum(s.verify_seconds for s in stats) / rounds,
+        "limit_speedup": None,
+    }
+    if costs is not None:
+        budget_costs = costs["chain"] if method.kind == "chain" else costs["verify"].get(str(method.budget))
+        figures["limit_speedup"] = limit_speedup(figures["tau_mean"], budget_costs, costs)
+    return figures
+
+
+def aggregate_groups(rows: Sequence[PromptRow], plan: Sequence[Method], suites: Sequence[str], costs) -> dict:
+    """`{group: {method name: figures}}`: one group per suite, and `all` when there are several."""
+    groups = {suite: [suite] for suite in suites}
+    if len(suites) > 1:
+        groups["all"] = list(suites)
+    aggregates = {}
+    for group, members in groups.items():
+        aggregates[group] = {}
+        for method in plan:
+            mine = [r for r in rows if r.method == method.name and r.suite in members]
+            if mine:
+                aggregates[group][method.name] = aggregate(mine, method, costs)
+    return aggregates
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -390,364 +532,132 @@ def run_benchmark(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     head: JetSpecDraftModel,
-    suites: Sequence[str],
-    budgets: Sequence[int],
-    max_new_tokens: int,
-    limit: Optional[int],
+    config: BenchConfig,
     out_dir,
-    methods: Sequence[str] = DEFAULT_METHODS,
-    warmup: bool = True,
-    cost_repeats: int = 10,
+    float32_logits: Optional[Callable] = None,
     command: Optional[str] = None,
-    progress: bool = True,
-    float32_logits=None,
-    tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
     dtype_reason: Optional[str] = None,
+    progress: bool = True,
 ) -> dict:
     """
-    Measures every method on the prompts of `suites` and writes `results.json`, `results.md` and plots to `out_dir`.
+    Measures every method on the prompts of `config.suites` and writes `results.json`, `results.md` and plots.
 
     Args:
         target (`PreTrainedModel`): the target model, eval mode.
         tokenizer (`PreTrainedTokenizerBase`): its tokenizer, with a chat template.
-        head (`JetSpecDraftModel`): the draft head; tree depth and width come from its config.
-        suites (`Sequence[str]`): prompt suites among `jetspec.prompts.SUITES`.
-        budgets (`Sequence[int]`): tree budgets B; one `tree-B` method each.
-        max_new_tokens (`int`): tokens generated per prompt (fewer when the target stops).
-        limit (`int`, *optional*): the first `limit` prompts of each suite; `None` for all.
+        head (`JetSpecDraftModel`): the draft head; tree depth, width and lookup length come from its config.
+        config ([`BenchConfig`]): suites, budgets, methods, lengths and repeats.
         out_dir (`str` or `os.PathLike`): output folder, created if missing.
-        methods (`Sequence[str]`, *optional*, defaults to all of `METHOD_KINDS`):
-            method kinds to measure; must include `"plain"`; `"tree"` stands for every `tree-B`.
-        warmup (`bool`, *optional*, defaults to `True`):
-            Run every method once, untimed, on the first prompt (at most 8 new tokens) before measuring.
-        cost_repeats (`int`, *optional*, defaults to 10): timed repeats of each forward in [`measure_costs`].
-        command (`str`, *optional*): the command line recorded in the results, defaults to `sys.argv`.
-        progress (`bool`, *optional*, defaults to `True`): show a tqdm bar over (suite, prompt).
         float32_logits (`Callable`, *optional*): the target's float32 next-token logits for a prefix (see
-            `jetspec.equality.float32_logits_fn`), used to judge divergences of a bfloat16/float16 target as ties.
+            `jetspec.equality.float32_logits_fn`), to judge divergences of a bfloat16/float16 target as ties.
             Required unless the target runs in float32, where any divergence fails.
-        tie_tolerance (`float`, *optional*): float32 logit gap still called a tie.
+        command (`str`, *optional*): the command line recorded in the results, defaults to `sys.argv`.
         dtype_reason (`str`, *optional*): why the target runs in its dtype, recorded in the results.
+        progress (`bool`, *optional*, defaults to `True`): show a tqdm bar over the prompts.
 
     Returns:
         `dict`: the content of `results.json`.
 
     Raises:
         `LosslessError`: when a method's tokens differ from plain greedy's on any prompt (float32), or differ at a
-        position that is not a numerical tie (bfloat16/float16).
+        position that is not a numerical tie (bfloat16/float16). Nothing is written then.
     """
-    from tqdm.auto import tqdm
-
-    suites = check_suites(suites)
-    budgets = check_budgets(budgets)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"expected max_new_tokens >= 1, got {max_new_tokens!r}")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"expected limit >= 1 prompts per suite (or None for all), got {limit!r}")
-    strict = target.dtype == torch.float32
-    if not strict and float32_logits is None:
+    if not strict_for(target.dtype) and float32_logits is None:
         raise ValueError(
             f"expected float32_logits (the tie check) for a {target.dtype} target, got None; only a float32 target "
             "is held to bitwise equality without it"
         )
     head.attach_target(target)
-    chain_depth = head.config.tree_depth
-    # the lookup methods use the head's own chain length when it has one
-    plan = build_methods(list(methods), budgets, chain_depth, head.config.tree_budget, head.config.tree_lookup)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = _bench(target, tokenizer, head, config, float32_logits)
+    prompts = [(suite, row) for suite in config.suites for row in load_prompts(suite, config.limit)]
+    if not prompts:
+        raise ValueError(f"expected prompts in suites {config.suites}, got none")
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     wall = time.perf_counter()
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = {"max_new_tokens": max_new_tokens, "do_sample": False}
-    if pad is not None:
-        common["pad_token_id"] = pad
-    device = target.device
-
-    def encode(prompt: str):
-        # the chat template already holds the special tokens: add none (same encoding for every method)
-        enc = tokenizer(apply_chat_template(tokenizer, prompt), return_tensors="pt", add_special_tokens=False)
-        return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-    prompts = {suite: load_prompts(suite, limit) for suite in suites}
-    first = next((rows[0] for rows in prompts.values() if rows), None)
-    if first is None:
-        raise ValueError(f"expected prompts in suites {suites}, got none")
-    first_ids, first_mask = encode(first["prompt"])
-
-    def run(method: Method, ids, mask, kwargs):
-        return _generate(target, head, method, ids, mask, kwargs)
-
-    if warmup:
-        warm = dict(common, max_new_tokens=min(8, max_new_tokens))
-        for method in plan:
-            run(method, first_ids, first_mask, warm)
-
+    first_ids, first_mask = bench.encode(prompts[0][1]["prompt"])
+    if config.warmup:
+        for method in bench.plan:
+            bench.generate(method, first_ids, first_mask, max_new_tokens=min(8, config.max_new_tokens))
     costs = None
-    if any(m.uses_head for m in plan):
-        costs = measure_costs(target, head, first_ids, budgets, chain_depth, repeats=cost_repeats)
-
-    rows = []
-    total = sum(len(p) for p in prompts.values())
-    bar = tqdm(total=total, desc="bench", unit="prompt", disable=not progress)
-    turn = 0
-    try:
-        for suite in suites:
-            for prompt in prompts[suite]:
-                bar.set_postfix_str(f"{suite} {prompt['id']}")
-                ids, mask = encode(prompt["prompt"])
-                shift = turn % len(plan)
-                order = plan[shift:] + plan[:shift]  # rotating order: each method takes every slot in turn
-                turn += 1
-                outputs = {method.name: run(method, ids, mask, common) for method in order}
-                reference = outputs["plain"][0]
-                verdicts = {}
-                for method in plan:
-                    tokens = outputs[method.name][0]
-                    if torch.equal(tokens, reference):
-                        verdict = Verdict("exact")
-                    elif strict:  # float32: bitwise, no ties
-                        verdict = Verdict("mismatch", first_difference(reference, tokens))
-                    else:
-                        verdict = classify_outputs(float32_logits, ids[0].cpu(), reference, tokens, tie_tolerance)
-                    if verdict.kind == "mismatch":
-                        at = verdict.position
-                        raise LosslessError(
-                            f"expected method {method.name!r} to reproduce plain greedy decoding on {suite} prompt "
-                            f"{prompt['id']!r} ({target.dtype}), got a difference at new token {at} "
-                            f"({tokens[at:at + 5].tolist()} vs plain {reference[at:at + 5].tolist()}; lengths "
-                            f"{len(tokens)} vs {len(reference)})"
-                            + ("" if verdict.gap is None else f" that is no tie: float32 logit gap {verdict.gap:.3f} "
-                               f"> tolerance {tie_tolerance}")
-                        )
-                    verdicts[method.name] = verdict
-                plain_tps = len(reference) / outputs["plain"][1]
-                for method in plan:
-                    tokens, seconds, stats = outputs[method.name]
-                    row = {
-                        "suite": suite,
-                        "prompt_id": prompt["id"],
-                        "method": method.name,
-                        "prompt_tokens": int(ids.shape[1]),
-                        "new_tokens": len(tokens),
-                        "seconds": seconds,
-                        "tokens_per_s": len(tokens) / seconds,
-                        "speedup": (len(tokens) / seconds) / plain_tps,
-                        "slot": order.index(method),
-                        "tau": None,
-                        "acceptance_per_depth": None,
-                        "target_forwards": None,
-                        "rounds": None,
-                        "draft_seconds": None,
-                        "verify_seconds": None,
-                        "budget_mean": None,
-                        "equality": verdicts[method.name].kind,
-                        "tie": verdicts[method.name].as_dict() if verdicts[method.name].kind == "tie" else None,
-                    }
-                    if stats is not None:
-                        figures = stats.as_dict()
-                        row.update({k: figures[k] for k in (
-                            "tau", "acceptance_per_depth", "target_forwards", "rounds", "draft_seconds",
-                            "verify_seconds",
-                        )})
-                        # budgets verified per round (recorded by the core since tree_budget="auto")
-                        verified = figures.get("budgets") or []
-                        row["budget_mean"] = float(np.mean(verified)) if verified else method.budget
-                    rows.append(row)
-                bar.update(1)
-    finally:
-        bar.close()
-
-    aggregates = {}
-    groups = {suite: [suite] for suite in suites}
-    if len(suites) > 1:
-        groups["all"] = suites
-    for group, members in groups.items():
-        aggregates[group] = {}
-        for method in plan:
-            mine = [r for r in rows if r["method"] == method.name and r["suite"] in members]
-            if mine:
-                aggregates[group][method.name] = aggregate(mine, method, costs)
-
+    if any(m.uses_head for m in bench.plan):
+        costs = measure_costs(target, head, first_ids, config.budgets, head.config.tree_depth,
+                              repeats=config.cost_repeats)
+    rows = _measure_prompts(bench, prompts, progress)
     results = {
         "started_at": started_at,
         "wall_seconds": time.perf_counter() - wall,
-        "command": command if command is not None else " ".join(sys.argv),
+        "command": command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": machine_info(),
         "versions": versions(),
-        "config": {
-            "target": target.name_or_path or None,
-            "target_dtype": str(target.dtype),
-            "dtype_reason": dtype_reason,
-            "equality": "bitwise (float32)" if strict else f"tie-aware, tolerance {tie_tolerance} float32 logits",
-            "attn_implementation": target.config._attn_implementation,
-            "head": head.name_or_path or None,
-            "head_config": {
-                k: getattr(head.config, k)
-                for k in ("num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth",
-                          "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup",
-                          "tree_lookup_prior", "draft_vocab_size", "last_context_input")
-            },
-            "suites": suites,
-            "budgets": budgets,
-            "max_new_tokens": max_new_tokens,
-            "limit": limit,
-            "methods": [m.name for m in plan],
-            "method_arguments": {m.name: {k: v for k, v in m.generate_kwargs.items()} for m in plan},
-            "chain_depth": chain_depth,
-            "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
-            "greedy": True,
-            "warmup": warmup,
-            "order": "rotating per prompt",
-        },
+        "config": _run_config(bench, config, dtype_reason),
         "notes": NOTES,
         "costs": costs,
-        "aggregates": aggregates,
-        "prompts": rows,
+        "aggregates": aggregate_groups(rows, bench.plan, config.suites, costs),
+        "prompts": [row.as_dict() for row in rows],
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, out_dir)
+    return results
+
+
+def _bench(target, tokenizer, head, config: BenchConfig, float32_logits) -> Bench:
+    """The run's constants; the lookup methods use the head's own chain length when it has one."""
+    plan = build_methods(config.methods, config.budgets, head.config.tree_depth, head.config.tree_budget,
+                         head.config.tree_lookup)
+    common = {"max_new_tokens": config.max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is not None:
+        common["pad_token_id"] = pad
+    return Bench(target, tokenizer, head, plan, common, float32_logits, config.tie_tolerance)
+
+
+def _measure_prompts(bench: Bench, prompts: list, progress: bool) -> list[PromptRow]:
+    rows = []
+    with tqdm(prompts, desc="bench", unit="prompt", disable=not progress) as bar:
+        for turn, (suite, prompt) in enumerate(bar):
+            bar.set_postfix_str(f"{suite} {prompt['id']}")
+            rows += bench.measure_prompt(suite, prompt, turn)
+    return rows
+
+
+def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) -> dict:
+    """The settings `results.json` records: models (by portable names), dtype, equality rule, methods."""
+    target, head = bench.target, bench.head
+    strict = strict_for(target.dtype)
+    return {
+        "target": portable_name(target.name_or_path),
+        "target_dtype": str(target.dtype),
+        "dtype_reason": dtype_reason,
+        "equality": "bitwise (float32)" if strict else f"tie-aware, tolerance {config.tie_tolerance} float32 logits",
+        "attn_implementation": target.config._attn_implementation,
+        "head": portable_name(head.name_or_path),
+        "head_config": {k: getattr(head.config, k) for k in RECORDED_HEAD_CONFIG},
+        "suites": config.suites,
+        "budgets": config.budgets,
+        "max_new_tokens": config.max_new_tokens,
+        "limit": config.limit,
+        "methods": [m.name for m in bench.plan],
+        "method_arguments": {m.name: dict(m.generate_kwargs) for m in bench.plan},
+        "chain_depth": head.config.tree_depth,
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+        "greedy": True,
+        "warmup": config.warmup,
+        "order": "rotating per prompt",
+    }
+
+
+RECORDED_HEAD_CONFIG = (
+    "num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth", "tree_width",
+    "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior", "draft_vocab_size",
+    "last_context_input",
+)
+
+
+def write_results(results: dict, out_dir) -> list[Path]:
+    """Writes the plots, `results.json` (with the plots' names) and `results.md` to `out_dir`; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(results, out_dir)
     results["plots"] = [p.name for p in plots]
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "results.md").write_text(markdown(results))
-    return results
-
-
-# ------------------------------------------------------------------------------------------------ reports
-def _fmt(value, digits: int = 2, suffix: str = "") -> str:
-    return "-" if value is None else f"{value:.{digits}f}{suffix}"
-
-
-def markdown(results: dict) -> str:
-    """The `results.md` report: settings, costs and one table per suite."""
-    config, costs = results["config"], results["costs"]
-    lines = [
-        "# jetspec benchmark",
-        "",
-        f"Command: `{results['command']}`  ",
-        f"Started {results['started_at']}, {results['wall_seconds']:.0f} s; machine: {results['machine']['platform']}, "
-        f"{results['machine']['cpu_count']} CPUs ({results['machine']['torch_threads']} torch threads)"
-        + (f", {results['machine']['cuda']}" if results["machine"]["cuda"] else "") + "  ",
-        f"torch {results['versions']['torch']}, transformers {results['versions']['transformers']}, "
-        f"jetspec {results['versions']['jetspec']} ({results['versions']['git_commit'] or 'no git commit'})  ",
-        f"Target `{config['target']}` ({config['target_dtype']}, {config['attn_implementation']}); head "
-        f"`{config['head']}` (tree depth {config['head_config']['tree_depth']}, width "
-        f"{config['head_config']['tree_width']}); greedy, max_new_tokens {config['max_new_tokens']}, "
-        f"{'at most ' + str(config['limit']) if config['limit'] else 'all'} prompts per suite, methods "
-        "alternated per prompt in rotating order.",
-        "",
-        "Speedup: tokens/s over plain greedy on the same prompt (prefill included), median [q25, q75] over prompts. "
-        "Limit: tau * t(1) / (t(B) + t_draft). Equality with plain greedy: "
-        f"{config.get('equality', 'bitwise (float32)')}; the `=/tie` column counts prompts equal to plain greedy "
-        "and prompts that left it at a numerical tie (a mismatch fails the run).",
-        "",
-        f"Note: {NOTES['chain']}",
-    ]
-    if costs is not None:
-        lines += [
-            "",
-            "## Costs",
-            "",
-            f"On a prompt of {costs['prompt_tokens']} tokens, median of {costs['repeats']} repeats: target step "
-            f"t(1) = {costs['target_step_seconds'] * 1e3:.2f} ms, head draft forward "
-            f"{costs['draft_forward_seconds'] * 1e3:.2f} ms, draft cost c = {costs['draft_cost_c']:.3f}.",
-            "",
-            "| verify | nodes | t(B) ms | t(B)/t(1) |",
-            "| --- | ---: | ---: | ---: |",
-        ]
-        entries = [(f"tree-{b}", v) for b, v in costs["verify"].items()] + [("chain", costs["chain"])]
-        for name, v in entries:
-            lines.append(f"| {name} | {v['nodes']} | {v['seconds'] * 1e3:.2f} | {v['ratio_to_step']:.2f} |")
-    for group, methods in results["aggregates"].items():
-        depth = max((len(a["acceptance_per_depth"] or []) for a in methods.values()), default=0)
-        shown = min(depth, 8)
-        lines += [
-            "",
-            f"## {group}",
-            "",
-            "| method | B | prompts | =/tie | tok/s | speedup median [q25, q75] | tau | limit | "
-            + " | ".join(f"acc d{d + 1}" for d in range(shown)) + (" |" if shown else ""),
-            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |" + " ---: |" * shown,
-        ]
-        for name, a in methods.items():
-            acc = a["acceptance_per_depth"] or [None] * shown
-            lines.append(
-                f"| {name} | {_fmt(a['budget_mean'], 1)} | {a['prompts']} | "
-                f"{a['equality']['exact']}/{a['equality']['tie']} | {a['tokens_per_s_median']:.1f} | "
-                f"{a['speedup_median']:.2f}x "
-                f"[{a['speedup_q25']:.2f}, {a['speedup_q75']:.2f}] | {_fmt(a['tau_mean'])} | "
-                f"{_fmt(a['limit_speedup'], suffix='x')} | "
-                + " | ".join(_fmt(x) for x in (acc + [None] * shown)[:shown]) + (" |" if shown else "")
-            )
-    if results.get("plots"):
-        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in results["plots"]]
-    return "\n".join(lines) + "\n"
-
-
-def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """Speedup vs budget and per-depth acceptance, one panel per suite (matplotlib's Agg canvas, no pyplot)."""
-    from matplotlib.figure import Figure
-
-    suites = results["config"]["suites"]
-    budgets = results["config"]["budgets"]
-    written = []
-
-    def panels(title: str):
-        fig = Figure(figsize=(4.2 * len(suites), 3.6), layout="constrained")
-        axes = fig.subplots(1, len(suites), squeeze=False)[0]
-        fig.suptitle(title)
-        return fig, axes
-
-    fig, axes = panels("Speedup over plain greedy vs tree budget (median, bars: q25-q75)")
-    for ax, suite in zip(axes, suites):
-        agg = results["aggregates"].get(suite, {})
-        tree = [(b, agg[f"tree-{b}"]) for b in budgets if f"tree-{b}" in agg]
-        if tree:
-            xs = [b for b, _ in tree]
-            med = np.array([a["speedup_median"] for _, a in tree])
-            err = np.array([[a["speedup_median"] - a["speedup_q25"] for _, a in tree],
-                            [a["speedup_q75"] - a["speedup_median"] for _, a in tree]])
-            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label="tree (measured)")
-            limits = [a["limit_speedup"] for _, a in tree]
-            if all(v is not None for v in limits):
-                ax.plot(xs, limits, linestyle="--", marker="x", label="tree (limit)")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs])
-        if "chain" in agg:
-            a = agg["chain"]
-            ax.errorbar([a["budget"]], [a["speedup_median"]], marker="s", capsize=3, linestyle="none",
-                        yerr=[[a["speedup_median"] - a["speedup_q25"]], [a["speedup_q75"] - a["speedup_median"]]],
-                        label=f"chain (D={a['budget']})")
-        if "auto" in agg and agg["auto"]["budget_mean"] is not None:
-            a = agg["auto"]
-            ax.errorbar([a["budget_mean"]], [a["speedup_median"]], marker="D", capsize=3, linestyle="none",
-                        yerr=[[a["speedup_median"] - a["speedup_q25"]], [a["speedup_q75"] - a["speedup_median"]]],
-                        label=f"auto (mean B={a['budget_mean']:.1f})")
-        if "prompt_lookup" in agg:
-            ax.axhline(agg["prompt_lookup"]["speedup_median"], linestyle=":", color="gray", label="prompt_lookup")
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_title(suite)
-        ax.set_xlabel("tree budget B (draft nodes)")
-        ax.set_ylabel("speedup (x)")
-        ax.legend(fontsize="small")
-    path = out_dir / "speedup_vs_budget.png"
-    fig.savefig(path, dpi=120)
-    written.append(path)
-
-    fig, axes = panels("Acceptance per depth (fraction of rounds whose accepted path reaches depth d)")
-    for ax, suite in zip(axes, suites):
-        agg = results["aggregates"].get(suite, {})
-        for name, a in agg.items():
-            acc = a["acceptance_per_depth"]
-            if acc:
-                ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {a['tau_mean']:.2f})")
-        ax.set_title(suite)
-        ax.set_xlabel("depth d")
-        ax.set_ylabel("acceptance")
-        ax.set_ylim(0, 1.02)
-        ax.legend(fontsize="small")
-    path = out_dir / "acceptance_per_depth.png"
-    fig.savefig(path, dpi=120)
-    written.append(path)
-    return written
+    return [out_dir / "results.json", out_dir / "results.md", *plots]

@@ -10,6 +10,7 @@ exit with status 2 and a one-line message.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -47,27 +48,25 @@ def _budget(text: str):
 
 
 def parse_budgets(text: str) -> list[int]:
-    """`"8,16,32"` -> `[8, 16, 32]`; raises `ValueError` on an empty list, a non-integer or a budget < 1."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise ValueError(f"expected a comma-separated list of tree budgets (integers >= 1), got {text!r}")
+    """`"8,16,32"` -> `[8, 16, 32]`; raises `ValueError` on an item that is no integer (the values themselves are
+    checked by `jetspec.bench.BenchConfig`)."""
     budgets = []
-    for item in items:
+    for item in parse_list(text):
         try:
-            value = int(item)
+            budgets.append(int(item))
         except ValueError:
             raise ValueError(f"expected tree budgets that are integers >= 1, got {item!r} in {text!r}") from None
-        if value < 1:
-            raise ValueError(f"expected tree budgets that are integers >= 1, got {value} in {text!r}")
-        budgets.append(value)
-    if len(set(budgets)) != len(budgets):
-        raise ValueError(f"expected distinct tree budgets, got {text!r}")
     return budgets
+
+
+def parse_list(text: Optional[str]) -> Optional[list[str]]:
+    """`"a, b"` -> `["a", "b"]`; `None` stays `None`."""
+    return None if text is None else [item.strip() for item in text.split(",") if item.strip()]
 
 
 def parse_suites(text: str) -> list[str]:
     """`"gsm8k,mtbench"` -> `["gsm8k", "mtbench"]`; raises `ValueError` naming the valid suites otherwise."""
-    return check_suites(item.strip() for item in text.split(",") if item.strip())
+    return check_suites(parse_list(text))
 
 
 def resolve_head_path(head: Optional[str], target: str) -> Path:
@@ -168,28 +167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "convert":
         return _convert(args, parser)
-    command = "jetspec " + " ".join(sys.argv[1:] if argv is None else list(argv))
-    # validate everything cheap before loading any model; bad input -> exit status 2, one line
-    try:
-        from .targets import resolve_dtype
-
-        dtype, dtype_reason = resolve_dtype(args.dtype)
-        if args.command == "bench":
-            suites = parse_suites(args.suite)
-            budgets = parse_budgets(args.budgets)
-        head_path = resolve_head_path(args.head, args.target)
-        if args.draft_vocab_size is not None:
-            from modeling_jetspec import JetSpecConfig
-
-            JetSpecConfig.from_pretrained(head_path).check_draft_vocab_restriction(args.draft_vocab_size)
-        if args.command == "bench":
-            from .bench import METHOD_KINDS, build_methods
-
-            methods = (
-                [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None
-                else list(METHOD_KINDS)
-            )
-            build_methods(methods, budgets, chain_depth=1)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:  # everything cheap is checked before any model loads: bad input -> exit status 2, one line
+        dtype, dtype_reason, head_path, bench_config = _check_inputs(args)
     except ValueError as error:
         parser.error(str(error))
 
@@ -208,20 +188,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             head.restrict_draft_vocab(args.draft_vocab_size)
     except ValueError as error:
         parser.error(str(error))
-    # ties are judged against float32 logits: reloaded from the checkpoint only if a bf16 output ever diverges
-    float32_logits = float32_logits_fn(
-        (lambda: target) if dtype == torch.float32 else (lambda: load_target(args.target, dtype=torch.float32)[0])
-    )
-
+    # float32 is held to bitwise equality; a half precision's ties are judged against float32 logits, from the
+    # checkpoint reloaded in float32 only if an output ever diverges
+    float32_logits = None
+    if dtype != torch.float32:
+        float32_logits = float32_logits_fn(lambda: load_target(args.target, dtype=torch.float32)[0])
     if args.command == "generate":
         return _generate(args, target, tokenizer, head, float32_logits)
-    from .bench import run_benchmark
+    return _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason)
 
-    results = run_benchmark(
-        target, tokenizer, head, suites, budgets, args.max_new_tokens, args.limit, args.out,
-        methods=methods, warmup=not args.no_warmup, command=command, float32_logits=float32_logits,
-        dtype_reason=dtype_reason,
-    )
+
+def _check_inputs(args):
+    """`(dtype, why, head folder, BenchConfig or None)` from the arguments; raises `ValueError` on bad input."""
+    from .targets import resolve_dtype
+
+    dtype, dtype_reason = resolve_dtype(args.dtype)
+    if args.command == "bench":
+        suites, budgets = parse_suites(args.suite), parse_budgets(args.budgets)
+    head_path = resolve_head_path(args.head, args.target)
+    if args.draft_vocab_size is not None:
+        from modeling_jetspec import JetSpecConfig
+
+        JetSpecConfig.from_pretrained(head_path).check_draft_vocab_restriction(args.draft_vocab_size)
+    bench_config = None
+    if args.command == "bench":
+        from .bench import METHOD_KINDS, BenchConfig
+
+        methods = METHOD_KINDS if args.methods is None else parse_list(args.methods)
+        bench_config = BenchConfig(suites, budgets, args.max_new_tokens, args.limit, methods,
+                                   warmup=not args.no_warmup)
+    return dtype, dtype_reason, head_path, bench_config
+
+
+def _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason) -> int:
+    """`jetspec bench`: run, write the results, print the report."""
+    from .bench import portable_name, run_benchmark
+
+    # the recorded command names local folders as results.json names models: never by an absolute path
+    command = " ".join(["jetspec", *(portable_name(a) if os.path.isabs(a) else a for a in argv)])
+    results = run_benchmark(target, tokenizer, head, bench_config, args.out, float32_logits=float32_logits,
+                            command=command, dtype_reason=dtype_reason)
     out = Path(args.out)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, " + ", ".join(str(out / p) for p in results["plots"]))
@@ -229,59 +235,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _generate(args, target, tokenizer, head, float32_logits) -> int:
+    """`jetspec generate`: the head's answer, checked against plain greedy, and both speeds."""
     import torch
 
     from modeling_jetspec.timing import clock
 
-    from .bench import LosslessError
-    from .equality import classify_outputs, first_difference
+    from .equality import check_lossless
     from .targets import apply_chat_template
 
     enc = tokenizer(apply_chat_template(tokenizer, args.prompt), return_tensors="pt", add_special_tokens=False)
-    ids, mask = enc["input_ids"].to(target.device), enc["attention_mask"].to(target.device)
+    inputs = {"input_ids": enc["input_ids"].to(target.device), "attention_mask": enc["attention_mask"].to(target.device)}
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     if pad is not None:
         common["pad_token_id"] = pad
     tree = {"assistant_model": head} if args.budget is None else {"assistant_model": head, "tree_budget": args.budget}
 
     def timed(**kwargs):  # the project's one clock: it waits for the accelerator, as the benchmark's does
         started = clock()
-        out = target.generate(input_ids=ids, attention_mask=mask, **common, **kwargs)
-        return out[0, ids.shape[1] :].cpu(), clock() - started
+        out = target.generate(**inputs, **common, **kwargs)
+        return out, clock() - started
 
     with torch.no_grad():  # untimed warm-up of both paths, then one timed run each
-        target.generate(input_ids=ids, attention_mask=mask, **dict(common, max_new_tokens=4))
-        target.generate(input_ids=ids, attention_mask=mask, **dict(common, max_new_tokens=4), **tree)
+        target.generate(**inputs, **dict(common, max_new_tokens=4))
+        target.generate(**inputs, **dict(common, max_new_tokens=4), **tree)
         spec, spec_seconds = timed(**tree)
-        stats = head.last_stats
         plain, plain_seconds = timed()
-    equality = "same tokens as plain greedy"
-    if not torch.equal(spec, plain):
-        if target.dtype == torch.float32:
-            raise LosslessError(
-                "expected the head's answer to equal plain greedy decoding (float32: bitwise), got a difference at "
-                f"new token {first_difference(plain, spec)}"
-            )
-        verdict = classify_outputs(float32_logits, ids[0].cpu(), plain, spec)
-        if verdict.kind == "mismatch":
-            raise LosslessError(
-                f"expected the head's answer to equal plain greedy decoding up to numerical ties ({target.dtype}), "
-                f"got a difference at new token {verdict.position} that is no tie (float32 logit gap {verdict.gap})"
-            )
-        equality = (f"left plain greedy at new token {verdict.position} at a numerical tie (float32 logit gap "
-                    f"{verdict.gap:.3f})")
-    print(tokenizer.decode(spec, skip_special_tokens=True))
+    prompt_ids = inputs["input_ids"][0].cpu()
+    spec_tokens, plain_tokens = (out.sequences[0, len(prompt_ids) :].cpu() for out in (spec, plain))
+    verdict = check_lossless(prompt_ids, plain_tokens, spec_tokens, target.dtype, float32_logits,
+                             label="the head's answer")
+    print(tokenizer.decode(spec_tokens, skip_special_tokens=True))
     print()
     budget = args.budget if args.budget is not None else head.config.tree_budget
-    plain_tps, spec_tps = len(plain) / plain_seconds, len(spec) / spec_seconds
-    print(f"plain greedy:   {plain_tps:8.1f} tok/s ({len(plain)} tokens in {plain_seconds:.2f} s)")
+    plain_tps, spec_tps = len(plain_tokens) / plain_seconds, len(spec_tokens) / spec_seconds
+    stats = spec.jetspec_stats
+    print(f"plain greedy:   {plain_tps:8.1f} tok/s ({len(plain_tokens)} tokens in {plain_seconds:.2f} s)")
     print(
-        f"jetspec (B={budget}): {spec_tps:8.1f} tok/s ({len(spec)} tokens in {spec_seconds:.2f} s), "
+        f"jetspec (B={budget}): {spec_tps:8.1f} tok/s ({len(spec_tokens)} tokens in {spec_seconds:.2f} s), "
         f"speedup {spec_tps / plain_tps:.2f}x, tau {stats.tau:.2f} ({stats.target_forwards} target forwards); "
-        + equality
+        + _equality_note(verdict)
     )
     return 0
+
+
+def _equality_note(verdict) -> str:
+    if verdict.kind == "exact":
+        return "same tokens as plain greedy"
+    return f"left plain greedy at new token {verdict.position} at a numerical tie (float32 logit gap {verdict.gap:.3f})"
 
 
 def _convert(args, parser) -> int:

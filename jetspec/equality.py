@@ -1,4 +1,5 @@
-"""Tie-aware equality of a speculative output with plain greedy decoding (DESIGN section 4, "Lossless").
+"""Tie-aware equality of a speculative output with plain greedy decoding (`docs/design.md`, "§4 Lossless:
+exactness and the bf16 tie rule").
 
 In float32 tree decoding returns plain greedy's tokens bit for bit. In bfloat16/float16 one verify forward over
 many tokens rounds differently from one-token decode steps, so the two runs may pick different tokens where the
@@ -9,6 +10,8 @@ chosen, i.e. a bug.
 [`classify_outputs`] takes the first position where the outputs differ, recomputes the target's logits for the
 shared prefix in float32, and calls it a tie when both tokens' float32 logits lie within `tolerance` of the
 float32 maximum. Only that first divergence is judged: past it the two continuations have different prefixes.
+[`check_lossless`] applies the rule of the target's dtype (float32: bitwise; half precisions: up to ties) and
+raises [`LosslessError`] on anything else; `jetspec generate` and `jetspec bench` both judge through it.
 """
 
 from dataclasses import dataclass
@@ -24,6 +27,10 @@ import torch
 # choose typically sits several logits below the maximum.
 DEFAULT_TIE_TOLERANCE = 0.5
 VERDICTS = ("exact", "tie", "mismatch")
+
+
+class LosslessError(RuntimeError):
+    """A speculative output differs from plain greedy decoding where the target's dtype allows no difference."""
 
 
 @dataclass
@@ -116,3 +123,59 @@ def float32_logits_fn(load_float32_target: Callable[[], "torch.nn.Module"]) -> C
 def strict_for(dtype: torch.dtype) -> bool:
     """float32 promises bitwise equality (ties are failures too); half precisions allow ties."""
     return dtype == torch.float32
+
+
+def check_lossless(
+    prompt_ids: torch.Tensor,
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    dtype: torch.dtype,
+    logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    tolerance: float = DEFAULT_TIE_TOLERANCE,
+    label: str = "the output",
+) -> Verdict:
+    """
+    Judges a speculative output against plain greedy by the rule of the target's dtype, and fails on a mismatch.
+
+    Args:
+        prompt_ids (`torch.LongTensor` of shape `(P,)`): the prompt.
+        reference (`torch.LongTensor` of shape `(n,)`): plain greedy's new tokens.
+        candidate (`torch.LongTensor` of shape `(m,)`): the speculative output's new tokens.
+        dtype (`torch.dtype`): the target's dtype; float32 is held to bitwise equality, any other to equality up
+            to numerical ties.
+        logits_fn (`Callable`, *optional*): the target's float32 next-token logits (see [`classify_outputs`]);
+            required unless `dtype` is float32.
+        tolerance (`float`, *optional*, defaults to `DEFAULT_TIE_TOLERANCE`): largest float32 logit gap still a tie.
+        label (`str`, *optional*, defaults to `"the output"`): what the error message calls the candidate.
+
+    Returns:
+        [`Verdict`]: `exact`, or `tie` (never `mismatch`).
+
+    Raises:
+        `LosslessError`: the outputs differ in float32, or differ in a half precision at a position that is no tie.
+    """
+    strict = strict_for(dtype)
+    if not strict and logits_fn is None:
+        raise ValueError(f"expected a float32 logits_fn to judge ties of a {dtype} target, got None")
+    if torch.equal(reference, candidate):
+        return Verdict("exact")
+    if strict:
+        verdict = Verdict("mismatch", first_difference(reference, candidate))
+    else:
+        verdict = classify_outputs(logits_fn, prompt_ids, reference, candidate, tolerance)
+    if verdict.kind == "mismatch":
+        raise LosslessError(_mismatch_message(verdict, reference, candidate, dtype, tolerance, label))
+    return verdict
+
+
+def _mismatch_message(verdict: Verdict, reference, candidate, dtype, tolerance: float, label: str) -> str:
+    at = verdict.position
+    rule = "bitwise" if strict_for(dtype) else "up to numerical ties"
+    message = (
+        f"expected {label} to reproduce plain greedy decoding ({dtype}, {rule}), got a difference at new token {at} "
+        f"({candidate[at:at + 5].tolist()} vs plain {reference[at:at + 5].tolist()}; lengths {len(candidate)} vs "
+        f"{len(reference)})"
+    )
+    if verdict.gap is not None:
+        message += f" that is no tie: float32 logit gap {verdict.gap:.3f} > tolerance {tolerance}"
+    return message

@@ -1,24 +1,31 @@
-"""The benchmark and the `jetspec` command, on tiny random targets with an in-process character tokenizer.
+"""The benchmark (`jetspec.bench`, `jetspec.report`) on tiny random targets with an in-process character tokenizer.
 
-The benchmark's headline guarantee is checked from outside: every `generate` call it makes is recorded, and on
-every prompt each method's tokens must equal plain greedy's. Bracketing it, a method that returns a wrong token
-must fail the run.
+Its headline guarantee is checked from outside: every `generate` call it makes is recorded, and on every prompt
+each method's tokens must equal plain greedy's, and each row's statistics must be those its own call returned.
+Bracketing it, a method that returns a wrong token must fail the run. The aggregates are checked on constructed
+rows whose medians, quartiles and means are known in advance.
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+import os
 
 import pytest
-import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jetspec import cli
-from jetspec.bench import LosslessError, run_benchmark
+from jetspec.bench import (
+    REPO_ROOT,
+    BenchConfig,
+    Method,
+    PromptRow,
+    aggregate,
+    aggregate_groups,
+    portable_name,
+    run_benchmark,
+)
+from jetspec.equality import LosslessError, Verdict
 from jetspec.prompts import SUITES
-from modeling_jetspec import JetSpecDraftModel
+from modeling_jetspec import JetSpecDraftModel, JetSpecStats
 from tiny import tiny_head, tiny_target
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
@@ -28,8 +35,9 @@ CHAT_TEMPLATE = (
 )
 BUDGETS = [4, 12]
 MAX_NEW = 10
-HEAD_METHODS = ("chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup", "tree-12-lookup",
-                "tree-4-lookup-first", "tree-12-lookup-first")
+METHODS = ["plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
+           "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first"]
+TREE_ARGUMENTS = ("tree_budget", "tree_width", "tree_depth", "tree_lookup", "tree_lookup_prior", "path_conditioning")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -47,8 +55,6 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-
-
 def tiny_pair():
     # suite prompts run to ~1,400 characters (one token each): room for them plus the answer
     target = tiny_target("llama", max_position_embeddings=4096)
@@ -59,7 +65,8 @@ def tiny_pair():
 
 
 def spy_generate(monkeypatch, target):
-    """Record `(prompt ids, method arguments, new tokens)` of every outer `target.generate` call."""
+    """Record every outer `target.generate` call: prompt, tree/lookup arguments, head or not, new tokens, and the
+    `jetspec_stats` its output carried."""
     calls = []
     original = target.generate
 
@@ -67,8 +74,11 @@ def spy_generate(monkeypatch, target):
         out = original(*args, **kwargs)
         if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
             ids = kwargs["input_ids"]
-            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", "tree_budget", "tree_width", "tree_lookup", "tree_lookup_prior") if k in kwargs}
-            calls.append((tuple(ids[0].tolist()), key, "assistant_model" in kwargs, out[0, ids.shape[1]:].tolist()))
+            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", *TREE_ARGUMENTS) if k in kwargs}
+            calls.append({
+                "prompt": tuple(ids[0].tolist()), "key": key, "assisted": "assistant_model" in kwargs,
+                "tokens": out.sequences[0, ids.shape[1]:].tolist(), "stats": getattr(out, "jetspec_stats", None),
+            })
         return out
 
     monkeypatch.setattr(target, "generate", generate)
@@ -82,107 +92,192 @@ def run(tmp_path_factory):
     target, head = tiny_pair()
     calls = spy_generate(monkeypatch, target)
     out = tmp_path_factory.mktemp("bench")
-    results = run_benchmark(
-        target, char_tokenizer(), head, list(SUITES), BUDGETS, MAX_NEW, 2, out,
-        cost_repeats=2, command="pytest", progress=False,
-    )
+    config = BenchConfig(list(SUITES), BUDGETS, MAX_NEW, limit=2, cost_repeats=2)
+    results = run_benchmark(target, char_tokenizer(), head, config, out, command="pytest", progress=False)
     monkeypatch.undo()
     return results, calls, out
 
 
+def measured_calls(calls) -> list[list[dict]]:
+    """The timed calls (warm-up ones run 8 tokens), one list of `len(METHODS)` per prompt, in the bench's order."""
+    timed = [c for c in calls if len(c["tokens"]) == MAX_NEW]
+    return [timed[i : i + len(METHODS)] for i in range(0, len(timed), len(METHODS))]
+
+
 def test_every_method_reproduces_plain_greedy(run):
     results, calls, _ = run
-    plain = {}
-    for prompt, key, assisted, tokens in calls:
-        if not assisted and not key:
-            plain.setdefault(prompt, set()).add(tuple(tokens))
-    assert all(len(outputs) in (1, 2) for outputs in plain.values())  # warm-up prompt: a short and a full run
-    measured = [c for c in calls if len(c[3]) == MAX_NEW]
-    assert len({c[0] for c in measured}) == 2 * len(SUITES)  # every prompt reached the methods
-    for prompt, key, assisted, tokens in measured:
-        reference = [o for o in plain[prompt] if len(o) == MAX_NEW]
-        assert [tuple(tokens)] == reference, (key, assisted)
-    # every method ran on every prompt, path conditioning at the head's default budget (12)
-    methods = {r["method"] for r in results["prompts"]}
-    assert methods == {"plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
-                       "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first"}
+    prompts = measured_calls(calls)
+    assert len(prompts) == 2 * len(SUITES)  # every prompt reached every method
+    for group in prompts:
+        assert len({c["prompt"] for c in group}) == 1
+        plain = [c["tokens"] for c in group if not c["assisted"] and not c["key"]]
+        assert len(plain) == 1
+        for call in group:
+            assert call["tokens"] == plain[0], call["key"]
+    assert all(r["equality"] == "exact" for r in results["prompts"])  # float32: bitwise
+    assert [r["method"] for r in results["prompts"]] == METHODS * 2 * len(SUITES)
+
+
+def test_methods_pass_their_arguments(run):
+    results, calls, _ = run
     arguments = results["config"]["method_arguments"]
     assert arguments["tree-12-pc"] == {"tree_budget": 12, "path_conditioning": True, "tree_lookup": 0}
     assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 6}  # the head's prior scores the chain
     assert arguments["tree-4-lookup-first"] == {"tree_budget": 4, "tree_lookup": 6, "tree_lookup_prior": False}
+    assert arguments["chain"] == {"tree_depth": 4, "tree_width": 1, "tree_budget": 4, "tree_lookup": 0}
     # chain, tree-B, auto and tree-B-pc measure the head alone although the head's default has a lookup branch
     for name in ("chain", "tree-4", "tree-12", "auto", "tree-12-pc"):
         assert arguments[name]["tree_lookup"] == 0, name
-    assisted_lookups = {key.get("tree_lookup") for _, key, assisted, _ in calls if assisted}
-    assert assisted_lookups == {0, 6}
-    assert all(r["equality"] == "exact" for r in results["prompts"])  # float32: bitwise
-    for name in methods:
-        assert sum(r["method"] == name for r in results["prompts"]) == 2 * len(SUITES)
+    for group in measured_calls(calls):  # and these arguments are the ones generate received
+        sent = sorted(json.dumps(c["key"], sort_keys=True) for c in group)
+        assert sent == sorted(json.dumps(arguments[m], sort_keys=True) for m in METHODS)
 
 
-def test_results_json_has_every_field(run):
-    results, _, out = run
-    on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk == json.loads(json.dumps(results))
-    for key in ("started_at", "wall_seconds", "command", "machine", "versions", "config", "notes",
-                "costs", "aggregates", "prompts", "plots"):
-        assert key in on_disk, key
-    assert on_disk["command"] == "pytest"
-    assert {"platform", "cpu_count", "torch_threads", "python"} <= set(on_disk["machine"])
-    assert {"torch", "transformers", "jetspec", "git_commit"} <= set(on_disk["versions"])
-    assert "muse_glimmer" in on_disk["notes"]["chain"]
-    config = on_disk["config"]
-    assert config["budgets"] == BUDGETS and config["max_new_tokens"] == MAX_NEW and config["chain_depth"] == 4
-    assert config["method_arguments"]["chain"] == {"tree_depth": 4, "tree_width": 1, "tree_budget": 4, "tree_lookup": 0}
+def test_head_statistics_are_each_calls_own(run):
+    """Each head row holds the `jetspec_stats` of its own generate call (not another call's, not a side channel)."""
+    results, calls, _ = run
+    rows = results["prompts"]
+    for i, group in enumerate(measured_calls(calls)):
+        mine = rows[i * len(METHODS) : (i + 1) * len(METHODS)]
+        by_arguments = {json.dumps(c["key"], sort_keys=True): c["stats"] for c in group}
+        for row in mine:
+            stats = by_arguments[json.dumps(results["config"]["method_arguments"][row["method"]], sort_keys=True)]
+            if stats is None:
+                assert "tau" not in row and "acceptance_per_depth" not in row, row["method"]  # no None-filled keys
+                continue
+            assert (row["tau"], row["target_forwards"], row["rounds"]) == (
+                stats.tau, stats.target_forwards, stats.rounds
+            )
+            assert row["acceptance_per_depth"] == stats.acceptance_per_depth
+            # batch 1: the prefill commits one token, each verify forward commits tau on average
+            assert row["tau"] == pytest.approx((MAX_NEW - 1) / (row["target_forwards"] - 1))
 
-    costs = on_disk["costs"]
-    assert costs["draft_cost_c"] == pytest.approx(costs["draft_forward_seconds"] / costs["target_step_seconds"])
+
+def test_costs_time_the_trees_the_methods_verify(run):
+    costs = run[0]["costs"]
     assert set(costs["verify"]) == {"4", "12"}
     assert [costs["verify"][b]["nodes"] for b in ("4", "12")] == BUDGETS  # depth 4, width 3 holds 120 nodes
     assert costs["chain"]["nodes"] == 4
-    for entry in list(costs["verify"].values()) + [costs["chain"]]:
-        assert entry["seconds"] > 0 and entry["ratio_to_step"] > 0
-
-    assert set(on_disk["aggregates"]) == set(SUITES) | {"all"}
-    for suite, methods in on_disk["aggregates"].items():
-        assert methods["plain"]["speedup_median"] == pytest.approx(1.0)
-        for name, agg in methods.items():
-            for field in ("prompts", "tokens_per_s_median", "speedup_median", "speedup_q25", "speedup_q75",
-                          "speedup_iqr", "tau_mean", "acceptance_per_depth", "limit_speedup"):
-                assert field in agg, (suite, name, field)
-            assert agg["speedup_q25"] <= agg["speedup_median"] <= agg["speedup_q75"]
-            if name in HEAD_METHODS:
-                rows = [r for r in on_disk["prompts"] if r["method"] == name and (suite == "all" or r["suite"] == suite)]
-                assert agg["tau_mean"] == pytest.approx(sum(r["tau"] for r in rows) / len(rows))
-                deepest = 6 if "lookup" in name else 4  # the lookup chain (6) runs past the head's depth (4)
-                assert 1 <= len(agg["acceptance_per_depth"]) <= deepest and agg["budget_mean"] >= 1
-                if name != "auto":
-                    assert agg["limit_speedup"] > 0 and len(agg["acceptance_per_depth"]) == deepest
-                    assert agg["budget_mean"] == (4 if name == "chain" else int(name.split("-")[1]))
-            else:
-                assert agg["tau_mean"] is None
-
-    for row in on_disk["prompts"]:
-        assert row["new_tokens"] == MAX_NEW and row["seconds"] > 0
-        assert row["tokens_per_s"] == pytest.approx(MAX_NEW / row["seconds"])
-        if row["method"] in HEAD_METHODS:
-            # the prefill commits one token, each verify round (one target forward each) commits tau on average
-            assert row["tau"] == pytest.approx((MAX_NEW - 1) / (row["target_forwards"] - 1))
-            assert row["draft_seconds"] > 0 and row["verify_seconds"] > 0
-            assert 1 <= len(row["acceptance_per_depth"]) <= (6 if "lookup" in row["method"] else 4)
-    # rotating order: over the prompts, plain runs in more than one slot
-    assert len({r["slot"] for r in on_disk["prompts"] if r["method"] == "plain"}) > 1
 
 
-def test_report_and_plots_are_written(run):
+def test_results_json_is_the_returned_results_without_absolute_paths(run):
     results, _, out = run
+    text = (out / "results.json").read_text()
+    assert json.loads(text) == json.loads(json.dumps(results))
+    assert results["command"] == "pytest" and results["config"]["max_new_tokens"] == MAX_NEW
+    assert str(out) not in text and str(REPO_ROOT) not in text
+    assert not [s for s in strings(json.loads(text)) if os.path.isabs(s)]
+    assert set(results["aggregates"]) == set(SUITES) | {"all"}
+    assert list(results["aggregates"]["all"]) == METHODS
+
+
+def strings(value):
+    """Every string inside nested dicts and lists."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_portable_names(tmp_path):
+    assert portable_name(str(REPO_ROOT / "jetspec" / "heads" / "smollm2-135m")) == "jetspec/heads/smollm2-135m"
+    assert portable_name(str(tmp_path / "my-head")) == "my-head"  # outside the repository: the folder's own name
+    assert portable_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert portable_name("") is None
+
+
+def test_report_names_every_method_of_every_suite(run):
+    results, _, out = run
+    report = (out / "results.md").read_text()
+    sections = report.split("\n## ")
+    for group in (*SUITES, "all"):
+        (section,) = [s for s in sections if s.startswith(group + "\n")]
+        names = [line.split("|")[1].strip() for line in section.splitlines()[4:] if line.startswith("| ")]
+        assert names == METHODS, group
+    costs = [s for s in sections if s.startswith("Costs\n")][0]
+    assert [line.split("|")[1].strip() for line in costs.splitlines() if line.startswith("| tree-") or
+            line.startswith("| chain")] == ["tree-4", "tree-12", "chain"]
     assert sorted(results["plots"]) == ["acceptance_per_depth.png", "speedup_vs_budget.png"]
     for name in results["plots"]:
-        data = (out / name).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
-    report = (out / "results.md").read_text()
-    for text in ["## gsm8k", "## humaneval", "## mtbench", "| tree-12 |", "| chain |", "draft cost c", "muse_glimmer"]:
-        assert text in report
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"![{name}]({name})" in report
+
+
+# ------------------------------------------------------------------------------------------------ aggregates
+def make_row(method: str, seconds: float, speedup: float, kind: str = "exact", suite: str = "gsm8k", stats=None):
+    verdict = Verdict(kind) if kind == "exact" else Verdict(kind, 3, 7, 8, 0.1)
+    return PromptRow(suite, f"p{seconds}", method, 20, 10, seconds, speedup, 0, verdict, stats)
+
+
+def test_aggregate_of_known_rows():
+    """Five prompts whose speedups, tokens/s and verdicts have known medians, quartiles and counts."""
+    speedups = [3.0, 0.5, 2.0, 1.0, 1.5]  # sorted 0.5, 1, 1.5, 2, 3: q25 1.0, median 1.5, q75 2.0 (linear)
+    seconds = [1.0, 2.0, 4.0, 5.0, 10.0]  # 10 tokens each: 10, 5, 2.5, 2, 1 tokens/s, median 2.5
+    kinds = ["exact", "tie", "exact", "tie", "exact"]
+    rows = [make_row("prompt_lookup", s, x, k) for s, x, k in zip(seconds, speedups, kinds)]
+    figures = aggregate(rows, Method("prompt_lookup", "prompt_lookup"), costs=None)
+    assert (figures["speedup_q25"], figures["speedup_median"], figures["speedup_q75"]) == (1.0, 1.5, 2.0)
+    assert (figures["speedup_min"], figures["speedup_max"]) == (0.5, 3.0)
+    assert figures["tokens_per_s_median"] == 2.5
+    assert figures["equality"] == {"exact": 3, "tie": 2, "mismatch": 0}
+    assert (figures["prompts"], figures["new_tokens"], figures["seconds"]) == (5, 50, 22.0)
+    assert "tau_mean" not in figures  # no head, no head figures
+
+
+def test_aggregate_of_head_rows_with_known_statistics():
+    """Two prompts: tau 2 and 3, acceptance over 4 rounds each, one tree shallower than the other."""
+    shallow = JetSpecStats(target_forwards=5, rounds=4, row_rounds=4, round_tokens=8, accepted_at_depth=[4, 2],
+                           budgets=[4, 4, 4, 4], draft_seconds=0.1, verify_seconds=0.2)
+    deep = JetSpecStats(target_forwards=5, rounds=4, row_rounds=4, round_tokens=12, accepted_at_depth=[2, 1, 1],
+                        budgets=[4, 12, 12, 4], draft_seconds=0.3, verify_seconds=0.6)
+    rows = [make_row("tree-4", 1.0, 1.0, stats=shallow), make_row("tree-4", 1.0, 1.0, stats=deep)]
+    costs = {"target_step_seconds": 0.01, "draft_forward_seconds": 0.005, "verify": {"4": {"seconds": 0.02}}}
+    figures = aggregate(rows, Method("tree-4", "tree", uses_head=True, budget=4), costs)
+    assert figures["tau_mean"] == 2.5
+    # per prompt [1, 0.5, 0] and [0.5, 0.25, 0.25]: the shallower tree accepted nothing at depth 3
+    assert figures["acceptance_per_depth"] == [0.75, 0.375, 0.125]
+    assert figures["budget_mean"] == 6.0  # per-prompt means 4 and 8
+    assert figures["draft_seconds_per_round"] == pytest.approx(0.05)  # 0.4 s over 8 rounds
+    assert figures["verify_seconds_per_round"] == pytest.approx(0.1)
+    assert figures["limit_speedup"] == pytest.approx(1.0)  # tau 2.5 * 10 ms / (20 ms + 5 ms)
+
+
+def test_groups_hold_each_suite_and_all():
+    rows = [make_row("plain", 1.0, 1.0, suite="gsm8k"), make_row("plain", 2.0, 1.0, suite="mtbench"),
+            make_row("plain", 4.0, 1.0, suite="mtbench")]
+    groups = aggregate_groups(rows, [Method("plain", "plain")], ["gsm8k", "mtbench"], costs=None)
+    assert {g: figures["plain"]["prompts"] for g, figures in groups.items()} == {"gsm8k": 1, "mtbench": 2, "all": 3}
+
+
+def test_rows_list_only_what_they_measured():
+    plain = make_row("plain", 2.0, 1.0).as_dict()
+    assert "tau" not in plain and "tie" not in plain and plain["tokens_per_s"] == 5.0
+    tie = make_row("prompt_lookup", 2.0, 1.0, kind="tie").as_dict()
+    assert tie["tie"] == {"kind": "tie", "position": 3, "reference_token": 7, "candidate_token": 8, "gap": 0.1}
+
+
+# ------------------------------------------------------------------------------------------------ failures
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(suites=["gsm8k", "nope"]), "unknown suite 'nope'"),
+        (dict(budgets=[]), "at least one tree budget"),
+        (dict(budgets=[4, 4]), "distinct tree budgets"),
+        (dict(budgets=[0]), "integers >= 1, got \\[0\\]"),
+        (dict(methods=["tree"]), "'plain' among the methods"),
+        (dict(methods=["plain", "beam"]), "methods among .*got beam"),
+        (dict(max_new_tokens=0), "max_new_tokens to be an integer >= 1, got 0"),
+        (dict(limit=0), "limit to be an integer >= 1, got 0"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
+)
+def test_bench_config_rejects_bad_settings(fields, message):
+    settings = {"suites": ["gsm8k"], "budgets": [4], **fields}
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**settings)
 
 
 def test_a_wrong_token_fails_the_run(monkeypatch, tmp_path):
@@ -191,16 +286,14 @@ def test_a_wrong_token_fails_the_run(monkeypatch, tmp_path):
     original = JetSpecDraftModel.tree_generate
 
     def wrong_last_token(self, *args, **kwargs):
-        out = original(self, *args, **kwargs).clone()
-        out[:, -1] = (out[:, -1] + 1) % target.config.vocab_size
+        out = original(self, *args, **kwargs)
+        out.sequences[:, -1] = (out.sequences[:, -1] + 1) % target.config.vocab_size
         return out
 
     monkeypatch.setattr(JetSpecDraftModel, "tree_generate", wrong_last_token)
+    config = BenchConfig(["gsm8k"], [4], 6, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
     with pytest.raises(LosslessError, match="tree-4.*gsm8k"):
-        run_benchmark(
-            target, char_tokenizer(), head, ["gsm8k"], [4], 6, 1, tmp_path,
-            methods=("plain", "tree"), warmup=False, cost_repeats=1, progress=False,
-        )
+        run_benchmark(target, char_tokenizer(), head, config, tmp_path, progress=False)
     assert not (tmp_path / "results.json").exists()
 
 
@@ -215,103 +308,6 @@ def test_a_failing_auto_budget_fails_the_run(monkeypatch, tmp_path):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(JetSpecDraftModel, "tree_generate", no_auto)
+    config = BenchConfig(["gsm8k"], [4], 6, limit=2, methods=("plain", "tree", "auto"), cost_repeats=1)
     with pytest.raises(NotImplementedError, match="auto' broke"):
-        run_benchmark(
-            target, char_tokenizer(), head, ["gsm8k"], [4], 6, 2, tmp_path,
-            methods=("plain", "tree", "auto"), cost_repeats=1, progress=False,
-        )
-
-
-# ------------------------------------------------------------------------------------------------ the command
-def cli_error(capsys, argv) -> str:
-    capsys.readouterr()  # drop what fixtures printed
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("jetspec") and "error:" in err and "\n" not in err  # one line
-    return err
-
-
-@pytest.fixture
-def saved_head(tmp_path):
-    target, head = tiny_pair()
-    head.save_pretrained(tmp_path / "head")
-    return tmp_path / "head"
-
-
-def test_cli_rejects_an_unknown_suite(capsys, saved_head):
-    err = cli_error(capsys, ["bench", "--suite", "gsm8k,nope", "--head", str(saved_head)])
-    assert "'nope'" in err and "gsm8k, humaneval, mtbench" in err
-    assert "at least one suite" in cli_error(capsys, ["bench", "--suite", ",", "--head", str(saved_head)])
-
-
-@pytest.mark.parametrize("budgets", ["", ",", "8,x", "0", "8,-4"], ids=["empty", "comma", "word", "zero", "negative"])
-def test_cli_rejects_bad_budgets(capsys, saved_head, budgets):
-    err = cli_error(capsys, ["bench", "--budgets", budgets, "--head", str(saved_head)])
-    assert "tree budget" in err
-
-
-def test_cli_rejects_a_missing_head(capsys, tmp_path, monkeypatch):
-    missing = tmp_path / "no-head"
-    err = cli_error(capsys, ["generate", "hi", "--head", str(missing)])
-    assert str(missing) in err and "train one" in err
-    # the embedded default head, when it is not committed yet
-    monkeypatch.setitem(cli.DEFAULT_HEADS, cli.DEFAULT_TARGET, missing)
-    err = cli_error(capsys, ["bench", "--suite", "gsm8k"])
-    assert str(missing) in err and "run_trainer.py" in err
-    err = cli_error(capsys, ["generate", "hi", "--target", "some/other-model"])
-    assert "--head" in err
-
-
-def test_cli_rejects_an_unknown_dtype(capsys, saved_head):
-    err = cli_error(capsys, ["generate", "hi", "--dtype", "float16", "--head", str(saved_head)])
-    assert "expected --dtype in auto, float32, bfloat16, got 'float16'" in err
-
-
-def test_cli_rejects_a_draft_vocabulary_the_head_cannot_restrict_to(capsys, tmp_path, saved_head):
-    target, _ = tiny_pair()
-    target.save_pretrained(tmp_path / "target")
-    char_tokenizer().save_pretrained(tmp_path / "target")
-    err = cli_error(capsys, ["generate", "hi", "--target", str(tmp_path / "target"), "--head", str(saved_head),
-                             "--draft-vocab-size", "50", "--dtype", "float32"])
-    assert "drafting from the full vocabulary" in err
-
-
-def test_cli_rejects_bad_numbers(capsys, saved_head):
-    assert "integer >= 1" in cli_error(capsys, ["generate", "hi", "--budget", "0", "--head", str(saved_head)])
-    assert "integer >= 1" in cli_error(capsys, ["bench", "--limit", "x", "--head", str(saved_head)])
-    assert "methods" in cli_error(capsys, ["bench", "--methods", "tree", "--head", str(saved_head)])
-
-
-def test_python_m_jetspec_reports_bad_input_on_one_line():
-    done = subprocess.run(
-        [sys.executable, "-m", "jetspec", "bench", "--suite", "nope"], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "jetspec: error: unknown suite 'nope': expected one of gsm8k, humaneval, mtbench (see --help)"
-    ]
-
-
-def test_cli_end_to_end_on_a_saved_tiny_target(capsys, tmp_path, saved_head):
-    target, _ = tiny_pair()
-    target.save_pretrained(tmp_path / "target")
-    char_tokenizer().save_pretrained(tmp_path / "target")
-    folder = str(tmp_path / "target")
-
-    assert cli.main(["generate", "What is 17 * 23?", "--target", folder, "--head", str(saved_head),
-                     "--max-new-tokens", "8", "--budget", "4", "--dtype", "float32"]) == 0
-    printed = capsys.readouterr().out
-    assert "plain greedy:" in printed and "jetspec (B=4):" in printed and "tau" in printed
-
-    out = tmp_path / "results"
-    assert cli.main(["bench", "--target", folder, "--head", str(saved_head), "--suite", "gsm8k", "--budgets", "4",
-                     "--max-new-tokens", "6", "--limit", "1", "--out", str(out), "--methods", "plain,tree",
-                     "--threads", "1", "--dtype", "bfloat16"]) == 0
-    results = json.loads((out / "results.json").read_text())
-    assert results["config"]["methods"] == ["plain", "tree-4"]
-    assert results["config"]["target_dtype"] == "torch.bfloat16" and results["config"]["dtype_reason"] == "requested"
-    assert all(r["equality"] in ("exact", "tie") for r in results["prompts"])
-    assert results["command"].startswith("jetspec bench --target")
-    assert (out / "results.md").is_file() and (out / "speedup_vs_budget.png").is_file()
+        run_benchmark(target, char_tokenizer(), head, config, tmp_path, progress=False)

@@ -14,8 +14,8 @@ import torch
 from test_bench import char_tokenizer, tiny_pair
 
 import modeling_jetspec.generation_jetspec as generation
-from jetspec.bench import LosslessError, run_benchmark
-from jetspec.equality import DEFAULT_TIE_TOLERANCE, classify_outputs, float32_logits_fn
+from jetspec.bench import BenchConfig, run_benchmark
+from jetspec.equality import DEFAULT_TIE_TOLERANCE, LosslessError, check_lossless, classify_outputs, float32_logits_fn
 
 
 def logits_with(values: dict, vocab: int = 10):
@@ -71,6 +71,25 @@ def test_negative_tolerance_is_refused():
         classify_outputs(fn, PROMPT, torch.tensor([1]), torch.tensor([2]), tolerance=-1)
 
 
+def test_check_lossless_holds_float32_to_bitwise_equality():  # (c) in float32 even a tie fails
+    fn, seen = logits_with({7: 3.0, 8: 3.0})
+    assert check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 7]), torch.float32).kind == "exact"
+    with pytest.raises(LosslessError, match=r"label to reproduce .*float32, bitwise.*new token 1 \(\[8\] vs plain \[7\]"):
+        check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 8]), torch.float32, fn, label="label")
+    assert seen == []  # no float32 logits needed to judge a float32 output
+
+
+def test_check_lossless_lets_half_precision_ties_pass_and_fails_the_rest():  # (b), (c)
+    tied, _ = logits_with({7: 3.0, 8: 3.0 - DEFAULT_TIE_TOLERANCE / 2})
+    verdict = check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 8]), torch.bfloat16, tied)
+    assert (verdict.kind, verdict.position) == ("tie", 1)
+    far, _ = logits_with({7: 3.0, 8: 1.0})
+    with pytest.raises(LosslessError, match="up to numerical ties.*no tie: float32 logit gap 2.000 > tolerance 0.5"):
+        check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 8]), torch.bfloat16, far)
+    with pytest.raises(ValueError, match="float32 logits_fn to judge ties of a torch.bfloat16 target, got None"):
+        check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 7]), torch.bfloat16)
+
+
 def broken_accept(monkeypatch):
     """Once, the round commits the target's least likely token after the accepted path instead of its choice."""
     original = generation.accept
@@ -94,21 +113,19 @@ def test_a_broken_verifier_fails_the_benchmark(monkeypatch, tmp_path, dtype):  #
     reference = float32_logits_fn(lambda: tiny_pair()[0])  # the same seeded weights, in float32
     target, head = target.to(dtype), head.to(dtype)
     broken_accept(monkeypatch)
-    with pytest.raises(LosslessError, match="tree-4" if dtype == torch.float32 else "no tie"):
-        run_benchmark(
-            target, char_tokenizer(), head, ["gsm8k"], [4], 8, 1, tmp_path, methods=("plain", "tree"),
-            warmup=False, cost_repeats=1, progress=False, float32_logits=reference,
-        )
+    config = BenchConfig(["gsm8k"], [4], 8, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
+    with pytest.raises(LosslessError, match="tree-4.*bitwise" if dtype == torch.float32 else "tree-4.*no tie"):
+        run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference, progress=False)
 
 
 def test_a_correct_bfloat16_run_passes_with_exact_or_tie(tmp_path):  # (e)
     target, head = tiny_pair()
     reference = float32_logits_fn(lambda: tiny_pair()[0])
     target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
-    results = run_benchmark(
-        target, char_tokenizer(), head, ["gsm8k", "mtbench"], [4, 12], 12, 2, tmp_path,
-        methods=("plain", "chain", "tree"), warmup=False, cost_repeats=1, progress=False, float32_logits=reference,
-    )
+    config = BenchConfig(["gsm8k", "mtbench"], [4, 12], 12, limit=2, methods=("plain", "chain", "tree"),
+                         warmup=False, cost_repeats=1)
+    results = run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference,
+                            progress=False)
     assert results["config"]["equality"].startswith("tie-aware")
     for name, figures in results["aggregates"]["all"].items():
         counts = figures["equality"]
@@ -117,8 +134,7 @@ def test_a_correct_bfloat16_run_passes_with_exact_or_tie(tmp_path):  # (e)
 
 def test_a_bfloat16_benchmark_needs_the_float32_reference(tmp_path):
     target, head = tiny_pair()
+    config = BenchConfig(["gsm8k"], [4], 4, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
     with pytest.raises(ValueError, match="expected float32_logits"):
-        run_benchmark(
-            target.to(torch.bfloat16), char_tokenizer(), head.to(torch.bfloat16), ["gsm8k"], [4], 4, 1, tmp_path,
-            methods=("plain", "tree"), warmup=False, cost_repeats=1, progress=False,
-        )
+        run_benchmark(target.to(torch.bfloat16), char_tokenizer(), head.to(torch.bfloat16), config, tmp_path,
+                      progress=False)
