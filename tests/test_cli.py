@@ -1,0 +1,126 @@
+"""The `jetspec` command (`jetspec.cli`): bad input exits with status 2 and one line; a tiny target saved to disk
+runs `generate` and `bench` end to end, and the bench's results name that target and head without absolute paths.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from test_bench import char_tokenizer, tiny_pair
+
+from jetspec import cli
+
+
+def cli_error(capsys, argv) -> str:
+    capsys.readouterr()  # drop what fixtures printed
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jetspec") and "error:" in err and "\n" not in err  # one line
+    return err
+
+
+@pytest.fixture
+def saved_head(tmp_path):
+    _, head = tiny_pair()
+    head.save_pretrained(tmp_path / "head")
+    return tmp_path / "head"
+
+
+@pytest.fixture
+def saved_target(tmp_path):
+    target, _ = tiny_pair()
+    target.save_pretrained(tmp_path / "target")
+    char_tokenizer().save_pretrained(tmp_path / "target")
+    return tmp_path / "target"
+
+
+def test_cli_rejects_an_unknown_suite(capsys, saved_head):
+    err = cli_error(capsys, ["bench", "--suite", "gsm8k,nope", "--head", str(saved_head)])
+    assert "'nope'" in err and "gsm8k, humaneval, mtbench" in err
+    assert "at least one suite" in cli_error(capsys, ["bench", "--suite", ",", "--head", str(saved_head)])
+
+
+@pytest.mark.parametrize(
+    "budgets,message",
+    [("", "at least one tree budget"), (",", "at least one tree budget"), ("8,x", "integers >= 1, got 'x'"),
+     ("0", "integers >= 1, got \\[0\\]"), ("8,-4", "integers >= 1, got \\[-4\\]"), ("8,8", "distinct tree budgets")],
+    ids=["empty", "comma", "word", "zero", "negative", "twice"],
+)
+def test_cli_rejects_bad_budgets(capsys, saved_head, budgets, message):
+    err = cli_error(capsys, ["bench", "--budgets", budgets, "--head", str(saved_head)])
+    assert re.search(message, err), err
+
+
+def test_cli_rejects_a_missing_head(capsys, tmp_path, monkeypatch):
+    missing = tmp_path / "no-head"
+    err = cli_error(capsys, ["generate", "hi", "--head", str(missing)])
+    assert str(missing) in err and "train one" in err
+    # the embedded default head, when it is not committed yet
+    monkeypatch.setitem(cli.DEFAULT_HEADS, cli.DEFAULT_TARGET, missing)
+    err = cli_error(capsys, ["bench", "--suite", "gsm8k"])
+    assert str(missing) in err and "run_trainer.py" in err
+    err = cli_error(capsys, ["generate", "hi", "--target", "some/other-model"])
+    assert "--head" in err
+
+
+def test_cli_rejects_an_unknown_dtype(capsys, saved_head):
+    err = cli_error(capsys, ["generate", "hi", "--dtype", "float16", "--head", str(saved_head)])
+    assert "expected --dtype in auto, float32, bfloat16, got 'float16'" in err
+
+
+def test_cli_rejects_a_draft_vocabulary_the_head_cannot_restrict_to(capsys, saved_target, saved_head):
+    err = cli_error(capsys, ["generate", "hi", "--target", str(saved_target), "--head", str(saved_head),
+                             "--draft-vocab-size", "50", "--dtype", "float32"])
+    assert "drafting from the full vocabulary" in err
+
+
+def test_cli_rejects_bad_numbers_and_methods(capsys, saved_head):
+    assert "integer >= 1" in cli_error(capsys, ["generate", "hi", "--budget", "0", "--head", str(saved_head)])
+    assert "integer >= 1" in cli_error(capsys, ["bench", "--limit", "x", "--head", str(saved_head)])
+    assert "'plain' among the methods" in cli_error(capsys, ["bench", "--methods", "tree", "--head", str(saved_head)])
+    assert "got beam" in cli_error(capsys, ["bench", "--methods", "plain,beam", "--head", str(saved_head)])
+
+
+def test_python_m_jetspec_reports_bad_input_on_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "jetspec", "bench", "--suite", "nope"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "jetspec: error: unknown suite 'nope': expected one of gsm8k, humaneval, mtbench (see --help)"
+    ]
+
+
+def test_cli_generate_end_to_end(capsys, saved_target, saved_head):
+    assert cli.main(["generate", "What is 17 * 23?", "--target", str(saved_target), "--head", str(saved_head),
+                     "--max-new-tokens", "8", "--budget", "4", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out
+    assert "plain greedy:" in printed and "jetspec (B=4):" in printed
+    assert "same tokens as plain greedy" in printed  # float32: bitwise, or the command fails
+    # tau from the call's own statistics: 8 tokens, the prefill commits one, each verify forward tau on average
+    forwards = int(printed.split(" target forwards")[0].rsplit("(", 1)[1])
+    assert f"tau {7 / (forwards - 1):.2f}" in printed
+
+
+def test_cli_bench_end_to_end(capsys, tmp_path, saved_target, saved_head):
+    out = tmp_path / "results"
+    assert cli.main(["bench", "--target", str(saved_target), "--head", str(saved_head), "--suite", "gsm8k",
+                     "--budgets", "4", "--max-new-tokens", "6", "--limit", "1", "--out", str(out), "--methods",
+                     "plain,tree", "--threads", "1", "--dtype", "bfloat16"]) == 0
+    text = (out / "results.json").read_text()
+    results = json.loads(text)
+    assert results["config"]["methods"] == ["plain", "tree-4"]
+    assert results["config"]["target_dtype"] == "torch.bfloat16" and results["config"]["dtype_reason"] == "requested"
+    assert all(r["equality"] in ("exact", "tie") for r in results["prompts"])
+    # models and folders by their names, never by the absolute paths of this machine
+    assert (results["config"]["target"], results["config"]["head"]) == ("target", "head")
+    assert results["command"] == ("jetspec bench --target target --head head --suite gsm8k --budgets 4 "
+                                  "--max-new-tokens 6 --limit 1 --out results --methods plain,tree --threads 1 "
+                                  "--dtype bfloat16")
+    assert str(tmp_path) not in text
+    printed = capsys.readouterr().out
+    assert "| tree-4 |" in printed and f"wrote {out / 'results.json'}" in printed
