@@ -20,11 +20,11 @@ from typing import Callable, Optional
 import torch
 
 # Largest float32 logit gap (to the row's maximum) still called a tie. bf16 keeps 8 significant bits: a logit in
-# [16, 32) is stored to a spacing of 0.125, and the roundings of every layer compound. Measured on SmolLM2-135M in
-# bf16 (results/results.json of the committed benchmark): 61 divergences from plain greedy, across every speculative
-# method and prompt lookup alike, all at the same positions per prompt, with float32 gaps of median 0.097 and
-# maximum 0.245. 0.5 (four bf16 spacings) leaves headroom without hiding a wrong token: a token the target would not
-# choose typically sits several logits below the maximum.
+# [16, 32) is stored to a spacing of 0.125, and the roundings of every layer compound. The ties measured on
+# SmolLM2-135M in bf16 (`docs/design.md`, "§4 Lossless: exactness and the bf16 tie rule"), across every speculative
+# method and prompt lookup alike, had float32 gaps of median 0.097 and maximum 0.245. 0.5 (four bf16 spacings)
+# leaves headroom without hiding a wrong token: a token the target would not choose typically sits several logits
+# below the maximum.
 DEFAULT_TIE_TOLERANCE = 0.5
 VERDICTS = ("exact", "tie", "mismatch")
 
