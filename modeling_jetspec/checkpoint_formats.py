@@ -1,4 +1,5 @@
-"""Published draft-head checkpoints in, servable checkpoints out (DESIGN section 3, "Interop").
+"""Published draft-head checkpoints in, servable checkpoints out (`docs/design.md`, "§7 Targets and checkpoint
+formats").
 
 Three layouts hold the same network as a [`JetSpecDraftModel`] (fc + RMSNorm over concatenated target features,
 Qwen3-style layers whose keys/values also cover the fused context, a final norm, the target's embeddings and LM
@@ -12,13 +13,20 @@ head), under other names:
   `is_causal` wins in vLLM). Weights `fc.weight`, `hidden_norm.weight`, `layers.N.*` (our names), `norm.weight`,
   optionally `d2t`. A MASK slot is the target's embedding row of `mask_token_id`, an unused id inside the
   vocabulary, unless a `mask_embedding.pt` (a tensor, or `{"mask_token_id", "embedding"}`) ships a trained vector.
+  Sliding layers (`layer_types`, `sliding_window`) see keys at most `sliding_window - 1` positions back, as z-lab's
+  loader masks them; without any causal flag z-lab's loader makes sliding layers causal and full layers
+  bidirectional, so a head mixing both without a flag is refused.
 - **muse_glimmer_assistant**: transformers' built-in DFlash assistant; as dflash, with `target_layer_ids`,
   `mask_token_id` and `block_size` at the top level and `encoder.fc` / `encoder.output_norm_enc` for the first two
-  weights. Import only.
+  weights, a bidirectional block, and all layers sliding by default, where transformers' bidirectional window lets
+  a slot see keys up to `sliding_window` positions back (one more than the dflash convention). Import only.
 
-Import maps names and config fields and refuses anything the head cannot compute identically (a `ValueError`
-naming the field): sliding-window or biased attention, a non-default rotary, logit scaling, extra or missing
-weights, target layer ids beyond the target's depth, a MASK id outside the vocabulary.
+Import converts the config into a [`JetSpecConfig`] and then loads the weights with transformers' own
+`from_pretrained(config=..., key_mapping=...)` (sharding, `dtype`, `device_map` and hub options are transformers').
+It refuses anything the head cannot compute identically (a `ValueError` naming the field): biased attention, a
+non-default or partial rotary, logit scaling, extra or missing weights, target layer ids beyond the target's depth,
+a MASK id outside the vocabulary, and DFlash2 heads (z-lab's `DFlash2DraftModel`: grouped dynamic convolutions and a
+candidate selector that rescores each depth along one path, which a tree of independent depths cannot reproduce).
 
 Export writes the dflash layout. A head's own trained MASK vector (`mask_source="head"`) is written as
 `mask_embedding.pt` for `dflash_config.mask_token_id` (`config.dflash_mask_token_id`, defaults to
@@ -30,27 +38,30 @@ attached), since vLLM builds a `draft_vocab_size`-row LM head only from a shippe
 """
 
 import inspect
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, Qwen3Config
-from transformers.utils import cached_file
+from safetensors.torch import save_file
+from transformers import AutoConfig, PretrainedConfig, Qwen3Config
+from transformers.utils import cached_file, has_file
 
 from .configuration_jetspec import JetSpecConfig
 
 CHECKPOINT_FORMATS = ("jetspec", "dflash")  # what `save_pretrained(checkpoint_format=...)` writes
 IMPORT_FORMATS = ("jetspec", "dflash", "muse_glimmer_assistant")  # what `from_pretrained` reads
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a trained MASK vector
-HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+# what an import passes on to transformers' `from_pretrained`, besides the hub options
+LOAD_OPTIONS = ("dtype", "torch_dtype", "device_map", "max_memory", "offload_folder", "attn_implementation",
+                "low_cpu_mem_usage", "use_safetensors", "variant", "weights_only")
 
 # our name -> DFlash name, for the tensors outside the layers (layer tensors keep their names)
 _TOP_LEVEL = {"fc.weight": "fc.weight", "context_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight",
               "d2t": "d2t"}
-_FROM_DFLASH = {v: k for k, v in _TOP_LEVEL.items()}
-_FROM_DFLASH.update({"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "context_norm.weight"})
+# checkpoint name (regex) -> ours, applied by transformers while loading (`key_mapping`)
+IMPORT_KEY_MAPPING = {r"^hidden_norm\.": "context_norm.", r"^encoder\.fc\.": "fc.",
+                      r"^encoder\.output_norm_enc\.": "context_norm."}
 _LAYER_KEY = re.compile(
     r"layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|self_attn\.[qk]_norm\.weight|mlp\.(gate|up|down)_proj\.weight"
     r"|(input|post_attention)_layernorm\.weight)"
@@ -70,13 +81,6 @@ def dflash_name(name: str) -> str | None:
     return _TOP_LEVEL.get(name)
 
 
-def jetspec_name(name: str) -> str | None:
-    """Our state-dict key for a DFlash / muse_glimmer_assistant tensor name; `None` for names we have no slot for."""
-    if _LAYER_KEY.fullmatch(name):
-        return name
-    return _FROM_DFLASH.get(name)
-
-
 # ------------------------------------------------------------------------------------------------------ detection
 def detect_checkpoint_format(config: dict) -> str:
     """`"jetspec"`, `"dflash"` or `"muse_glimmer_assistant"` from a `config.json` dict; `ValueError` otherwise."""
@@ -84,6 +88,12 @@ def detect_checkpoint_format(config: dict) -> str:
     architectures = config.get("architectures") or []
     if model_type in ("jetspec", "muse_glimmer_assistant"):
         return model_type
+    if "DFlash2DraftModel" in architectures:
+        raise ValueError(
+            "expected architectures ['DFlashDraftModel'] (the plain DFlash / JetSpec head), got ['DFlash2DraftModel']: "
+            "DFlash2 adds grouped dynamic convolutions around attention and MLP and a candidate selector that rescores "
+            "each depth's top tokens along one drafted path, which a JetSpec head cannot compute"
+        )
     if any(a != "DFlashDraftModel" and "DFlash" in a for a in architectures):
         raise ValueError(
             f"expected architectures ['DFlashDraftModel'] (the plain DFlash / JetSpec head), got {architectures}: "
@@ -101,17 +111,15 @@ def detect_checkpoint_format(config: dict) -> str:
 def read_checkpoint_config(path, kwargs: dict) -> dict | None:
     """`config.json` of a local folder or Hub repo as a dict (hub options read from `kwargs`, left in place), or
     `None` when there is none (the caller's loader then reports it)."""
-    hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-    resolved = cached_file(
-        path, "config.json", _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False, **hub,
-    )
-    if resolved is None:
+    hub = {k: kwargs[k] for k in HUB_OPTIONS if k in kwargs}
+    try:
+        config, _ = PretrainedConfig.get_config_dict(path, **hub)
+    except OSError:
         return None
-    return json.loads(Path(resolved).read_text())
+    return config
 
 
-# --------------------------------------------------------------------------------------------------------- import
+# ------------------------------------------------------------------------------------------ import: the config
 def _reference_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The JetSpec reference's default feature layers when `dflash_config.target_layer_ids` is absent: one per draft
     layer, evenly spaced from layer 1 to `num_target_layers - 3` (the middle layer for a one-layer head)."""
@@ -121,54 +129,46 @@ def _reference_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
-def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: bool, overrides: dict) -> dict:
-    """[`JetSpecConfig`] fields of a dflash / muse_glimmer_assistant `config.json` dict, `overrides` applied.
+def _field(config: dict, name: str, default=None):
+    """`dflash_config.<name>` first, then the top level: the DFlash loaders' order."""
+    return (config.get("dflash_config") or {}).get(name, config.get(name, default))
 
-    Raises `ValueError` naming the field for anything a JetSpec head cannot compute identically.
-    """
+
+def _host_config(config: dict) -> PretrainedConfig:
+    """transformers' own reading of `config` (legacy `rope_theta` / `rope_scaling` become `rope_parameters`)."""
     rest = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version", "auto_map")}
     try:
-        # the host's own reading of the config: legacy `rope_theta` / `rope_scaling` become `rope_parameters`
-        normal = AutoConfig.for_model(config["model_type"], **rest)
+        return AutoConfig.for_model(config["model_type"], **rest)
     except (KeyError, ValueError, TypeError) as error:
         raise ValueError(
             f"expected a config.json that transformers reads as model_type {config.get('model_type')!r}, got an "
             f"error: {error}"
         ) from None
+
+
+def check_computable(config: dict, normal: PretrainedConfig):
+    """Raise a `ValueError` naming the first field of `config` whose network a JetSpec head does not compute."""
     extra = config.get("dflash_config") or {}
-
-    def field(name, default=None):  # dflash_config first, then the top level (the DFlash loaders' order)
-        return extra.get(name, config.get(name, default))
-
+    rope = dict(getattr(normal, "rope_parameters", None) or {})
     checks = [  # (field, value, acceptable values)
         ("hidden_act", getattr(normal, "hidden_act", "silu"), ("silu",)),
         ("attention_bias", bool(getattr(normal, "attention_bias", False)), (False,)),
         ("is_neox_style", config.get("is_neox_style", True), (True,)),
         ("dflash_config.use_swa", extra.get("use_swa", False), (False,)),
         ("dflash_config.attention_sink_bias", extra.get("attention_sink_bias", False), (False,)),
-        ("input_embedding_scale", field("input_embedding_scale", 1.0), (1, 1.0)),
-        ("output_multiplier", field("output_multiplier", 1.0), (1, 1.0)),
+        ("input_embedding_scale", _field(config, "input_embedding_scale", 1.0), (1, 1.0)),
+        ("output_multiplier", _field(config, "output_multiplier", 1.0), (1, 1.0)),
         ("logit_scale", config.get("logit_scale", 1.0), (1, 1.0)),
-        ("use_aux_hidden_state", field("use_aux_hidden_state", True), (True,)),
+        ("use_aux_hidden_state", _field(config, "use_aux_hidden_state", True), (True,)),
+        ("final_logit_softcapping", _field(config, "final_logit_softcapping") or None, (None,)),
+        # loaders disagree on a partial rotary (transformers' Qwen3 rotary ignores it, vLLM rotates that fraction)
+        ("partial_rotary_factor", rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
+         (1, 1.0)),
+        ("rope_parameters.rope_type", rope.get("rope_type", "default"), ("default",)),
     ]
     for name, value, allowed in checks:
         if value not in allowed:
             raise ValueError(f"expected {name} in {list(allowed)} (what a JetSpec head computes), got {value!r}")
-    softcap = field("final_logit_softcapping")
-    if softcap is not None and float(softcap) > 0:
-        raise ValueError(f"expected no final_logit_softcapping (a JetSpec head has none), got {softcap!r}")
-    layer_types = getattr(normal, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"expected layer_types all 'full_attention' (a JetSpec head attends to the whole context, it has no "
-            f"sliding window), got {layer_types}"
-        )
-    rope = getattr(normal, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            "expected rope_parameters.rope_type 'default' (plain rotary with rope_theta), got "
-            f"{rope.get('rope_type')!r}"
-        )
     target_hidden = extra.get("target_hidden_size", normal.hidden_size)
     if target_hidden != normal.hidden_size:
         raise ValueError(
@@ -176,25 +176,58 @@ def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: boo
             f"{target_hidden}: the reference's random hidden-size adapter has no JetSpec counterpart"
         )
 
-    votes = {"is_causal": config.get("is_causal"), "dflash_config.causal": extra.get("causal"),
-             "dflash_config.causal_head": extra.get("causal_head")}
-    votes = {k: bool(v) for k, v in votes.items() if v is not None}
-    if len(set(votes.values())) > 1:
-        raise ValueError(
-            f"expected is_causal, dflash_config.causal and dflash_config.causal_head to agree, got {votes}"
-        )
-    causal = next(iter(votes.values()), False)  # DFlash's default block is bidirectional
 
-    num_target_layers = field("num_target_layers")
-    layer_ids = field("target_layer_ids")
+def attention_fields(config: dict, normal: PretrainedConfig, checkpoint_format: str) -> dict:
+    """`layer_types`, `sliding_window` and `block_attention` of a dflash / muse_glimmer_assistant head, in the
+    conventions of [`JetSpecConfig`] (a sliding slot sees keys with `p - k < sliding_window`)."""
+    declared = list(getattr(normal, "layer_types", None) or ["full_attention"] * normal.num_hidden_layers)
+    window = getattr(normal, "sliding_window", None)
+    if checkpoint_format == "muse_glimmer_assistant":
+        causal, window = False, None if window is None else window + 1  # |p - k| <= W in transformers' mask
+    else:
+        votes = {"is_causal": config.get("is_causal"), "dflash_config.causal": (config.get("dflash_config") or {}).get("causal"),
+                 "dflash_config.causal_head": (config.get("dflash_config") or {}).get("causal_head")}
+        votes = {k: bool(v) for k, v in votes.items() if v is not None}
+        if len(set(votes.values())) > 1:
+            raise ValueError(
+                f"expected is_causal, dflash_config.causal and dflash_config.causal_head to agree, got {votes}"
+            )
+        if not votes and len(set(declared)) > 1:
+            raise ValueError(
+                f"expected is_causal (or dflash_config.causal) for a head with layer_types {declared}: without it "
+                "z-lab's loader makes the sliding layers causal and the full layers bidirectional, one block "
+                "attention per layer, which a JetSpec head does not have"
+            )
+        # DFlash's default block is bidirectional, except z-lab's all-sliding heads without a flag
+        causal = next(iter(votes.values()), declared[0] == "sliding_attention")
+    layer_types = [t if window is not None else "full_attention" for t in declared]
+    sliding = "sliding_attention" in layer_types
+    return dict(layer_types=layer_types, sliding_window=window if sliding else None,
+                block_attention="causal" if causal else "bidirectional")
+
+
+def feature_fields(config: dict, normal: PretrainedConfig, checkpoint_format: str, overrides: dict) -> dict:
+    """`target_layer_ids` and `target_num_hidden_layers` (the target's depth) of a dflash / muse head."""
+    num_target_layers = _field(config, "num_target_layers")
+    layer_ids = _field(config, "target_layer_ids")
     if layer_ids is None and checkpoint_format == "dflash" and num_target_layers is not None:
         layer_ids = _reference_layer_ids(num_target_layers, normal.num_hidden_layers)
     if layer_ids is None:
         raise ValueError("expected target_layer_ids (in dflash_config or at the top level of config.json), got none")
-    vocab_size = overrides.get("vocab_size", config.get("vocab_size"))
-    if vocab_size is None:
-        raise ValueError("expected vocab_size in config.json (the target's), got none: pass vocab_size=<target's>")
-    mask_token_id = field("mask_token_id")
+    fields = dict(target_layer_ids=list(layer_ids))
+    if num_target_layers is not None:
+        fields["target_num_hidden_layers"] = num_target_layers
+    elif "target_num_hidden_layers" not in overrides:
+        raise ValueError(
+            "expected num_target_layers in config.json (the depth of the target the head was trained for), got "
+            "none: pass target_num_hidden_layers=<target's num_hidden_layers> to from_pretrained"
+        )
+    return fields
+
+
+def mask_fields(config: dict, vocab_size: int, has_mask_embedding: bool) -> dict:
+    """The MASK of a dflash / muse head: the target's row of `mask_token_id`, or a shipped trained vector."""
+    mask_token_id = _field(config, "mask_token_id")
     if mask_token_id is None:
         raise ValueError("expected mask_token_id (in dflash_config or at the top level of config.json), got none")
     if not 0 <= mask_token_id < vocab_size:
@@ -202,7 +235,21 @@ def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: boo
             f"expected mask_token_id inside the target vocabulary [0, {vocab_size}) (a DFlash MASK is the "
             f"target's embedding row of that id), got {mask_token_id}"
         )
+    if has_mask_embedding:  # the trained vector replaces the row: ours, keyed outside the vocabulary
+        return dict(mask_source="head", mask_token_id=vocab_size, dflash_mask_token_id=mask_token_id)
+    return dict(mask_source="target", mask_token_id=mask_token_id)
 
+
+def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: bool, overrides: dict) -> dict:
+    """[`JetSpecConfig`] fields of a dflash / muse_glimmer_assistant `config.json` dict, `overrides` applied.
+
+    Raises `ValueError` naming the field for anything a JetSpec head cannot compute identically.
+    """
+    normal = _host_config(config)
+    check_computable(config, normal)
+    vocab_size = overrides.get("vocab_size", config.get("vocab_size"))
+    if vocab_size is None:
+        raise ValueError("expected vocab_size in config.json (the target's), got none: pass vocab_size=<target's>")
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=normal.hidden_size,
@@ -212,24 +259,15 @@ def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: boo
         num_key_value_heads=getattr(normal, "num_key_value_heads", None) or normal.num_attention_heads,
         head_dim=getattr(normal, "head_dim", None) or normal.hidden_size // normal.num_attention_heads,
         rms_norm_eps=normal.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", 10000.0),
+        rope_theta=(normal.rope_parameters or {}).get("rope_theta", 10000.0),
         target_hidden_size=config.get("target_hidden_size") or normal.hidden_size,
-        target_layer_ids=list(layer_ids),
-        block_size=int(field("block_size", 16)),
-        block_attention="causal" if causal else "bidirectional",
+        block_size=int(_field(config, "block_size", 16)),
         max_position_embeddings=getattr(normal, "max_position_embeddings", None),
+        dtype=config.get("dtype", config.get("torch_dtype")),
+        **attention_fields(config, normal, checkpoint_format),
+        **feature_fields(config, normal, checkpoint_format, overrides),
+        **mask_fields(config, vocab_size, has_mask_embedding),
     )
-    if num_target_layers is not None:
-        fields["target_num_hidden_layers"] = num_target_layers
-    elif "target_num_hidden_layers" not in overrides:
-        raise ValueError(
-            "expected num_target_layers in config.json (the depth of the target the head was trained for), got "
-            "none: pass target_num_hidden_layers=<target's num_hidden_layers> to from_pretrained"
-        )
-    if has_mask_embedding:  # the trained vector replaces the row: ours, keyed outside the vocabulary
-        fields.update(mask_source="head", mask_token_id=vocab_size, dflash_mask_token_id=mask_token_id)
-    else:
-        fields.update(mask_source="target", mask_token_id=mask_token_id)
     draft_vocab_size = config.get("draft_vocab_size")
     if draft_vocab_size is not None and draft_vocab_size != vocab_size:
         fields["draft_vocab_size"] = draft_vocab_size
@@ -237,61 +275,30 @@ def jetspec_fields(config: dict, checkpoint_format: str, has_mask_embedding: boo
     return fields
 
 
-def jetspec_state_dict(weights: dict, expected: dict, mask_embedding: torch.Tensor | None) -> dict:
-    """Our state dict from DFlash-named `weights`, checked against `expected` (a fresh head's state dict).
-
-    `t2d` (EAGLE-3's membership mask, implied by `d2t`) and, next to `d2t`, `lm_head.weight` (the target's rows of
-    the draft vocabulary, which a JetSpec head reads from the attached target) are dropped.
-    """
-    state, unexpected = {}, []
-    for name, tensor in weights.items():
-        if name == "t2d" or (name == "lm_head.weight" and "d2t" in weights):
-            continue
-        ours = jetspec_name(name)
-        if ours is None or ours not in expected:
-            unexpected.append(name)
-        else:
-            state[ours] = tensor
-    if unexpected:
+# ----------------------------------------------------------------------------------------- import: the weights
+def split_import_options(kwargs: dict, checkpoint_format: str) -> tuple[dict, dict]:
+    """`(JetSpecConfig overrides, options for transformers' from_pretrained)` from a `from_pretrained` call's
+    keyword arguments; a `ValueError` names any that is neither."""
+    fields = set(inspect.signature(JetSpecConfig.__init__).parameters) - {"self", "kwargs"}
+    kwargs = {k: v for k, v in kwargs.items() if k != "trust_remote_code"}  # the head's code is ours
+    unknown = sorted(set(kwargs) - fields - set(HUB_OPTIONS) - set(LOAD_OPTIONS))
+    if unknown:
         raise ValueError(
-            f"expected only the weights of a {len(expected)}-tensor DFlash head described by its config.json, got "
-            f"unexpected weight(s) {sorted(unexpected)} (embeddings and LM head are the target's, never the head's)"
+            f"expected hub options, loading options ({', '.join(LOAD_OPTIONS)}) or JetSpecConfig fields when "
+            f"importing a {checkpoint_format} head, got {unknown}"
         )
-    if mask_embedding is not None:
-        state["mask_embedding"] = mask_embedding.reshape(-1)
-    else:  # mask_source="target": the slot is unused, kept for a uniform state dict
-        state["mask_embedding"] = torch.zeros_like(expected["mask_embedding"])
-    missing = [dflash_name(k) or k for k in expected if k not in state]
-    if missing:
-        raise ValueError(f"expected every weight of the head described by config.json, got missing weight(s) {missing}")
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"expected weight {dflash_name(name) or MASK_EMBEDDING_FILE} of shape {tuple(expected[name].shape)} "
-                f"(from config.json: hidden_size, intermediate_size, heads, head_dim, target_layer_ids), got "
-                f"{tuple(tensor.shape)}"
-            )
-    return state
+    overrides = {k: v for k, v in kwargs.items() if k in fields}
+    return overrides, {k: v for k, v in kwargs.items() if k not in fields}
 
 
-def _read_weights(path, hub: dict) -> dict:
-    single = cached_file(path, "model.safetensors", _raise_exceptions_for_missing_entries=False, **hub)
-    if single is not None:
-        return load_file(single)
-    index = cached_file(path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False, **hub)
-    if index is None:
-        raise ValueError(f"expected model.safetensors or model.safetensors.index.json in {path}, got neither")
-    weights = {}
-    for shard in sorted(set(json.loads(Path(index).read_text())["weight_map"].values())):
-        weights.update(load_file(cached_file(path, shard, **hub)))
-    return weights
-
-
-def _read_mask_embedding(path, hub: dict, mask_token_id) -> torch.Tensor | None:
-    resolved = cached_file(path, MASK_EMBEDDING_FILE, _raise_exceptions_for_missing_entries=False, **hub)
-    if resolved is None:
+def read_mask_embedding(path, options: dict, mask_token_id) -> torch.Tensor | None:
+    """The trained MASK vector a checkpoint ships as `mask_embedding.pt`, of shape `(H,)`, or `None`."""
+    hub = {k: options[k] for k in HUB_OPTIONS if k in options}
+    subfolder = hub.get("subfolder") or ""
+    listed = {k: hub[k] for k in ("revision", "proxies", "token", "local_files_only", "cache_dir") if k in hub}
+    if not has_file(path, str(Path(subfolder) / MASK_EMBEDDING_FILE) if subfolder else MASK_EMBEDDING_FILE, **listed):
         return None
-    state = torch.load(resolved, map_location="cpu", weights_only=True)
+    state = torch.load(cached_file(path, MASK_EMBEDDING_FILE, **hub), map_location="cpu", weights_only=True)
     if isinstance(state, dict):  # vLLM's convention: {"mask_token_id": id, "embedding": (H,)}
         if state.get("mask_token_id", mask_token_id) != mask_token_id:
             raise ValueError(
@@ -299,46 +306,48 @@ def _read_mask_embedding(path, hub: dict, mask_token_id) -> torch.Tensor | None:
                 f"{state.get('mask_token_id')}"
             )
         state = state["embedding"]
-    return state
+    return state.reshape(-1)
 
 
-def import_checkpoint(cls, path, checkpoint_format: str, config: dict, **kwargs):
-    """A `cls` head (a [`JetSpecDraftModel`] class) loaded from a dflash / muse_glimmer_assistant folder or repo.
+def check_loaded_weights(info: dict, head):
+    """Raise a `ValueError` for a checkpoint whose weights are not exactly those of the head its config describes.
 
-    Keyword arguments: hub options (`revision`, `token`, `cache_dir`, `local_files_only`, `subfolder`, ...),
-    `dtype` (`"auto"` or unset: the checkpoint's), `device_map` (one device), and any [`JetSpecConfig`] field, which
-    overrides the converted config (e.g. `target_num_hidden_layers` when the checkpoint lacks `num_target_layers`).
+    `t2d` (EAGLE-3's membership mask, implied by `d2t`) and, next to `d2t`, `lm_head.weight` (the target's rows of
+    the draft vocabulary, which a JetSpec head reads from the attached target) are expected extras.
     """
-    hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
-    dtype, legacy_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
-    dtype = dtype if dtype is not None else legacy_dtype
-    device = kwargs.pop("device_map", None)
-    kwargs.pop("trust_remote_code", None)  # the head's code is ours: nothing remote runs
-    known = set(inspect.signature(JetSpecConfig.__init__).parameters) - {"self", "kwargs"}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
+    extras = {"t2d", "lm_head.weight"} if head.d2t is not None else {"t2d"}
+    unexpected = sorted(set(info["unexpected_keys"]) - extras)
+    if unexpected:
         raise ValueError(
-            f"expected hub options, dtype, device_map or JetSpecConfig fields when importing a {checkpoint_format} "
-            f"head, got {unknown}"
+            f"expected only the weights of the DFlash head described by its config.json, got unexpected weight(s) "
+            f"{unexpected} (embeddings and LM head are the target's, never the head's)"
         )
-    if isinstance(device, dict):
-        raise ValueError(f"expected device_map to name one device for an imported head, got {device}")
-    extra = config.get("dflash_config") or {}
-    mask_token_id = extra.get("mask_token_id", config.get("mask_token_id"))
-    mask_embedding = _read_mask_embedding(path, hub, mask_token_id)
-    fields = jetspec_fields(config, checkpoint_format, mask_embedding is not None, kwargs)
-    head = cls(JetSpecConfig(**fields))
-    weights = _read_weights(path, hub)
-    state = jetspec_state_dict(weights, head.state_dict(), mask_embedding)
-    head.load_state_dict(state, strict=True)
-    if dtype in (None, "auto"):
-        floats = [t.dtype for t in weights.values() if t.is_floating_point()]
-        dtype = floats[0] if floats else torch.float32
-    elif isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    head.to(dtype=dtype)  # floating tensors only: d2t stays int64
-    if device is not None:
-        head.to(device)
+    missing = sorted(dflash_name(k) or k for k in info["missing_keys"] if k != "mask_embedding")
+    if missing:
+        raise ValueError(f"expected every weight of the head described by config.json, got missing weight(s) {missing}")
+    for name, got, want in sorted(info["mismatched_keys"]):
+        raise ValueError(
+            f"expected weight {dflash_name(name) or name} of shape {tuple(want)} (from config.json: "
+            f"hidden_size, intermediate_size, heads, head_dim, target_layer_ids), got {tuple(got)}"
+        )
+
+
+def import_checkpoint(load, path, checkpoint_format: str, config: dict, kwargs: dict):
+    """A head loaded from a dflash / muse_glimmer_assistant folder or repo whose `config.json` dict is `config`.
+
+    `load(**options)` is transformers' `from_pretrained` of the head class for `path`. Keyword arguments: hub and
+    loading options (`dtype`, `device_map`, ...), passed on, and any [`JetSpecConfig`] field, which overrides the
+    converted config (e.g. `target_num_hidden_layers` when the checkpoint lacks `num_target_layers`).
+    """
+    overrides, options = split_import_options(kwargs, checkpoint_format)
+    mask_embedding = read_mask_embedding(path, options, _field(config, "mask_token_id"))
+    converted = JetSpecConfig(**jetspec_fields(config, checkpoint_format, mask_embedding is not None, overrides))
+    head, info = load(config=converted, key_mapping=IMPORT_KEY_MAPPING, output_loading_info=True,
+                      ignore_mismatched_sizes=True, **options)
+    check_loaded_weights(info, head)
+    with torch.no_grad():  # mask_source="target": the slot is unused, zeros keep the state dict deterministic
+        vector = mask_embedding if mask_embedding is not None else torch.zeros(head.config.hidden_size)
+        head.mask_embedding.copy_(vector.to(head.mask_embedding))
     return head.eval()
 
 
@@ -383,6 +392,7 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
     if d2t is not None:
         extra["draft_vocab_size"] = int(d2t.shape[0])
     max_positions = c.to_dict().get("max_position_embeddings") or Qwen3Config().max_position_embeddings
+    sliding = "sliding_attention" in c.layer_types
     return Qwen3Config(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -397,7 +407,9 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
         hidden_act="silu",
         attention_bias=False,
         tie_word_embeddings=False,
-        use_sliding_window=False,
+        use_sliding_window=sliding,
+        sliding_window=c.sliding_window if sliding else None,
+        layer_types=list(c.layer_types),
         dtype=head.dtype,
         **extra,
     )

@@ -1,11 +1,16 @@
-"""Configuration of the JetSpec draft head (arXiv 2606.18394, section 3.1)."""
+"""Configuration of the JetSpec draft head (arXiv 2606.18394, section 3.1; `docs/design.md`, "§1 The method")."""
 
+from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
+from transformers.utils import logging
 
 from .tree import check_lookup_prior, check_tree_shape
 
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
 MASK_SOURCES = ("head", "target")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+logger = logging.get_logger(__name__)
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -25,6 +30,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return [round(first + i * step) for i in range(num_features)]
 
 
+@strict
 class JetSpecConfig(PretrainedConfig):
     r"""
     Configuration of a [`JetSpecDraftModel`], a causal parallel draft head for lossless tree speculative decoding.
@@ -71,7 +77,6 @@ class JetSpecConfig(PretrainedConfig):
         mask_token_id (`int`, *optional*):
             Id standing for a MASK slot in the head's `input_ids`, defaults to `vocab_size` (outside the target's
             vocabulary, so it never collides with a real token). Its embedding is the head's own trained vector.
-            transformers' config check warns once that it lies outside the vocabulary: that is intended.
             With `mask_source="target"` it is required and must lie inside the vocabulary.
         mask_source (`str`, *optional*, defaults to `"head"`):
             Where a MASK slot's embedding comes from: `"head"`, the head's trained `mask_embedding` (ours), or
@@ -112,6 +117,13 @@ class JetSpecConfig(PretrainedConfig):
         last_context_input (`bool`, *optional*, defaults to `False`):
             Add the fused target features of the last context position (the one whose hidden state predicted the
             anchor) to the input of every block slot, as EAGLE feeds its features. `False` is the paper's head.
+        layer_types (`list[str]`, *optional*):
+            Per head layer, `"full_attention"` (the whole context) or `"sliding_attention"` (a window of
+            `sliding_window` positions), as published DFlash heads declare them. Defaults to full attention everywhere.
+        sliding_window (`int`, *optional*):
+            Window of the `"sliding_attention"` layers: a slot at absolute position p sees keys at positions k with
+            `p - k < sliding_window` (and, in a bidirectional block, `k - p < sliding_window`), transformers' causal
+            convention. Required when any layer slides.
     """
 
     model_type = "jetspec"
@@ -146,6 +158,8 @@ class JetSpecConfig(PretrainedConfig):
         tree_lookup_prior: list | None = None,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -177,7 +191,6 @@ class JetSpecConfig(PretrainedConfig):
             else default_target_layer_ids(target_num_hidden_layers)
         )
         self.block_size = block_size
-        self.mask_token_id = mask_token_id if mask_token_id is not None or mask_source == "target" else vocab_size
         self.block_attention = block_attention
         self.mask_source = mask_source
         self.dflash_mask_token_id = dflash_mask_token_id
@@ -190,9 +203,28 @@ class JetSpecConfig(PretrainedConfig):
         self.tree_lookup_prior = tree_lookup_prior
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         self.last_context_input = last_context_input
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.sliding_window = sliding_window
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
+        # set after transformers' own checks ran in `super().__init__`: see `validate_token_ids`
+        self.mask_token_id = mask_token_id if mask_token_id is not None or mask_source == "target" else vocab_size
         self._validate()
+
+    def validate_token_ids(self):
+        """transformers' special-token check: a warning for any `*_token_id` outside `[0, vocab_size)`, except the
+        head's own MASK id (`mask_source="head"`), which lies outside the vocabulary by design (`_validate` checks
+        it). Run when the config is built and saved."""
+        if self.mask_source == "target":
+            return super().validate_token_ids()
+        for name in self:
+            value = getattr(self, name)
+            if name.endswith("_token_id") and name != "mask_token_id" and isinstance(value, int):
+                if not 0 <= value < self.vocab_size:
+                    logger.warning_once(
+                        f"Model config: {name} must be `None` or an integer within the vocabulary (between 0 and "
+                        f"{self.vocab_size - 1}), got {value}. This may result in unexpected behavior."
+                    )
 
     def check_draft_vocab_restriction(self, size: int):
         """Raise a `ValueError` unless a head of this config can draft from its `size` most frequent tokens: any size
@@ -236,6 +268,16 @@ class JetSpecConfig(PretrainedConfig):
                 "expected num_attention_heads to divide hidden_size and num_key_value_heads to divide "
                 f"num_attention_heads, got hidden_size={self.hidden_size}, num_attention_heads="
                 f"{self.num_attention_heads}, num_key_value_heads={self.num_key_value_heads}"
+            )
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ValueError(
+                f"expected layer_types of {self.num_hidden_layers} entries among {LAYER_TYPES}, got {self.layer_types}"
+            )
+        if "sliding_attention" in self.layer_types and not (
+            isinstance(self.sliding_window, int) and self.sliding_window >= 1
+        ):
+            raise ValueError(
+                f"expected sliding_window >= 1 for the sliding_attention layers, got {self.sliding_window!r}"
             )
         if self.mask_source not in MASK_SOURCES:
             raise ValueError(f"expected mask_source in {MASK_SOURCES}, got {self.mask_source!r}")

@@ -1,4 +1,5 @@
-"""The JetSpec draft head: a causal parallel drafter over fused target features (arXiv 2606.18394, section 3.1).
+"""The JetSpec draft head: a causal parallel drafter over fused target features (arXiv 2606.18394, section 3.1;
+`docs/design.md`, "§1 The method").
 
 One forward over the block `[anchor, MASK x D]` gives logits for every depth 1..D. Each head layer attends to
 the fused target context (extra keys/values, cached across rounds) and to the block itself, causally (JetSpec)
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import HfApi
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -147,6 +147,7 @@ class JetSpecContext:
     values: list  # num_hidden_layers x (B, H_kv, S, D)
     valid: torch.Tensor  # (B, S) bool, False for padding and holes
     last: torch.Tensor | None = None  # (B, H) fused features of each row's last valid position
+    positions: torch.Tensor | None = None  # (B, S) absolute positions, read by sliding-window layers
 
     def select_rows(self, rows: torch.Tensor) -> "JetSpecContext":
         return JetSpecContext(
@@ -154,6 +155,7 @@ class JetSpecContext:
             [v[rows] for v in self.values],
             self.valid[rows],
             None if self.last is None else self.last[rows],
+            None if self.positions is None else self.positions[rows],
         )
 
 
@@ -168,6 +170,8 @@ class JetSpecPreTrainedModel(PreTrainedModel):
     base_model_prefix = "jetspec"
     supports_gradient_checkpointing = False
     _no_split_modules = ["JetSpecDecoderLayer"]
+    # published DFlash checkpoints have no MASK vector: the import installs one (a trained file or zeros)
+    _keys_to_ignore_on_load_missing = [r"^mask_embedding$"]
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -210,17 +214,18 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def from_target(cls, target: PreTrainedModel, **overrides) -> "JetSpecDraftModel":
         """A new (untrained) head sized for `target`; `overrides` set any [`JetSpecConfig`] field."""
         text = _decoder_config(target)
+        layer = _global_layer_config(text)
         rope = dict(getattr(text, "rope_parameters", None) or {})
-        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' rotary
+        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3/4): the global layers' rotary
             rope = dict(rope["full_attention"])
         rope.pop("partial_rotary_factor", None)  # the head rotates its whole head_dim
         fields = dict(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
             intermediate_size=text.intermediate_size,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            num_attention_heads=layer.num_attention_heads,
+            num_key_value_heads=getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
+            head_dim=getattr(layer, "head_dim", None) or text.hidden_size // layer.num_attention_heads,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
             rope_parameters=rope or None,
@@ -410,12 +415,14 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         if context is not None and context.last is not None:
             last = torch.where((index >= 0)[:, None], last, context.last)
         if context is None:
-            return JetSpecContext([k for k, _ in kv], [v for _, v in kv], valid, last)
+            return JetSpecContext([k for k, _ in kv], [v for _, v in kv], valid, last, position_ids)
+        positions = None if context.positions is None else torch.cat([context.positions, position_ids], dim=1)
         return JetSpecContext(
             [torch.cat([old, k], dim=2) for old, (k, _) in zip(context.keys, kv)],
             [torch.cat([old, v], dim=2) for old, (_, v) in zip(context.values, kv)],
             torch.cat([context.valid, valid], dim=1),
             last,
+            positions,
         )
 
     def block_mask(self, context_valid: torch.Tensor, block_length: int) -> torch.Tensor:
@@ -430,6 +437,25 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             inner = torch.ones(block_length, block_length, dtype=torch.bool, device=context_valid.device)
         ctx = context_valid[:, None, None, :].expand(b, 1, block_length, -1)
         return torch.cat([ctx, inner.expand(b, 1, -1, -1)], dim=-1)
+
+    def layer_masks(self, mask: torch.Tensor, position_ids: torch.Tensor, context: JetSpecContext) -> list:
+        """`mask` per head layer, narrowed to the window for `"sliding_attention"` layers (`config.sliding_window`).
+
+        A slot at position p sees a key at position k only if `p - k < sliding_window` (and, in a bidirectional
+        block, `k - p < sliding_window`). Each mask is boolean of shape `(B, 1, T, S + T)`.
+        """
+        types = self.config.layer_types
+        if "sliding_attention" not in types:
+            return [mask] * len(types)
+        if context.positions is None:
+            raise ValueError("expected a context with positions (built by extend_context) for sliding layers, got none")
+        keys = torch.cat([context.positions, position_ids], dim=1)  # (B, S + T)
+        behind = position_ids[:, None, :, None] - keys[:, None, None, :]  # (B, 1, T, S + T)
+        window = behind < self.config.sliding_window
+        if self.config.block_attention == "bidirectional":
+            window &= -behind < self.config.sliding_window
+        sliding = mask & window
+        return [sliding if t == "sliding_attention" else mask for t in types]
 
     # --------------------------------------------------------------------------------------------------- forward
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
@@ -486,44 +512,56 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         """
         fused = None
         if context is None:
-            if context_features is None:
-                raise ValueError("expected `context` or `context_features` (the target's hidden states), got neither")
-            b, s, _ = context_features.shape
-            if context_position_ids is None:
-                context_position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-            if context_valid is None:
-                context_valid = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
-            fused = self.fuse(context_features)  # (B, S, H)
-            context = self._extend_fused(None, fused, context_position_ids, context_valid)
+            fused, context = self._training_context(input_ids, context_features, context_position_ids, context_valid)
         elif last_context_index is not None:
             raise ValueError("expected last_context_index only with context_features (training), got it with context")
-        t = input_ids.shape[1]
-        if attention_mask is None:
-            attention_mask = self.block_mask(context.valid, t)
-        expected = (input_ids.shape[0], 1, t, context.valid.shape[1] + t)
-        if tuple(attention_mask.shape) != expected:
-            raise ValueError(f"expected attention_mask of shape {expected}, got {tuple(attention_mask.shape)}")
+        attention_mask = self._checked_mask(attention_mask, input_ids, context)
         x = self.embed(input_ids)
         if self.config.last_context_input:
-            if last_context_index is not None:
-                if tuple(last_context_index.shape) != tuple(input_ids.shape):
-                    raise ValueError(
-                        f"expected last_context_index of shape {tuple(input_ids.shape)}, got "
-                        f"{tuple(last_context_index.shape)}"
-                    )
-                last = fused.gather(1, last_context_index[..., None].expand(-1, -1, fused.shape[-1]))  # (B, T, H)
-            else:
-                last = context.last[:, None, :]  # (B, 1, H)
-            x = x + self.last_context_proj(last.to(x.dtype))
+            x = x + self._last_context(input_ids, context, fused, last_context_index)
         cos, sin = self.rotary(position_ids, x.dtype)
-        for layer, k, v in zip(self.layers, context.keys, context.values):
-            x = layer(x, cos, sin, k, v, attention_mask)
+        masks = self.layer_masks(attention_mask, position_ids, context)
+        for layer, k, v, mask in zip(self.layers, context.keys, context.values, masks):
+            x = layer(x, cos, sin, k, v, mask)
         x = self.norm(x)
         logits = None
         if return_logits:
             weight, bias = self._draft_lm_head()
             logits = F.linear(x.to(weight.dtype), weight, bias).float()  # (B, T, V_draft)
         return JetSpecOutput(logits=logits, hidden_states=x)
+
+    def _checked_mask(self, attention_mask, input_ids, context) -> torch.Tensor:
+        """`attention_mask`, or [`block_mask`] when it is `None`, checked to be `(B, 1, T, S + T)`."""
+        t = input_ids.shape[1]
+        if attention_mask is None:
+            attention_mask = self.block_mask(context.valid, t)
+        expected = (input_ids.shape[0], 1, t, context.valid.shape[1] + t)
+        if tuple(attention_mask.shape) != expected:
+            raise ValueError(f"expected attention_mask of shape {expected}, got {tuple(attention_mask.shape)}")
+        return attention_mask
+
+    def _training_context(self, input_ids, features, positions, valid) -> tuple[torch.Tensor, JetSpecContext]:
+        """`(fused features (B, S, H), context)` of raw target `features` `(B, S, k * target_hidden_size)`."""
+        if features is None:
+            raise ValueError("expected `context` or `context_features` (the target's hidden states), got neither")
+        b, s, _ = features.shape
+        if positions is None:
+            positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        if valid is None:
+            valid = torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
+        fused = self.fuse(features)  # (B, S, H)
+        return fused, self._extend_fused(None, fused, positions, valid)
+
+    def _last_context(self, input_ids, context, fused, last_context_index) -> torch.Tensor:
+        """The projected last-context input added to every slot: `(B, T, H)`, or `(B, 1, H)` in decoding."""
+        if last_context_index is None:
+            return self.last_context_proj(context.last[:, None, :].to(self.dtype))  # (B, 1, H)
+        if tuple(last_context_index.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"expected last_context_index of shape {tuple(input_ids.shape)}, got {tuple(last_context_index.shape)}"
+            )
+        last = fused.gather(1, last_context_index[..., None].expand(-1, -1, fused.shape[-1]))  # (B, T, H)
+        return self.last_context_proj(last.to(self.dtype))
 
     # ------------------------------------------------------------------------------------------------ generation
     def tree_generate(self, target: PreTrainedModel, *args, **kwargs):
@@ -541,80 +579,59 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Load a head saved by [`save_pretrained`], or a published DFlash / JetSpec-reference /
-        `muse_glimmer_assistant` head, detected from its `config.json` and converted on the fly (see
-        `checkpoint_formats.py`). For a converted head, keyword arguments besides hub options, `dtype` and
-        `device_map` set [`JetSpecConfig`] fields (e.g. `tree_budget=64`)."""
+        `muse_glimmer_assistant` head, detected from its `config.json`: its config is converted and its weights are
+        loaded by transformers under our names (see `checkpoint_formats.py`). For a converted head, keyword
+        arguments besides hub and loading options (`dtype`, `device_map`, ...) set [`JetSpecConfig`] fields
+        (e.g. `tree_budget=64`)."""
         if kwargs.get("config") is None and pretrained_model_name_or_path is not None:
             foreign = read_checkpoint_config(pretrained_model_name_or_path, kwargs)
             checkpoint_format = "jetspec" if foreign is None else detect_checkpoint_format(foreign)
             if checkpoint_format != "jetspec":
-                return import_checkpoint(cls, pretrained_model_name_or_path, checkpoint_format, foreign, **kwargs)
+
+                def load(**options):
+                    return super(JetSpecDraftModel, cls).from_pretrained(
+                        pretrained_model_name_or_path, *model_args, **options
+                    )
+
+                return import_checkpoint(load, pretrained_model_name_or_path, checkpoint_format, foreign, kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, checkpoint_format: str = "jetspec", **kwargs):
         """Save config, safetensors (head weights only), the flat code files and `custom_generate/`.
 
-        With `push_to_hub=True` the head's files (see [`push_head_folder`]) are uploaded to `repo_id` (defaults to
-        the folder's name) after they are written. With `checkpoint_format="dflash"` the folder is the
-        DFlash layout that vLLM, SGLang and the reference loaders read (`config.json`, `model.safetensors`,
-        `mask_embedding.pt` for a trained MASK vector; `mask_token_id=` picks its in-vocabulary id), no code files.
+        With `push_to_hub=True` the folder is then uploaded by transformers' [`~PreTrainedModel.push_to_hub`]
+        (`repo_id` defaults to the folder's name; `token`, `private`, `commit_message` are passed on). With
+        `checkpoint_format="dflash"` the folder is the DFlash layout that vLLM, SGLang and the reference loaders read
+        (`config.json`, `model.safetensors`, `mask_embedding.pt` for a trained MASK vector; `mask_token_id=` picks
+        its in-vocabulary id), no code files.
         """
         check_checkpoint_format(checkpoint_format)
         if checkpoint_format == "dflash":
             return export_dflash(self, save_directory, *args, **kwargs)
         push = kwargs.pop("push_to_hub", False)
+        hub = {k: kwargs.pop(k) for k in ("token", "private", "commit_message") if k in kwargs}
         repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
-        token = kwargs.pop("token", None)
-        commit_message = kwargs.pop("commit_message", None) or "Upload JetSpec head"
-        private = kwargs.pop("private", None)
+        kwargs.setdefault("save_original_format", False)  # our names, even for a head imported with key_mapping
         super().save_pretrained(save_directory, *args, **kwargs)
         folder = Path(save_directory) / "custom_generate"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "generate.py").write_text(CUSTOM_GENERATE_SOURCE)
-        if push:
-            return push_head_folder(save_directory, repo_id, HfApi(token=token), private, commit_message)
-
-
-def head_files(folder) -> list[str]:
-    """Relative paths of the files a head repository holds, found in the saved head `folder`: config, weights
-    (single or sharded), the flat code files `save_pretrained` copied, `custom_generate/generate.py`, and `README.md`
-    when there is one. Anything else there (Trainer checkpoints, logs) is not part of the head."""
-    folder = Path(folder)
-    required = ("config.json", "custom_generate/generate.py")
-    missing = [name for name in required if not (folder / name).is_file()]
-    weights = sorted(p.name for p in folder.glob("model*.safetensors*"))
-    if missing or not weights:
-        raise ValueError(
-            f"expected a head saved by save_pretrained in {folder} (config.json, model*.safetensors, "
-            f"custom_generate/generate.py), missing {missing + ([] if weights else ['model*.safetensors'])}"
-        )
-    files = ["config.json", *weights, *sorted(p.name for p in folder.glob("*.py")), "custom_generate/generate.py"]
-    return files + (["README.md"] if (folder / "README.md").is_file() else [])
-
-
-def push_head_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | None = None,
-                     commit_message: str = "Upload JetSpec head"):
-    """The one push path of a head: `upload_folder` of exactly [`head_files`] (as `allow_patterns`).
-
-    Args:
-        folder (`str` or `os.PathLike`): a head saved by `save_pretrained` (it may hold more, which stays local).
-        repo_id (`str`): the model repository, created when missing.
-        api (`HfApi`, *optional*): defaults to `HfApi()` (token from the environment).
-        private (`bool`, *optional*): visibility of a newly created repository.
-
-    Returns:
-        The `upload_folder` result (a `CommitInfo`).
-    """
-    files = head_files(folder)
-    api = api if api is not None else HfApi()
-    api.create_repo(repo_id, exist_ok=True, private=private)
-    return api.upload_folder(
-        repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, allow_patterns=files
-    )
+        if push:  # into a fresh folder, so every file (custom_generate/ included) is new and uploaded
+            return self.push_to_hub(repo_id, **hub)
 
 
 def _decoder_config(model: PreTrainedModel):
     return model.config.get_text_config(decoder=True)
+
+
+def _global_layer_config(text):
+    """The config of the target's first full-attention layer when attention fields differ per layer (Gemma 4's
+    per-layer `head_dim`: reading it from the whole config raises), else `text` itself."""
+    if not text.is_heterogeneous:
+        return text
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    index = layer_types.index("full_attention") if "full_attention" in layer_types else 0
+    return text.per_layer_config[index]
 
 
 JetSpecDraftModel.register_for_auto_class("AutoModel")

@@ -1,4 +1,4 @@
-"""Checkpoint import and export (DESIGN section 3, "Interop"): published DFlash / JetSpec-reference /
+"""Checkpoint import and export (`docs/design.md`, "§7 Targets and checkpoint formats"): published DFlash / JetSpec-reference /
 `muse_glimmer_assistant` heads load as JetSpec heads, and ours export to the DFlash layout vLLM and SGLang serve.
 
 Foreign checkpoints are written here with random weights, in each layout's exact key names and config fields.
@@ -408,9 +408,15 @@ BAD_CHECKPOINTS = {
                           r"fc\.weight of shape \(64, 128\)"),
     "conflicting causal flags": (broken(config={**dflash_config_dict("vllm", True), "is_causal": False}),
                                  "is_causal"),
-    "sliding window": (broken(config={**dflash_config_dict("zlab", False), "use_sliding_window": True,
-                                      "sliding_window": 16, "layer_types": ["sliding_attention"] * 2}),
-                       "layer_types"),
+    # z-lab's loader makes sliding layers causal and full layers bidirectional when no flag says otherwise
+    "mixed layer types without a causal flag": (broken(config={
+        **dflash_config_dict("zlab", False), "use_sliding_window": True, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"]}), r"is_causal.*layer_types"),
+    "partial rotary": (broken(config={**dflash_config_dict("zlab", False), "rope_parameters": {
+        "rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": 0.25}}), "partial_rotary_factor"),
+    "logit softcapping": (broken(final_logit_softcapping=20.0), "final_logit_softcapping"),
+    "DFlash2": (broken(config={**dflash_config_dict("zlab", False), "architectures": ["DFlash2DraftModel"]}),
+                r"DFlash2DraftModel.*candidate selector"),
     "no mask id": (broken(config={**dflash_config_dict("zlab", False),
                                   "dflash_config": {"target_layer_ids": LAYER_IDS}}), "mask_token_id"),
     "scaled rotary": (broken(config={**dflash_config_dict("zlab", False), "rope_scaling": {

@@ -59,7 +59,8 @@ def test_incremental_context_equals_one_shot_context():
 
 
 def test_mask_probes_under_tree_branches_equal_linear_blocks():
-    """One tree-masked forward scores MASK probes that see their own branch's real tokens (DESIGN section 3).
+    """One tree-masked forward scores MASK probes that see their own branch's real tokens (`docs/design.md`,
+    "§3 Trees and masks").
 
     Each probe must give the same logits as the causal block [anchor, branch tokens..., MASK] run on its own.
     """

@@ -81,8 +81,10 @@ def test_reloaded_weights_draft_the_same_trees(tmp_path):
     from modeling_jetspec import JetSpecDraftModel
 
     again = JetSpecDraftModel.from_pretrained(tmp_path).eval()
-    for a, b in zip(head.state_dict().values(), again.state_dict().values()):
-        assert torch.equal(a, b)
+    saved, loaded = head.state_dict(), again.state_dict()
+    assert list(loaded) == list(saved)  # same names in the same order, nothing renamed, dropped or added
+    for name in saved:
+        assert loaded[name].dtype == saved[name].dtype and torch.equal(loaded[name], saved[name]), name
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=again)
     assert head.last_stats.accepted_at_depth == again.last_stats.accepted_at_depth

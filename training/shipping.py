@@ -1,9 +1,9 @@
 """Ship a trained head: a model card from `hub_cards/jetspec-head.md`, and an upload of exactly the head's files.
 
 The card is a `huggingface_hub.ModelCard` rendered from the template (its YAML front matter is validated when the
-card is built). The upload is the head's one push path, `modeling_jetspec.modeling_jetspec.push_head_folder`:
-`upload_folder` with `allow_patterns` naming the head's files, so Trainer checkpoints and logs in the same folder
-stay local.
+card is built). The upload is [`push_head_folder`]: `upload_folder` with `allow_patterns` naming the head's files
+([`head_files`]), so Trainer checkpoints and logs in the same folder stay local. This lives here, not in
+`modeling_jetspec/`, which ships to the Hub as the head's remote code.
 """
 
 import re
@@ -11,10 +11,46 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
-from modeling_jetspec.modeling_jetspec import push_head_folder
-
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "jetspec-head.md"
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+def head_files(folder) -> list[str]:
+    """Relative paths of the files a head repository holds, found in the saved head `folder`: config, weights
+    (single or sharded), the flat code files `save_pretrained` copied, `custom_generate/generate.py`, and `README.md`
+    when there is one. Anything else there (Trainer checkpoints, logs) is not part of the head."""
+    folder = Path(folder)
+    required = ("config.json", "custom_generate/generate.py")
+    missing = [name for name in required if not (folder / name).is_file()]
+    weights = sorted(p.name for p in folder.glob("model*.safetensors*"))
+    if missing or not weights:
+        raise ValueError(
+            f"expected a head saved by save_pretrained in {folder} (config.json, model*.safetensors, "
+            f"custom_generate/generate.py), missing {missing + ([] if weights else ['model*.safetensors'])}"
+        )
+    files = ["config.json", *weights, *sorted(p.name for p in folder.glob("*.py")), "custom_generate/generate.py"]
+    return files + (["README.md"] if (folder / "README.md").is_file() else [])
+
+
+def push_head_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | None = None,
+                     commit_message: str = "Upload JetSpec head"):
+    """`upload_folder` of exactly [`head_files`] (as `allow_patterns`), the repository created when missing.
+
+    Args:
+        folder (`str` or `os.PathLike`): a head saved by `save_pretrained` (it may hold more, which stays local).
+        repo_id (`str`): the model repository.
+        api (`HfApi`, *optional*): defaults to `HfApi()` (token from the environment).
+        private (`bool`, *optional*): visibility of a newly created repository.
+
+    Returns:
+        The `upload_folder` result (a `CommitInfo`).
+    """
+    files = head_files(folder)
+    api = api if api is not None else HfApi()
+    api.create_repo(repo_id, exist_ok=True, private=private)
+    return api.upload_folder(
+        repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, allow_patterns=files
+    )
 
 
 def render_card(template_path, **values) -> ModelCard:
