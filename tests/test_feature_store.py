@@ -7,8 +7,9 @@ import torch
 
 from test_training import losses_of, regenerated_rows, sharp_target, training_args
 from tiny import tiny_head
-from training.feature_store import META_NAME, FeatureStore, build_feature_store, row_key
-from training.trainer import JetSpecArguments, JetSpecTrainer
+from training.feature_store import META_NAME, FeatureStore, build_feature_store
+from training.rows import row_key
+from training.trainer import JetSpecTrainer
 
 
 def test_store_holds_the_targets_features_and_final_states(tmp_path):
@@ -55,13 +56,14 @@ def test_trainer_reads_the_store_and_never_runs_the_target(tmp_path):
     build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store",
                         progress=False)
     curves = []
-    for store in (None, str(tmp_path / "store")):
+    for store in (None, FeatureStore(tmp_path / "store")):
         head = tiny_head(target, last_context_input=True).train()
         calls = []
         hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
-        trainer = JetSpecTrainer(model=head, args=training_args(tmp_path / str(bool(store)), max_steps=6),
-                                 train_dataset=dataset, target=target,
-                                 jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, feature_store=store))
+        trainer = JetSpecTrainer(model=head, train_dataset=dataset, target=target,
+                                 args=training_args(tmp_path / str(store is not None), max_steps=6,
+                                                    num_blocks_per_sequence=3),
+                                 feature_store=store)
         trainer.train()
         hook.remove()
         assert (len(calls) == 0) == (store is not None)
@@ -78,7 +80,7 @@ def test_store_refuses_other_layers_and_bad_input(tmp_path):
     build_feature_store(target, [0], rows, tmp_path / "store", progress=False)
     with pytest.raises(ValueError, match="expected a feature store of target layers"):
         JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=datasets.Dataset.from_list(rows),
-                       target=target, jetspec_args=JetSpecArguments(feature_store=str(tmp_path / "store")))
+                       target=target, feature_store=FeatureStore(tmp_path / "store"))
     with pytest.raises(ValueError, match="expected the settings of the store"):
         build_feature_store(target, [1], rows, tmp_path / "store", progress=False)
     with pytest.raises(ValueError, match="expected target layer ids"):
@@ -94,7 +96,8 @@ def test_regeneration_captures_the_same_features_as_a_forward(tmp_path):
     finished rows, position by position; the last position of a row, never fed to the target, is zero."""
     from test_regenerate import RUN, tiny_model, tiny_tokenizer, write_prompts
     from training.feature_store import StoreWriter, store_settings
-    from training.regen import load_regenerated, read_prompts, regenerate
+    from training.regen import read_prompts, regenerate
+    from training.rows import load_regenerated
 
     model, tokenizer = tiny_model(), tiny_tokenizer()
     write_prompts(tmp_path / "prompts.jsonl", 11)

@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from jetspec import targets
 from jetspec.targets import apply_chat_template, load_target
-from training.regen import load_regenerated, read_prompts, regenerate
+from training.regen import read_prompts, regenerate
+from training.rows import load_regenerated
 
 
 WORDS = [f"w{i}" for i in range(120)]
@@ -265,7 +266,8 @@ def test_load_target_real_smollm2_gguf():
 
 
 def test_compact_file_round_trips_and_extends_without_regenerating_packed_rows(model, tokenizer, prompt_file, tmp_path):
-    from training.regen import compact_ids, load_compact, save_compact
+    from training.regen import save_compact
+    from training.rows import compact_ids, load_compact
 
     prompts = read_prompts(prompt_file)
     regenerate(model, tokenizer, prompts[:5], tmp_path / "first", **RUN)

@@ -21,8 +21,10 @@ from transformers import AutoModel, PreTrainedTokenizerFast, TrainingArguments
 from tiny import tiny_head, tiny_target
 from training import run_trainer
 from training.losses import block_loss, chain_accept_length, depth_weights
+from training.rows import split_train_eval
+from training.run_trainer import DataArguments, HeadArguments
 from training.shipping import push_folder, render_card, write_card
-from training.trainer import JetSpecArguments, JetSpecCollator, JetSpecTrainer, draw_anchors, pack_blocks
+from training.trainer import JetSpecCollator, JetSpecTrainer, JetSpecTrainingArguments, draw_anchors, pack_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 128
@@ -72,7 +74,7 @@ def training_args(tmp_path, **overrides):
                   logging_steps=1, report_to="none", use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
                   save_strategy="no", seed=0, lr_scheduler_type="constant")
     fields.update(overrides)
-    return TrainingArguments(**fields)
+    return JetSpecTrainingArguments(**fields)
 
 
 def losses_of(log_history):
@@ -97,24 +99,28 @@ def test_losses_match_hand_computed_values():
     # the draft equals the target: zero KL both ways
     torch.testing.assert_close(block_loss(teacher, teacher, labels, everything, "fkl"), torch.tensor(0.0))
 
-    # depth 1 has loss l1, depth 2 loss l2 (sft on a skewed draft); gamma weights them 1 and exp(-1/gamma)
+    # depth 1 has loss l1, depth 2 loss l2 (sft on a skewed draft); gamma weights them in the ratio 1 : exp(-1/gamma),
+    # scaled to mean 1: w1 = 2 / (1 + e), w2 = 2e / (1 + e), and the loss is the mean over the 2 slots
     student = torch.log(torch.tensor([[[0.9, 0.1], [0.9, 0.1]]]))
     l1, l2 = -math.log(0.9), -math.log(0.1)
     for gamma in (1.0, 4.0):
-        w2 = math.exp(-1.0 / gamma)
-        expected = (l1 + w2 * l2) / (1.0 + w2)
+        e = math.exp(-1.0 / gamma)
+        expected = (l1 + e * l2) / (1.0 + e)
         torch.testing.assert_close(block_loss(student, None, labels, everything, "sft", gamma=gamma),
                                    torch.tensor(expected))
-    # a masked-out slot does not count, whatever its loss
+    # a masked-out slot does not count, whatever its loss: one slot left, weighted w1 = 2 / (1 + exp(-1))
     only_first = torch.tensor([[True, False]])
-    torch.testing.assert_close(block_loss(student, None, labels, only_first, "sft", gamma=1.0), torch.tensor(l1))
-    torch.testing.assert_close(depth_weights(3, 2.0), torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)]))
+    torch.testing.assert_close(block_loss(student, None, labels, only_first, "sft", gamma=1.0),
+                               torch.tensor(2.0 / (1.0 + math.exp(-1.0)) * l1))
+    decay = torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)])
+    torch.testing.assert_close(depth_weights(3, 2.0), decay * 3.0 / decay.sum())
+    torch.testing.assert_close(depth_weights(3), torch.ones(3))
     assert chain_accept_length([1.0, 0.5, 0.5]) == 1 + 1 + 0.5 + 0.25
 
 
 def test_unknown_loss_name_is_refused_with_the_valid_names():
     with pytest.raises(ValueError, match=r"expected loss in \('fkl', 'sft', 'rkl'\).*got 'mse'"):
-        JetSpecArguments(loss="mse")
+        JetSpecTrainingArguments(output_dir="unused", loss="mse")
     with pytest.raises(ValueError, match="fkl"):
         block_loss(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long),
                    torch.ones(1, 1, dtype=torch.bool), kind="kl")
@@ -127,21 +133,23 @@ def test_packed_blocks_equal_one_forward_per_block():
     target = sharp_target()
     head = tiny_head(target)
     rows = regenerated_rows(target, count=2)
-    batch = JetSpecCollator(max_length=64)(rows)
+    collator = JetSpecCollator(mask_token_id=head.config.mask_token_id, block_size=8, num_blocks=3, max_length=64,
+                               answer_anchor_prob=0.5)
+    batch = collator(rows)
     lengths = batch["attention_mask"].sum(-1)
+    anchors = batch["block_position_ids"].view(2, 3, 8)[..., 0]  # slot 0 of each block sits at its anchor
     with torch.no_grad():
         hidden = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
         features = head.target_features(hidden.hidden_states)  # (B, L, k*H)
-        anchors, _ = draw_anchors(lengths, batch["prompt_length"], batch["sample_key"], 3, seed=0, answer_prob=0.5)
-        blocks = pack_blocks(batch["input_ids"], lengths, anchors, 8, head.config.mask_token_id)
         valid = torch.arange(features.shape[1]) < lengths.unsqueeze(-1)
-        packed = head(blocks.input_ids, blocks.position_ids, blocks.attention_mask, context_features=features,
-                      context_valid=valid).logits.view(2, 3, 8, -1)
+        packed = head(batch["block_ids"], batch["block_position_ids"], batch["block_attention_mask"],
+                      context_features=features, context_valid=valid).logits.view(2, 3, 8, -1)
         for b in range(2):
             for j, a in enumerate(anchors[b].tolist()):
                 assert 1 <= a <= int(lengths[b]) - 2
-                ids = blocks.input_ids[b, j * 8 : (j + 1) * 8].unsqueeze(0)
+                ids = batch["block_ids"][b, j * 8 : (j + 1) * 8].unsqueeze(0)
                 assert int(ids[0, 0]) == int(batch["input_ids"][b, a])  # the anchor is the real token
+                assert (ids[0, 1:] == head.config.mask_token_id).all()
                 alone = head(ids, torch.arange(a, a + 8).unsqueeze(0), context_features=features[b : b + 1, :a])
                 # same math, different key counts: only summation order differs (fp32)
                 torch.testing.assert_close(packed[b, j], alone.logits[0], atol=1e-5, rtol=1e-5)
@@ -152,26 +160,69 @@ def test_revealed_slots_carry_real_tokens_and_get_no_loss():
     head = tiny_head(target)
     mask_id = head.config.mask_token_id
     rows = regenerated_rows(target, count=4)
-    batch = JetSpecCollator()(rows)
-    lengths = batch["attention_mask"].sum(-1)
-    anchors, generators = draw_anchors(lengths, batch["prompt_length"], batch["sample_key"], 4, 0, 1.0)
-    blocks = pack_blocks(batch["input_ids"], lengths, anchors, 8, mask_id, reveal_prob=0.5, generators=generators)
-    ids = blocks.input_ids.view(4, 4, 8)[..., 1:]  # the D slots after each anchor
-    positions = anchors.unsqueeze(-1) + torch.arange(1, 8)  # (B, n, D)
+    batch = JetSpecCollator(mask_token_id=mask_id, block_size=8, num_blocks=4, reveal_prob=0.5)(rows)
+    ids = batch["block_ids"].view(4, 4, 8)[..., 1:]  # the D slots after each anchor
+    positions = batch["block_position_ids"].view(4, 4, 8)[..., 1:]  # (B, n, D)
+    inside = positions < batch["attention_mask"].sum(-1).view(4, 1, 1)
     real = batch["input_ids"].gather(1, positions.clamp_max(batch["input_ids"].shape[1] - 1).view(4, -1)).view(4, 4, 7)
-    revealed = (ids != mask_id) & blocks.valid
-    assert revealed.any() and (blocks.valid & ~revealed).any()  # p = 0.5 over 112 slots: both kinds occur
-    assert torch.equal(ids[revealed], real[revealed])  # a revealed slot holds its real token
-    assert not blocks.loss_mask[revealed].any()  # ... and carries no loss
-    assert torch.equal(blocks.loss_mask, blocks.valid & (ids == mask_id))  # every MASK inside the sequence does
-    assert torch.equal(blocks.labels[blocks.valid], real[blocks.valid])
+    revealed = (ids != mask_id) & inside
+    labels = batch["labels"]  # (B, n, D)
+    assert revealed.any() and (inside & ~revealed).any()  # p = 0.5 over 112 slots: both kinds occur
+    assert torch.equal(ids[revealed], real[revealed])  # a revealed slot holds its real token ...
+    assert (labels[revealed] == -100).all()  # ... and carries no loss
+    assert torch.equal(labels != -100, inside & (ids == mask_id))  # every MASK slot inside the row does
+    assert torch.equal(labels[labels != -100], real[labels != -100])  # with its real token as label
+    assert (labels[~inside] == -100).all()
     # the loss ignores whatever the head predicts at revealed slots
     student = torch.randn(16, 7, VOCAB)
     teacher = torch.randn(16, 7, VOCAB)
-    labels, loss_mask = blocks.labels.view(16, 7), blocks.loss_mask.view(16, 7)
+    flat, loss_mask = labels.view(16, 7), (labels != -100).view(16, 7)
     changed = student.clone()
     changed[revealed.view(16, 7)] += 5 * torch.randn(int(revealed.sum()), VOCAB)
-    torch.testing.assert_close(block_loss(changed, teacher, labels, loss_mask), block_loss(student, teacher, labels, loss_mask))
+    torch.testing.assert_close(block_loss(changed, teacher, flat, loss_mask), block_loss(student, teacher, flat, loss_mask))
+
+
+def test_collator_draws_per_row_and_epoch():
+    """A row's blocks depend on its id, the seed and the epoch only: the same in any batch (so in any micro-batch or
+    process), the same when drawn again, fresh in the next epoch; evaluation (epoch None) draws its own fixed ones."""
+    target = sharp_target()
+    rows = regenerated_rows(target, count=6)
+    collator = JetSpecCollator(mask_token_id=VOCAB - 1, block_size=6, num_blocks=3, reveal_prob=0.3, epoch=0)
+
+    def blocks_of(batch, i):
+        return batch["block_ids"][i], batch["block_position_ids"][i], batch["labels"][i]
+
+    first = collator(rows)
+    again = collator(rows)
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(first, 2), blocks_of(again, 2)))
+    # row 2 in another batch, at another index, beside other rows: its blocks are the same
+    other = collator([rows[5], rows[2]])
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(first, 2), blocks_of(other, 1)))
+    collator.epoch = 1
+    later = collator(rows)
+    moved = [not torch.equal(first["block_position_ids"][i], later["block_position_ids"][i]) for i in range(6)]
+    assert all(moved)  # 3 anchors over 10+ positions: every row's draw changes with the epoch
+    evaluation = JetSpecCollator(mask_token_id=VOCAB - 1, block_size=6, num_blocks=3, epoch=None)
+    assert torch.equal(evaluation(rows)["block_ids"], evaluation(rows[::-1])["block_ids"].flip(0))
+    assert not torch.equal(evaluation(rows)["block_position_ids"], first["block_position_ids"])
+
+
+def test_answer_anchor_prob_below_one_draws_anchors_in_the_prompt(tmp_path):
+    """By default every anchor lies in the answer (a >= prompt_length - 1); answer_anchor_prob < 1 lets a share of
+    them fall anywhere in the row, prompt included. Checked on the blocks the trainer's collator packs."""
+    target = sharp_target()
+    rows = datasets.Dataset.from_list(regenerated_rows(target, count=8))  # prompts of 6 tokens, rows of 18-36
+    shares = {}
+    for prob in (1.0, 0.5, 0.0):
+        trainer = JetSpecTrainer(model=tiny_head(target), train_dataset=rows, target=target,
+                                 args=training_args(tmp_path, num_blocks_per_sequence=64, answer_anchor_prob=prob))
+        batch = trainer.data_collator(list(rows))
+        anchors = batch["block_position_ids"].view(8, 64, -1)[..., 0]  # (B, n)
+        shares[prob] = float((anchors < 6 - 1).float().mean())
+    assert shares[1.0] == 0.0
+    # anchors uniform over a >= 1 put about 4 / 25 of them before the answer (positions 1-4 of rows 18-36 long);
+    # with half of them drawn in the answer, about half as many (512 draws each: a standard error near 0.015)
+    assert 0.1 < shares[0.0] < 0.25 and 0.3 * shares[0.0] < shares[0.5] < 0.7 * shares[0.0], shares
 
 
 # ------------------------------------------------------------------------------------------------------ training
@@ -181,9 +232,8 @@ def test_training_lowers_the_loss_changes_every_head_parameter_and_leaves_the_ta
     head = tiny_head(target).train()
     head_before = {n: p.detach().clone() for n, p in head.named_parameters()}
     rows = datasets.Dataset.from_list(regenerated_rows(target))
-    trainer = JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=rows,
-                             eval_dataset=rows.select(range(4)), target=target,
-                             jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, reveal_prob=0.2))
+    trainer = JetSpecTrainer(model=head, args=training_args(tmp_path, num_blocks_per_sequence=3, reveal_prob=0.2),
+                             train_dataset=rows, eval_dataset=rows.select(range(4)), target=target)
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
@@ -200,6 +250,52 @@ def test_training_lowers_the_loss_changes_every_head_parameter_and_leaves_the_ta
     for k, v in target.state_dict().items():
         assert torch.equal(v, target_before[k]), k  # bit-identical, and never part of the head
     assert not any(p.requires_grad for p in target.parameters())
+
+
+def test_the_trainers_item_count_is_the_number_of_slots_that_carry_loss(tmp_path):
+    """`num_items_in_batch`, which the Trainer counts from the collator's labels over a step's micro-batches, is the
+    number of MASK slots inside the rows (revealed slots and slots past a row's end excluded), counted here from the
+    packed blocks themselves; and a training step's loss over it equals the evaluation loss of the same batch."""
+    target = sharp_target()
+    head = tiny_head(target)
+    rows = datasets.Dataset.from_list(regenerated_rows(target, count=8))
+    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
+                             args=training_args(tmp_path, num_blocks_per_sequence=5, reveal_prob=0.3))
+    batches = [trainer.data_collator(list(rows.select(range(0, 4)))),
+               trainer.data_collator(list(rows.select(range(4, 8))))]
+    _, num_items = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
+    slots = 0
+    for batch in batches:
+        b = batch["block_ids"].shape[0]
+        ids = batch["block_ids"].view(b, 5, 8)[..., 1:]
+        inside = batch["block_position_ids"].view(b, 5, 8)[..., 1:] < batch["attention_mask"].sum(-1).view(b, 1, 1)
+        slots += int(((ids == head.config.mask_token_id) & inside).sum())
+    assert int(num_items) == slots and slots < 2 * 4 * 5 * 7  # some slots revealed or past the end
+    with torch.no_grad():
+        head.eval()
+        mean = trainer.compute_loss(head, batches[0])
+        over_step = trainer.compute_loss(head, batches[0], num_items_in_batch=num_items)
+    counted = int((batches[0]["labels"] != -100).sum())
+    # the same sum over a larger count: exactly the ratio of the counts (fp32 division)
+    torch.testing.assert_close(over_step, mean * counted / slots)
+
+
+def test_time_budget_stops_training_and_evaluates_once_more(tmp_path):
+    """max_train_minutes ends the run at the first step past the budget (here: the first step), whatever max_steps
+    says, and evaluates then; the head has trained for that step."""
+    target = sharp_target()
+    head = tiny_head(target).train()
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    rows = datasets.Dataset.from_list(regenerated_rows(target))
+    trainer = JetSpecTrainer(model=head, train_dataset=rows, eval_dataset=rows.select(range(4)), target=target,
+                             args=training_args(tmp_path, max_steps=50, max_train_minutes=1e-6, eval_strategy="steps",
+                                                eval_steps=1000, num_blocks_per_sequence=2))
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert len(losses_of(trainer.state.log_history)) == 1
+    evals = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert [entry["step"] for entry in evals] == [1]  # eval_steps=1000 alone would never have evaluated
+    assert all(not torch.equal(before[n], p) for n, p in head.named_parameters())
 
 
 def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
@@ -260,15 +356,14 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
 
 def test_lora_trains_only_the_adapters(tmp_path):
     target = sharp_target()
-    jargs = JetSpecArguments(use_lora=True, lora_r=4, num_blocks_per_sequence=2, block_size=8, num_hidden_layers=1)
-    model = run_trainer.build_head(jargs, target)  # a peft model around a new head
+    model = run_trainer.build_head(HeadArguments(use_lora=True, lora_r=4, num_hidden_layers=1), target, block_size=8)
+    # a peft model around a new head
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert any(".fc." in n for n in trainable) and any("q_proj" in n for n in trainable)
-    trainer = JetSpecTrainer(model=model, args=training_args(tmp_path, max_steps=4),
-                             train_dataset=datasets.Dataset.from_list(regenerated_rows(target)),
-                             target=target, jetspec_args=jargs)
+    trainer = JetSpecTrainer(model=model, args=training_args(tmp_path, max_steps=4, num_blocks_per_sequence=2),
+                             train_dataset=datasets.Dataset.from_list(regenerated_rows(target)), target=target)
     trainer.train()
     after = dict(model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
@@ -292,7 +387,7 @@ def test_two_process_run_matches_one_process_with_the_doubled_batch(tmp_path):
     common = ["--target", str(target_dir), "--data", str(data), "--max_steps", "4", "--learning_rate", "3e-3",
               "--logging_steps", "1", "--eval_fraction", "0", "--use_cpu", "--report_to", "none",
               "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0", "--num_blocks_per_sequence", "2",
-              "--ddp_find_unused_parameters", "false"]
+              "--ddp_find_unused_parameters", "false", "--ddp_timeout", "60"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     # accelerate 1.15: `--cpu` runs a single process whatever --num_processes says; `--multi_gpu` starts torchrun,
@@ -413,28 +508,35 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     # a head built for another target (vocabulary 99) cannot resume on this one
     other = tiny_target("llama", vocab_size=99)
     with pytest.raises(ValueError, match="built for a target with vocab size 128, got a target with vocab size 99"):
-        run_trainer.build_head(JetSpecArguments(init_head=str(tmp_path / "head")), other)
+        run_trainer.build_head(HeadArguments(init_head=str(tmp_path / "head")), other)
 
     # a block longer than the head's
     with pytest.raises(ValueError, match=r"expected block_size <= 8 .*got 16"):
-        run_trainer.build_head(JetSpecArguments(init_head=str(tmp_path / "head"), block_size=16), target)
+        run_trainer.build_head(HeadArguments(init_head=str(tmp_path / "head")), target, block_size=16)
     with pytest.raises(ValueError, match=r"expected block_size <= 8 .*got 16"):
-        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=rows, target=target,
-                       jetspec_args=JetSpecArguments(block_size=16))
+        JetSpecTrainer(model=head, args=training_args(tmp_path, block_size=16), train_dataset=rows, target=target)
 
     # no data
     empty = rows.select([])
     with pytest.raises(ValueError, match="expected a non-empty train_dataset, got an empty dataset"):
-        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=empty, target=target,
-                       jetspec_args=JetSpecArguments())
+        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=empty, target=target)
     (tmp_path / "regen").mkdir()
     (tmp_path / "regen" / "shard-00000.jsonl").write_text("")
-    with pytest.raises(ValueError, match="empty dataset"):
-        run_trainer.load_data(JetSpecArguments(data=[str(tmp_path / "regen")]), seed=0)
+    with pytest.raises(ValueError, match=r"expected regenerated rows in .*regen, got an empty dataset \(1 empty"):
+        run_trainer.load_data(DataArguments(data=[str(tmp_path / "regen")]), seed=0)
 
+    # the Trainer's own arguments lack the distillation fields; the collator needs the `id` and `prompt_length`
+    # columns that remove_unused_columns would drop; the trainer packs its own batches
+    plain = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="expected args of type JetSpecTrainingArguments, got TrainingArguments"):
+        JetSpecTrainer(model=head, args=plain, train_dataset=rows, target=target)
     with pytest.raises(ValueError, match="remove_unused_columns=False"):
-        JetSpecTrainer(model=head, args=training_args(tmp_path, remove_unused_columns=True), train_dataset=rows,
-                       target=target, jetspec_args=JetSpecArguments())
+        training_args(tmp_path, remove_unused_columns=True)
+    with pytest.raises(ValueError, match="expected no data_collator"):
+        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=rows, target=target,
+                       data_collator=lambda rows: rows)
+    with pytest.raises(ValueError, match=r"expected answer_anchor_prob in \[0, 1\], got 1.5"):
+        training_args(tmp_path, answer_anchor_prob=1.5)
 
 
 def test_cached_features_run_the_target_once_per_row_and_train_a_subset_head(tmp_path):
@@ -447,11 +549,12 @@ def test_cached_features_run_the_target_once_per_row_and_train_a_subset_head(tmp
     target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
     head.set_draft_vocab(torch.arange(0, 128, 2))
     before = {n: p.detach().clone() for n, p in head.named_parameters()}
-    trainer = JetSpecTrainer(model=head, args=training_args(tmp_path, max_steps=-1, num_train_epochs=3),
-                             train_dataset=rows, target=target,
-                             jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, cache_features=True))
+    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
+                             args=training_args(tmp_path, max_steps=-1, num_train_epochs=3, num_blocks_per_sequence=3,
+                                                cache_features=True))
     trainer.train()
     assert len(calls) == 4  # the first epoch's batches; epochs 2 and 3 read the cache
+    assert trainer.data_collator.epoch == 2  # the collator drew the third epoch's anchors
     losses = losses_of(trainer.state.log_history)
     assert len(losses) == 12 and sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
     assert [n for n, p in head.named_parameters() if torch.equal(before[n], p)] == []
@@ -483,7 +586,7 @@ def test_run_trainer_picks_the_most_frequent_answer_tokens_as_draft_vocabulary(t
 
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     """Batch 4 in one step and batch 2 x 2 accumulation steps give the same loss curve and the same head: the loss
-    is normalised by the step's whole slot weight (`num_items_in_batch`), not averaged per micro-batch."""
+    is normalised by the step's whole slot count (`num_items_in_batch`), not averaged per micro-batch."""
     target = sharp_target()
     rows = datasets.Dataset.from_list(regenerated_rows(target))
     heads, curves = [], []
@@ -491,8 +594,9 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
         head = tiny_head(target).train()
         trainer = JetSpecTrainer(
             model=head, args=training_args(tmp_path / f"b{batch}", max_steps=3, per_device_train_batch_size=batch,
-                                           gradient_accumulation_steps=accumulation),
-            train_dataset=rows, target=target, jetspec_args=JetSpecArguments(num_blocks_per_sequence=3, gamma=2.0),
+                                           gradient_accumulation_steps=accumulation, num_blocks_per_sequence=3,
+                                           gamma=2.0),
+            train_dataset=rows, target=target,
         )
         trainer.train()
         heads.append(head)
@@ -506,8 +610,6 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
 def test_eval_split_is_stable_as_the_data_grows():
     """A row's side of the split depends on its id only: rows held out before stay held out once more data is
     regenerated, and no held-out row ever reaches training."""
-    from training.trainer import split_train_eval
-
     rows = datasets.Dataset.from_list([{"id": f"r{i}", "input_ids": [1, 2, 3], "prompt_length": 1} for i in range(400)])
     small_train, small_eval = split_train_eval(rows.select(range(150)), 0.05, seed=0)
     big_train, big_eval = split_train_eval(rows, 0.05, seed=0)

@@ -11,7 +11,7 @@ Layout of a store folder:
     features.bin    bfloat16 rows of width (k + 1) * H, raw, appended chunk by chunk:
                     [layer ids[0] | ... | layer ids[k-1] | final hidden]
 
-    python training/feature_store.py --target smollm2-135m --data training/data/smollm2-135m-mix.npz \
+    python -m training.feature_store --target smollm2-135m --data training/data/smollm2-135m-mix.npz \
         --out cache/smollm2-135m --max_length 512
 
 Building is resumable: rows already in the store are skipped, and a chunk counts once `store.json` names it.
@@ -19,7 +19,6 @@ Building is resumable: rows already in the store are skipped, and a chunk counts
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -27,19 +26,15 @@ from typing import Iterable
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers import HfArgumentParser
 
-# runnable as `python training/feature_store.py` from the repo root: `training` is not an installed package
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jetspec.targets import load_target
+from modeling_jetspec.configuration_jetspec import default_target_layer_ids
 
-from training.trainer import sample_key  # noqa: E402
+from .rows import load_source, row_key
 
 META_NAME = "store.json"
 DATA_NAME = "features.bin"
-
-
-def row_key(row_id) -> int:
-    """The integer a row is stored under: [`training.trainer.sample_key`] of its id (what the collator emits)."""
-    return sample_key(row_id)
 
 
 class FeatureStore:
@@ -246,12 +241,6 @@ class StoreArguments:
 
 
 def main(argv=None) -> FeatureStore:
-    from transformers import HfArgumentParser
-
-    from jetspec.targets import load_target
-    from modeling_jetspec.configuration_jetspec import default_target_layer_ids
-    from training.regen import load_source
-
     (args,) = HfArgumentParser(StoreArguments).parse_args_into_dataclasses(argv)
     if args.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"expected --dtype float32 or bfloat16, got {args.dtype!r}")

@@ -6,22 +6,21 @@ tokens the target actually wrote next gives, per match order n, the fraction of 
 accepted. Decoding scores the chain's tokens with these odds, so a trigram match (right most of the time) fills the
 tree while a unigram match (right about one time in four) takes only the nodes it earns against the head's.
 
-    python training/lookup_prior.py --data training/data/smollm2-135m-mix.npz --head jetspec/heads/smollm2-135m
+    python -m training.lookup_prior --data training/data/smollm2-135m-mix.npz --head jetspec/heads/smollm2-135m
 
 measures on the training split's rows and writes the table into the head's `config.json`.
 """
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from modeling_jetspec.tree import LOOKUP_MAX_NGRAM, lookup_match
 
-from modeling_jetspec.tree import LOOKUP_MAX_NGRAM, lookup_match  # noqa: E402
+from .rows import TRAINING_COLUMNS, load_source, split_train_eval
 
 
 def measure_lookup_prior(rows, depth: int, max_ngram: int = LOOKUP_MAX_NGRAM, progress: bool = False) -> dict:
@@ -82,12 +81,9 @@ def main(argv=None) -> int:
                         help="longest chain measured (default 16; longer chains repeat the last ratio)")
     parser.add_argument("--eval_fraction", type=float, default=0.02, help="as the trainer's: its rows are skipped")
     args = parser.parse_args(argv)
-    from training.regen import load_source
-    from training.trainer import split_train_eval
-
     source = args.data
     dataset = load_source(source)
-    train, _ = split_train_eval(dataset.select_columns(["id", "input_ids", "prompt_length"]), args.eval_fraction, 0)
+    train, _ = split_train_eval(dataset.select_columns(TRAINING_COLUMNS), args.eval_fraction, 0)
     train = train.select(range(min(args.max_rows, len(train))))
     config_path = Path(args.head) / "config.json"
     config = json.loads(config_path.read_text())

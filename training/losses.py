@@ -4,8 +4,13 @@ Every MASK slot k = 1..D of a block is a separate prediction of the token at dep
 soft labels, forward KL(p_target || q_draft): a tree ranks whole distributions, so the draft must cover the
 target's mass, not only its mode. Hard-label cross-entropy ("sft") is about as good; reverse KL ("rkl",
 mode seeking) is 36-46% worse and is kept as the ablation. An optional position decay
-w_k = exp(-(k - 1) / gamma) weights shallow depths more (the bidirectional DFlash head needs it; the causal head
+w_k ~ exp(-(k - 1) / gamma) weights shallow depths more (the bidirectional DFlash head needs it; the causal head
 is insensitive to it).
+
+The loss of a batch is a mean over its counted slots (MASK slots inside the sequence) of w_k times the slot's loss.
+The decay weights are scaled to mean 1 over the depths, so gamma moves weight between depths without changing the
+loss scale, and the mean's denominator is a plain count of slots: the count the `Trainer` makes of the labels
+(`num_items_in_batch`) across micro-batches and processes.
 """
 
 import math
@@ -23,15 +28,18 @@ def check_loss_kind(kind: str) -> None:
 
 
 def depth_weights(depth: int, gamma: float | None = None, device=None) -> torch.Tensor:
-    """Position-decay weights `w_k = exp(-(k - 1) / gamma)` for depths k = 1..`depth`; all ones without `gamma`.
+    """Position-decay weights `w_k = D * exp(-(k - 1) / gamma) / sum_j exp(-(j - 1) / gamma)` for depths
+    k = 1..D (`depth`): the paper's decay scaled to mean 1 over the depths; all ones without `gamma`.
 
     Returns:
         `torch.Tensor` of shape `(depth,)`, float32.
     """
     if gamma is not None and not gamma > 0:
         raise ValueError(f"expected gamma > 0 or None (no decay), got {gamma}")
-    k = torch.arange(depth, dtype=torch.float32, device=device)  # k - 1
-    return torch.ones(depth, device=device) if gamma is None else torch.exp(-k / gamma)
+    if gamma is None:
+        return torch.ones(depth, device=device)
+    decay = torch.exp(-torch.arange(depth, dtype=torch.float32, device=device) / gamma)  # exp(-(k - 1) / gamma)
+    return decay * (depth / decay.sum())
 
 
 def slot_losses(
@@ -79,11 +87,11 @@ def block_loss(
     kind: str = "fkl",
     gamma: float | None = None,
 ) -> torch.Tensor:
-    r"""Weighted mean of [`slot_losses`] over the MASK slots that count.
+    r"""Mean of the depth-weighted [`slot_losses`] over the MASK slots that count.
 
-    `loss = sum_{n,k} m_{n,k} w_k l_{n,k} / sum_{n,k} m_{n,k} w_k`, with `m` the `loss_mask` and `w` the
-    [`depth_weights`]. A batch without any counted slot gives a zero that still depends on the student (so a
-    distributed backward sees every parameter).
+    `loss = sum_{n,k} m_{n,k} w_k l_{n,k} / sum_{n,k} m_{n,k}`, with `m` the `loss_mask` and `w` the
+    [`depth_weights`] (mean 1 over the depths). A batch without any counted slot gives a zero that still depends on
+    the student (so a distributed backward sees every parameter).
 
     Args:
         student_logits (`torch.Tensor` of shape `(N, D, V)`): see [`slot_losses`].
@@ -97,15 +105,16 @@ def block_loss(
     Returns:
         `torch.Tensor`: a scalar.
     """
-    total, weight = block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind, gamma)
-    return total / weight.clamp_min(1e-12) if weight > 0 else total * 0.0
+    total, count = block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind, gamma)
+    return total / count if count > 0 else total * 0.0
 
 
 def block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind="fkl", gamma=None):
     """Numerator and denominator of [`block_loss`], for a normalisation across processes or micro-batches.
 
     Returns:
-        `(weighted_sum, weight_total)`: two scalars; `weight_total` carries no gradient.
+        `(weighted_sum, count)`: the depth-weighted loss summed over the counted slots, and the number of counted
+        slots (float32, no gradient).
     """
     if student_logits.dim() != 3:
         raise ValueError(f"expected student_logits of shape (N, D, V), got {tuple(student_logits.shape)}")
@@ -115,8 +124,9 @@ def block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind="fk
             f"{tuple(labels.shape)} and {tuple(loss_mask.shape)}"
         )
     losses = slot_losses(student_logits, teacher_logits, labels, kind)  # (N, D)
-    w = depth_weights(losses.shape[1], gamma, device=losses.device) * loss_mask.float()  # (N, D)
-    return (losses * w).sum(), w.sum().detach()
+    mask = loss_mask.float()  # (N, D)
+    w = depth_weights(losses.shape[1], gamma, device=losses.device)  # (D,)
+    return (losses * w * mask).sum(), mask.sum().detach()
 
 
 def chain_accept_length(acceptance: list[float]) -> float:

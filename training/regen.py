@@ -11,6 +11,9 @@ Output layout of `out_dir` (resumable, one writer at a time):
   atomically, one row per prompt: `{"id", "prompt", "input_ids", "prompt_length", "answer"}`.
 - `progress.json`: the generation settings, checked on restart, and a summary of the shards.
 
+`training/rows.py` reads such a folder back ([`training.rows.load_regenerated`]); [`save_compact`] packs it into the
+small `.npz` file that is committed.
+
 Shards are consecutive chunks of the prompts not yet written, and an interrupted
 shard is dropped whole, so a resumed run regenerates exactly the batches an
 uninterrupted run would have: same rows, same order, same tokens.
@@ -24,15 +27,18 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import datasets
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from jetspec.targets import apply_chat_template
 
+from .feature_store import StoreWriter, stack_states
+from .rows import (
+    COMPACT_SUFFIX, MANIFEST_NAME, compact_ids, load_compact, load_regenerated, read_shard, row_key, shard_files,
+)
 
-MANIFEST_NAME = "progress.json"
-SHARD_GLOB = "shard-*.jsonl"
 HUMAN_ROLES = ("human", "user")
 SCHEDULING_SETTINGS = frozenset({"batch_size", "shard_size"})  # may differ between the parts of one compact file
 
@@ -121,15 +127,6 @@ def read_prompts(path: Union[str, os.PathLike], limit: Optional[int] = None) -> 
     return records
 
 
-def _shard_files(out_dir: Path) -> list[Path]:
-    return sorted(out_dir.glob(SHARD_GLOB))
-
-
-def _read_shard(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _write_atomic(path: Path, text: str) -> None:
     """Writes `text` to `path` through a temporary file and a rename, so readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -198,8 +195,6 @@ def _generate_shard(
         )
         steps = None
         if capture_layers is not None:
-            from .feature_store import stack_states
-
             # step 0 is the prompt forward (B, T, .); step s >= 1 fed answer token s - 1 (B, 1, .)
             steps = [stack_states(states, capture_layers) for states in output.hidden_states]
             output = output.sequences  # (B, T + new)
@@ -240,7 +235,7 @@ def regenerate(
     shard_size: int = 64,
     target: Optional[str] = None,
     progress: bool = True,
-    feature_store: Optional[Any] = None,
+    feature_store: Optional[StoreWriter] = None,
 ) -> dict[str, Any]:
     """
     Answers every prompt with the target and writes the rows as shards in `out_dir`, resuming
@@ -307,11 +302,10 @@ def regenerate(
                 "use a fresh output folder to change them"
             )
 
-    shard_files = _shard_files(out_dir)
     done_ids: set[str] = set()
     shards_summary = []
-    for path in shard_files:
-        rows = _read_shard(path)
+    for path in shard_files(out_dir):
+        rows = read_shard(path)
         done_ids.update(row["id"] for row in rows)
         shards_summary.append({"file": path.name, "rows": len(rows)})
     pending = [record for record in prompts if record["id"] not in done_ids]
@@ -353,8 +347,6 @@ def regenerate(
                 capture_layers=None if feature_store is None else feature_store.meta["target_layer_ids"],
             )
             if feature_store is not None:
-                from .feature_store import row_key
-
                 feature_store.append([(row_key(row["id"]), row.pop("states")) for row in rows])
             path = out_dir / f"shard-{index:05d}.jsonl"
             _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
@@ -368,49 +360,6 @@ def regenerate(
         "new_tokens": new_tokens,
         "seconds": time.perf_counter() - start,
     }
-
-
-def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
-    """
-    Loads the rows written by [`regenerate`] as one dataset, in shard order.
-
-    Args:
-        out_dir (`str` or `os.PathLike`):
-            The output folder of [`regenerate`].
-
-    Returns:
-        `datasets.Dataset`: columns `id` (`str`), `prompt` (`str`), `input_ids` (`list[int]`, prompt then
-        answer tokens), `prompt_length` (`int`) and `answer` (`str`).
-    """
-    out_dir = Path(out_dir)
-    shard_files = _shard_files(out_dir)
-    if not shard_files:
-        raise ValueError(f"expected {SHARD_GLOB} files from regenerate in {out_dir}, got none")
-    rows = [row for path in shard_files for row in _read_shard(path)]
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "prompt": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int64")),
-            "prompt_length": datasets.Value("int64"),
-            "answer": datasets.Value("string"),
-        }
-    )
-    return datasets.Dataset.from_list(rows, features=features)
-
-
-COMPACT_SUFFIX = ".npz"
-
-
-def compact_ids(path: Union[str, os.PathLike]) -> tuple[set[str], dict]:
-    """The row ids and the regeneration settings held by a compact file (empty when it does not exist)."""
-    import numpy as np
-
-    path = Path(path)
-    if not path.is_file():
-        return set(), {}
-    with np.load(path) as data:
-        return {str(i) for i in data["id"]}, json.loads(str(data["settings"]))
 
 
 def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]) -> dict[str, Any]:
@@ -429,8 +378,6 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     Returns:
         `dict[str, Any]`: `{"rows", "tokens", "answer_tokens", "settings"}`.
     """
-    import numpy as np
-
     path = Path(path)
     if path.suffix != COMPACT_SUFFIX:
         raise ValueError(f"expected a {COMPACT_SUFFIX} file to write, got {path}")
@@ -466,39 +413,3 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     os.replace(tmp, path)
     answer_tokens = int(lengths.sum() - arrays["prompt_length"].sum())
     return {"rows": len(ids), "tokens": len(flat), "answer_tokens": answer_tokens, "settings": settings}
-
-
-def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
-    """
-    Loads a file written by [`save_compact`] as a dataset with columns `id`, `input_ids` and `prompt_length`
-    (what training reads), in the original row order.
-    """
-    import numpy as np
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path} which does not exist")
-    with np.load(path) as data:
-        missing = {"tokens", "offsets", "prompt_length", "id"} - set(data.files)
-        if missing:
-            raise ValueError(f"expected arrays tokens, offsets, prompt_length and id in {path}, got {sorted(data.files)}")
-        tokens, offsets = data["tokens"].astype(np.int64), data["offsets"]
-        rows = {
-            "id": [str(i) for i in data["id"]],
-            "input_ids": [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)],
-            "prompt_length": data["prompt_length"].astype(np.int64).tolist(),
-        }
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int64")),
-            "prompt_length": datasets.Value("int64"),
-        }
-    )
-    return datasets.Dataset.from_dict(rows, features=features)
-
-
-def load_source(source: Union[str, os.PathLike]) -> datasets.Dataset:
-    """Regenerated rows from either form: a compact file ([`load_compact`], `.npz`) or a regenerate folder of shards
-    ([`load_regenerated`])."""
-    return load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source)

@@ -3,27 +3,25 @@
 Example:
 
 ```bash
-python training/regenerate.py --target smollm2-135m --prompts training/prompts/sharegpt_train.jsonl \
+python -m training.regenerate --target smollm2-135m --prompts training/prompts/sharegpt_train.jsonl \
     --out data/regen --max_new_tokens 192 --batch_size 16 --limit 1200
 ```
 
 Rerunning the same command resumes after the last completed shard.
 """
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
+import torch
+from transformers import HfArgumentParser
 
-# runnable as `python training/regenerate.py` from the repo root, without installing the package
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jetspec.targets import load_target
+from modeling_jetspec.configuration_jetspec import default_target_layer_ids
 
-import torch  # noqa: E402
-from transformers import HfArgumentParser  # noqa: E402
-
-from jetspec.targets import load_target  # noqa: E402
-from training.regen import compact_ids, read_prompts, regenerate, save_compact  # noqa: E402
+from .feature_store import StoreWriter, store_settings
+from .regen import read_prompts, regenerate, save_compact
+from .rows import compact_ids
 
 
 @dataclass
@@ -86,9 +84,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     model, tokenizer = load_target(args.target, dtype=dtypes[args.dtype])
     writer = None
     if args.feature_store is not None:
-        from modeling_jetspec.configuration_jetspec import default_target_layer_ids
-        from training.feature_store import StoreWriter, store_settings
-
         layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
         writer = StoreWriter(args.feature_store, store_settings(model, layers, args.feature_max_length, args.target))
     stats = regenerate(

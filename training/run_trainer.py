@@ -1,44 +1,53 @@
 """Distill a JetSpec draft head from a target with the transformers `Trainer` and ship it.
 
     python training/run_trainer.py training/configs/smollm2-135m.yaml [--max_steps 10 ...]
-    python training/run_trainer.py --target smollm2-135m --data data/regen --output_dir out --max_steps 10 --use_cpu
+    python -m training.run_trainer --target smollm2-135m --data data/regen --output_dir out --max_steps 10 --use_cpu
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 training/run_trainer.py \
         training/configs/smollm2-135m.yaml
 
-A leading `.yaml` / `.json` argument is read as a config file holding both `JetSpecArguments` and
-`TrainingArguments` fields; flags (alone, or after the file, overriding it) are parsed as usual. The output folder receives the trained head
-(`save_pretrained`: config, weights, code files, `custom_generate/`), its model card `README.md`,
-`training_log.json` (the Trainer's log history) and `metrics.json`; checkpoints go to `checkpoint-*` inside it.
-`--push_to_hub --hub_model_id org/name` uploads the head's files only (see `training/shipping.py`).
+Arguments come in three dataclasses, parsed together by `HfArgumentParser`: [`HeadArguments`] (the target and the
+head distilled from it), [`DataArguments`] (the regenerated rows, the held-out split, the feature store) and
+[`JetSpecTrainingArguments`] (`TrainingArguments` plus the block, anchor and loss settings). A leading `.yaml` /
+`.json` argument is read as a config file holding fields of any of them; flags (alone, or after the file,
+overriding it) are parsed as usual. The output folder receives the trained head (`save_pretrained`: config, weights,
+code files, `custom_generate/`), its model card `README.md`, `training_log.json` (the Trainer's log history) and
+`metrics.json`; checkpoints go to `checkpoint-*` inside it. `--push_to_hub --hub_model_id org/name` uploads the
+head's files only (see `training/shipping.py`).
+
+Run from the repository root: `training/` is not an installed package. As a module (`python -m training.run_trainer`)
+the root is on the path already; as a file (`python training/run_trainer.py`, which `accelerate launch` also runs)
+the one bootstrap below puts it there.
 
 Several CPU processes (gloo DDP): with accelerate 1.15, `--cpu` launches a single process whatever
 `--num_processes` says; `--multi_gpu --num_processes N` starts torchrun, and `ACCELERATE_USE_CPU=1` plus
 `use_cpu` keep it on CPU. The loss is normalised over the slots of all processes, so N processes with b rows each
-follow the curve of one process with N * b rows.
+follow the curve of one process with N * b rows. Every process leaves the process group at the same point, right
+after its last collective (the final evaluation); only then does the main process ship the head.
 """
 
+import dataclasses
 import json
 import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-import torch
-import yaml
-from transformers import HfArgumentParser, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
+if __package__ in (None, ""):  # run as a file: the repository root, as `python -m` would have it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# runnable as `python training/run_trainer.py` from the repo root: `training` is not an installed package
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import HfArgumentParser, set_seed  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from jetspec.targets import load_target  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
+from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
-from training.losses import chain_accept_length  # noqa: E402
-from training.regen import COMPACT_SUFFIX, SHARD_GLOB, load_source  # noqa: E402
+from training.rows import load_rows, split_train_eval  # noqa: E402
 from training.shipping import push_folder, write_card  # noqa: E402
-from training.trainer import JetSpecArguments, JetSpecTrainer, split_train_eval, unwrap_head  # noqa: E402
+from training.trainer import JetSpecTrainer, JetSpecTrainingArguments, unwrap_head  # noqa: E402
 
 LOOKUP_PRIOR_ROWS = 1000  # training rows the lookup prior is measured on (about 5 s per 1,000 rows)
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -49,8 +58,105 @@ LOSS_NAMES = {
 }
 
 
-def parse_args(argv=None) -> tuple[JetSpecArguments, TrainingArguments]:
-    parser = HfArgumentParser((JetSpecArguments, TrainingArguments))
+@dataclass
+class HeadArguments:
+    """The frozen target and the head distilled from it: a new head's architecture, or a saved head to start from,
+    optionally trained through LoRA adapters."""
+
+    target: str = field(
+        default="smollm2-135m",
+        metadata={"help": "Target model: the alias 'smollm2-135m', a local folder or a Hub id (see load_target)."},
+    )
+    target_dtype: str = field(
+        default="float32",
+        metadata={"help": "Dtype of the frozen target during training: float32 or bfloat16 (features are cached "
+                          "in bfloat16 either way when cache_features is on)."},
+    )
+    init_head: str | None = field(
+        default=None,
+        metadata={"help": "Start from this saved head folder instead of a new head (fine-tuning, LoRA)."},
+    )
+    num_hidden_layers: int | None = field(default=None, metadata={"help": "Head layers (new head only)."})
+    intermediate_size: int | None = field(default=None, metadata={"help": "Head MLP width (new head only)."})
+    block_attention: str | None = field(
+        default=None, metadata={"help": "'causal' (JetSpec) or 'bidirectional' (DFlash ablation); new head only."}
+    )
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Target layers feeding the head (new head only); evenly spaced by default."}
+    )
+    tree_depth: int | None = field(default=None, metadata={"help": "Default tree depth stored in the head."})
+    tree_width: int | None = field(default=None, metadata={"help": "Default tree width stored in the head."})
+    tree_budget: int | None = field(default=None, metadata={"help": "Default tree budget stored in the head."})
+    draft_vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "New head only: draft from the N most frequent answer tokens of the training data "
+                          "(reduced LM head and loss); the full vocabulary by default."},
+    )
+    last_context_input: bool = field(
+        default=False,
+        metadata={"help": "New head only: add the last context position's fused features to every block slot."},
+    )
+    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the head's linear layers only."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"],
+        metadata={"help": "Head linear layers that get LoRA adapters."},
+    )
+
+    def __post_init__(self):
+        if self.target_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"expected target_dtype 'float32' or 'bfloat16', got {self.target_dtype!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"expected draft_vocab_size >= 1 or None (full vocabulary), got {self.draft_vocab_size}")
+
+    def head_overrides(self, block_size: int | None = None) -> dict:
+        """Config fields given for a new head (None means the `from_target` default), with the trained block size."""
+        names = ("num_hidden_layers", "intermediate_size", "block_attention", "target_layer_ids", "tree_depth",
+                 "tree_width", "tree_budget", "draft_vocab_size")
+        overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if block_size is not None:
+            overrides["block_size"] = block_size
+            overrides.setdefault("tree_depth", min(7, block_size - 1))  # keep the default depth servable
+        if self.last_context_input:
+            overrides["last_context_input"] = True
+        return overrides
+
+
+@dataclass
+class DataArguments:
+    """The regenerated rows trained on, the held-out split, and where their target features are kept."""
+
+    data: list[str] = field(
+        default_factory=lambda: ["data/regen"],
+        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), or compact .npz files from "
+                          "`regenerate.py --export`; concatenated in order."},
+    )
+    eval_fraction: float = field(
+        default=0.02, metadata={"help": "Fraction of the rows held out for evaluation (at least one if > 0)."}
+    )
+    feature_store: str | None = field(
+        default=None,
+        metadata={"help": "Folder written by training/feature_store.py: rows it holds read their target features from "
+                          "disk and the target never runs for them (any run, any epoch)."},
+    )
+
+    def __post_init__(self):
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        if not self.data:
+            raise ValueError("expected at least one data folder, got none")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"expected eval_fraction in [0, 1), got {self.eval_fraction}")
+
+
+ARGUMENTS = (HeadArguments, DataArguments, JetSpecTrainingArguments)
+
+
+def parse_args(argv=None) -> tuple[HeadArguments, DataArguments, JetSpecTrainingArguments]:
+    """The three argument dataclasses from a config file (a leading `.yaml` / `.yml` / `.json`) and/or flags."""
+    parser = HfArgumentParser(ARGUMENTS)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].endswith((".yaml", ".yml", ".json")):
         # the file's values become the defaults; flags after it override them (e.g. `--max_steps 10`)
@@ -60,80 +166,68 @@ def parse_args(argv=None) -> tuple[JetSpecArguments, TrainingArguments]:
         values = yaml.safe_load(path.read_text()) if path.suffix != ".json" else json.loads(path.read_text())
         if not isinstance(values, dict):
             raise ValueError(f"expected a mapping of argument names to values in {path}, got {type(values).__name__}")
-        known = {action.dest for action in parser._actions}
+        known = {f.name for kind in ARGUMENTS for f in dataclasses.fields(kind) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"expected JetSpecArguments or TrainingArguments fields in {path}, got unknown {unknown}")
+            raise ValueError(f"expected fields of {', '.join(kind.__name__ for kind in ARGUMENTS)} in {path}, got "
+                             f"unknown {unknown}")
         parser.set_defaults(**values)
-    jargs, targs = parser.parse_args_into_dataclasses(argv)
-    # the collator needs `prompt_length` and `id`, which the head's forward signature does not name
-    targs.remove_unused_columns = False
-    return jargs, targs
+    return parser.parse_args_into_dataclasses(argv)
 
 
-def resolve_checkpoint(targs: TrainingArguments) -> str | None:
+def resolve_checkpoint(args: JetSpecTrainingArguments) -> str | None:
     """`resume_from_checkpoint` as a folder: a path as given, `true` for the latest one in `output_dir`."""
-    value = targs.resume_from_checkpoint
+    value = args.resume_from_checkpoint
     if value is None or str(value).lower() in ("", "false"):
         return None
     if str(value).lower() == "true":
-        last = get_last_checkpoint(targs.output_dir) if Path(targs.output_dir).is_dir() else None
+        last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
         if last is None:
-            raise ValueError(f"expected a checkpoint-* folder in {targs.output_dir} to resume from, got none")
+            raise ValueError(f"expected a checkpoint-* folder in {args.output_dir} to resume from, got none")
         return last
     if not Path(value).is_dir():
         raise ValueError(f"expected resume_from_checkpoint to be a checkpoint folder or true, got {value!r}")
     return str(value)
 
 
-def build_head(jargs: JetSpecArguments, target, checkpoint: str | None = None):
-    """A new head sized for `target`, or the saved one in `jargs.init_head` / the checkpoint; LoRA-wrapped on request.
+def build_head(head_args: HeadArguments, target, block_size: int | None = None, checkpoint: str | None = None):
+    """A new head sized for `target`, or the saved one in `head_args.init_head` / the checkpoint; LoRA-wrapped on
+    request.
 
-    A saved head must have been built for `target` (same vocabulary, width and depth), else `ValueError`.
+    Args:
+        head_args ([`HeadArguments`]): architecture of a new head, or the saved head to start from; LoRA settings.
+        target (`PreTrainedModel`): the target; a saved head must have been built for it (same vocabulary, width
+            and depth), else `ValueError`.
+        block_size (`int`, *optional*): the trained block length: a new head's block size, at most a saved head's.
+        checkpoint (`str`, *optional*): a full-weight Trainer checkpoint to resume, whose config is the head's.
     """
     source = None
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
-        source = checkpoint  # full-weight checkpoint: its config is the head's
-    elif jargs.init_head is not None:
-        source = jargs.init_head
+        source = checkpoint
+    elif head_args.init_head is not None:
+        source = head_args.init_head
     if source is not None:
         head = JetSpecDraftModel.from_pretrained(source, dtype=torch.float32)  # the head trains in float32
         head.attach_target(target)  # raises for a head built for another target
     else:
-        head = JetSpecDraftModel.from_target(target, **jargs.head_overrides())
-    block_size = jargs.block_size or head.config.block_size
-    if block_size > head.config.block_size:
+        head = JetSpecDraftModel.from_target(target, **head_args.head_overrides(block_size))
+    if block_size is not None and block_size > head.config.block_size:
         raise ValueError(
             f"expected block_size <= {head.config.block_size} (the head's block_size, its maximum depth + 1), "
             f"got {block_size}"
         )
-    if jargs.use_lora:
-        from peft import LoraConfig, get_peft_model
+    if head_args.use_lora:
+        from peft import LoraConfig, get_peft_model  # only LoRA runs need peft
 
-        lora = LoraConfig(r=jargs.lora_r, lora_alpha=jargs.lora_alpha, lora_dropout=jargs.lora_dropout,
-                          target_modules=list(jargs.lora_target_modules))
+        lora = LoraConfig(r=head_args.lora_r, lora_alpha=head_args.lora_alpha, lora_dropout=head_args.lora_dropout,
+                          target_modules=list(head_args.lora_target_modules))
         return get_peft_model(head, lora)
     return head
 
 
-def load_data(jargs: JetSpecArguments, seed: int):
-    """`(train, eval)` datasets from the regenerated folders `jargs.data`."""
-    for folder in jargs.data:
-        if str(folder).endswith(COMPACT_SUFFIX):
-            continue
-        shards = sorted(Path(folder).glob(SHARD_GLOB))
-        # load_regenerated fails inside `datasets` (features mismatch) when every shard is empty: say it plainly
-        if shards and all(not line.strip() for shard in shards for line in shard.open(encoding="utf-8")):
-            raise ValueError(f"expected regenerated rows in {folder}, got an empty dataset ({len(shards)} empty shards)")
-    # a compact file (committed) or a regenerate folder (shards); training reads only these columns
-    parts = [
-        load_source(source).select_columns(["id", "input_ids", "prompt_length"])
-        for source in jargs.data
-    ]
-    dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    if len(dataset) == 0:
-        raise ValueError(f"expected regenerated rows in {jargs.data}, got an empty dataset")
-    return split_train_eval(dataset, jargs.eval_fraction, seed)
+def load_data(data_args: DataArguments, seed: int):
+    """`(train, eval)` datasets of the regenerated rows `data_args.data` (eval is None without a held-out split)."""
+    return split_train_eval(load_rows(data_args.data), data_args.eval_fraction, seed)
 
 
 def measure_tau(head, target, rows, max_new_tokens: int) -> dict:
@@ -142,9 +236,9 @@ def measure_tau(head, target, rows, max_new_tokens: int) -> dict:
     head.eval()
     for row in rows:
         ids = torch.tensor([row["input_ids"][: row["prompt_length"]]], device=target.device)
-        target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                        max_new_tokens=max_new_tokens, assistant_model=head)
-        stats = head.last_stats
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=max_new_tokens, assistant_model=head, return_dict_in_generate=True)
+        stats = out.jetspec_stats
         rounds, tokens = rounds + stats.row_rounds, tokens + stats.round_tokens
         counts = list(stats.accepted_at_depth)
         depth_counts = counts if depth_counts is None else [a + b for a, b in zip(depth_counts, counts)]
@@ -188,27 +282,29 @@ def write_learning_curve(log_history: list, path: Path) -> Path | None:
 
 
 def main(argv=None) -> dict:
-    jargs, targs = parse_args(argv)
-    push, repo_id = targs.push_to_hub, targs.hub_model_id
+    head_args, data_args, args = parse_args(argv)
+    push, repo_id = args.push_to_hub, args.hub_model_id
     if push and not repo_id:
         raise ValueError("expected --hub_model_id org/name with --push_to_hub, got none")
-    targs.push_to_hub = False  # Trainer's own push misses custom_generate/ and adds checkpoints: we ship ourselves
-    checkpoint = resolve_checkpoint(targs)
+    args.push_to_hub = False  # Trainer's own push misses custom_generate/ and adds checkpoints: we ship ourselves
+    checkpoint = resolve_checkpoint(args)
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[jargs.target_dtype]
-    target, tokenizer = load_target(jargs.target, dtype=dtype)
-    set_seed(targs.seed)  # a new head's initialisation is part of the run: same seed, same head on every process
-    head = build_head(jargs, target, checkpoint)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[head_args.target_dtype]
+    target, tokenizer = load_target(head_args.target, dtype=dtype)
+    set_seed(args.seed)  # a new head's initialisation is part of the run: same seed, same head on every process
+    head = build_head(head_args, target, args.block_size, checkpoint)
     head.to(torch.float32)  # the head trains in float32 whatever the target's dtype
-    train_set, eval_set = load_data(jargs, targs.seed)
+    train_set, eval_set = load_data(data_args, args.seed)
     coverage = None
-    if jargs.draft_vocab_size is not None and checkpoint is None and jargs.init_head is None:
-        ids, coverage = frequent_tokens(answer_token_counts(train_set), jargs.draft_vocab_size, head.config.vocab_size)
+    if head_args.draft_vocab_size is not None and checkpoint is None and head_args.init_head is None:
+        ids, coverage = frequent_tokens(answer_token_counts(train_set), head_args.draft_vocab_size,
+                                        head.config.vocab_size)
         unwrap_head(head).set_draft_vocab(ids)
         print(f"jetspec: draft vocabulary of {len(ids)} tokens covers {coverage:.2%} of the training answers' tokens")
+    store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
     trainer = JetSpecTrainer(
-        model=head, args=targs, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
-        target=target, jetspec_args=jargs,
+        model=head, args=args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
+        target=target, feature_store=store,
     )
     if trainer.is_world_process_zero():
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {len(train_set)}")
@@ -220,22 +316,22 @@ def main(argv=None) -> dict:
     metrics["train_target_tokens_per_second"] = trainer._tokens_seen * trainer.accelerator.num_processes / runtime
     if eval_set is not None:
         metrics.update(trainer.evaluate())
-
-    if trainer.is_world_process_zero():
-        ship(trainer, jargs, targs, metrics, eval_set, train_set, target, push, repo_id)
-    # every process leaves together and closes the process group: a rank that exits while others still hold gloo
-    # connections can abort at interpreter shutdown ("terminate called without an active exception")
+    # The evaluation was the last collective. Every process leaves the process group here, at the same point and
+    # with nothing in flight; shipping needs no other process, so no rank sits in a barrier while the main process
+    # ships, and none tears its side down while another still waits on it.
     trainer.accelerator.wait_for_everyone()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    trainer.accelerator.end_training()
+    if trainer.is_world_process_zero():
+        ship(trainer, head_args, data_args, args, metrics, eval_set, train_set, target, push, repo_id)
     return metrics
 
 
-def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push: bool, repo_id) -> None:
+def ship(trainer, head_args: HeadArguments, data_args: DataArguments, args: JetSpecTrainingArguments, metrics: dict,
+         eval_set, train_set, target, push: bool, repo_id) -> None:
     """Main process only: save the head, measure tau, write the card, logs and curve, push on request."""
-    out = Path(targs.output_dir)
+    out = Path(args.output_dir)
     final = unwrap_head(trainer.model)
-    if jargs.use_lora:
+    if head_args.use_lora:
         final = trainer.model.merge_and_unload()  # a plain head: the Hub folder needs no peft to load
     # the odds of prompt-lookup chains on the target's own answers: the head scores its lookup branch with them
     sample = train_set.select(range(min(LOOKUP_PRIOR_ROWS, len(train_set))))
@@ -246,21 +342,22 @@ def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push
     metrics["lookup_matches_per_order"] = lookup["matches"]
     final.save_pretrained(out)
     measured = None
-    if jargs.measure_tau_prompts > 0 and eval_set is not None:
-        rows = eval_set.select(range(min(jargs.measure_tau_prompts, len(eval_set))))
-        measured = measure_tau(final, target, rows, jargs.measure_tau_new_tokens)
+    if args.measure_tau_prompts > 0 and eval_set is not None:
+        rows = eval_set.select(range(min(args.measure_tau_prompts, len(eval_set))))
+        measured = measure_tau(final, target, rows, args.measure_tau_new_tokens)
         metrics.update({f"measured_{k}": v for k, v in measured.items()})
-    base_model = jargs.base_model_id or HUB_IDS.get(jargs.target, jargs.target)
+    base_model = args.base_model_id or HUB_IDS.get(head_args.target, head_args.target)
+    gamma = f", position decay gamma={args.gamma} (weights scaled to mean 1)" if args.gamma else ""
     write_card(
         out,
-        jargs.card_template,
+        args.card_template,
         base_model=base_model,
-        repo_id=repo_id or f"<your-org>/jetspec-{Path(str(jargs.target)).name}",  # a placeholder id until pushed
+        repo_id=repo_id or f"<your-org>/jetspec-{Path(str(head_args.target)).name}",  # a placeholder id until pushed
         max_depth=final.config.block_size - 1,
         num_hidden_layers=final.config.num_hidden_layers,
         block_size=final.config.block_size,
-        training_data=", ".join(jargs.data) + " (prompts answered by the target itself, greedy)",
-        loss=LOSS_NAMES[jargs.loss] + (f", position decay gamma={jargs.gamma}" if jargs.gamma else ""),
+        training_data=", ".join(data_args.data) + " (prompts answered by the target itself, greedy)",
+        loss=LOSS_NAMES[args.loss] + gamma,
         steps=trainer.state.global_step,
         num_train_rows=len(train_set),
         num_eval_rows=len(eval_set) if eval_set is not None else 0,
@@ -271,7 +368,7 @@ def ship(trainer, jargs, targs, metrics: dict, eval_set, train_set, target, push
     write_learning_curve(trainer.state.log_history, out / "learning_curve.png")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     if push:
-        push_folder(out, repo_id, private=targs.hub_private_repo)
+        push_folder(out, repo_id, private=args.hub_private_repo)
 
 
 if __name__ == "__main__":

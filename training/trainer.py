@@ -1,124 +1,75 @@
-"""Distillation of a JetSpec draft head with the transformers `Trainer` (arXiv 2606.18394, section 3.3).
+"""Distillation of a JetSpec draft head with the transformers `Trainer` (arXiv 2606.18394, section 3.3; see
+`docs/design.md`, §5 Training).
 
-Per training sequence x (a prompt and the target's own answer), `num_blocks_per_sequence` anchors a are drawn,
+Per training row x (a prompt and the target's own answer), `num_blocks_per_sequence` anchors a are drawn,
 preferably in the answer. Each anchor yields a block `[x_a, MASK x (bs - 1)]` at positions a..a+bs-1 that sees
-the target's hidden states h_0..h_{a-1} and, causally, its own slots. All blocks of a sequence are packed into one
+the target's hidden states h_0..h_{a-1} and, causally, its own slots. All blocks of a row are packed into one
 head forward with a block-diagonal mask. Slot k predicts x_{a+k}; its teacher is the target's softmax at position
 a + k - 1. Optionally some slots are revealed as their real token (training for path-conditioned drafting,
-section 3 of DESIGN.md); revealed slots carry no loss.
+`docs/design.md`, §3 Trees and masks); revealed slots carry no loss.
+
+The collator draws the anchors and packs the blocks, with a generator seeded by the row's id and the epoch: a row
+gets the same blocks whichever process, batch or micro-batch it lands in, and fresh ones every epoch. Its `labels`
+hold the token of every slot that carries loss and -100 elsewhere, so the `Trainer`'s own count of them
+(`num_items_in_batch`, over the micro-batches of a step and over processes) is the denominator of the step's loss.
 
 Only the head trains. The target is frozen; its embeddings and LM head are borrowed by the head, not saved with it.
 """
 
-import math
+import dataclasses
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback
+import torch.nn.functional as F
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
-from .losses import LOSS_KINDS, block_loss_terms, chain_accept_length, check_loss_kind, depth_weights
+from .losses import LOSS_KINDS, block_loss_terms, chain_accept_length, check_loss_kind
+from .rows import row_key
 
 
 @dataclass
-class JetSpecArguments:
-    """What to distill into which head. Parsed with `TrainingArguments` by `HfArgumentParser`."""
+class JetSpecTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus how blocks are drawn and scored, where the target's features come from, and what the
+    run measures when it ships the head."""
 
-    target: str = field(
-        default="smollm2-135m",
-        metadata={"help": "Target model: the alias 'smollm2-135m', a local folder or a Hub id (see load_target)."},
-    )
-    data: list[str] = field(
-        default_factory=lambda: ["data/regen"],
-        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), or compact .npz files from "
-                          "`regenerate.py --export`; concatenated in order."},
-    )
-    base_model_id: str | None = field(
-        default=None,
-        metadata={"help": "Hub id of the target for the model card; defaults to the target's own name."},
-    )
-    init_head: str | None = field(
-        default=None,
-        metadata={"help": "Start from this saved head folder instead of a new head (fine-tuning, LoRA)."},
-    )
     block_size: int | None = field(
         default=None,
-        metadata={"help": "Block length [anchor, MASK x (block_size - 1)]; defaults to the head's block_size "
-                          "(16 for a new head). May not exceed the head's."},
+        metadata={"help": "Block length [anchor, MASK x (block_size - 1)] trained. A new head is built with it (16 by "
+                          "default); a saved head's may be longer (its block_size bounds it)."},
     )
     num_blocks_per_sequence: int = field(
-        default=4, metadata={"help": "Anchors drawn per sequence and training step, packed into one head forward."}
+        default=4, metadata={"help": "Anchors drawn per row and epoch, packed into one head forward."}
     )
     loss: str = field(
         default="fkl",
         metadata={"help": f"Distillation loss, one of {LOSS_KINDS}: forward KL (paper), hard-label CE, reverse KL."},
     )
     gamma: float | None = field(
-        default=None, metadata={"help": "Position decay w_k = exp(-(k-1)/gamma) over depths; none by default."}
+        default=None,
+        metadata={"help": "Position decay w_k ~ exp(-(k-1)/gamma) over depths (scaled to mean 1); none by default."},
     )
     reveal_prob: float = field(
         default=0.0,
         metadata={"help": "Probability that a block slot is fed its real token instead of MASK (no loss there); "
-                          "trains path-conditioned drafting."},
+                          "trains path-conditioned drafting. Evaluation never reveals."},
     )
     answer_anchor_prob: float = field(
         default=1.0,
         metadata={"help": "Probability that an anchor is drawn in the answer part (a >= prompt_length - 1) rather "
-                          "than anywhere in the sequence (a >= 1)."},
+                          "than anywhere in the row (a >= 1)."},
     )
-    max_length: int = field(default=1024, metadata={"help": "Sequences are truncated to this many tokens."})
-    eval_fraction: float = field(
-        default=0.02, metadata={"help": "Fraction of the sequences held out for evaluation (at least one if > 0)."}
-    )
-    num_hidden_layers: int | None = field(default=None, metadata={"help": "Head layers (new head only)."})
-    intermediate_size: int | None = field(default=None, metadata={"help": "Head MLP width (new head only)."})
-    block_attention: str | None = field(
-        default=None, metadata={"help": "'causal' (JetSpec) or 'bidirectional' (DFlash ablation); new head only."}
-    )
-    target_layer_ids: list[int] | None = field(
-        default=None, metadata={"help": "Target layers feeding the head (new head only); evenly spaced by default."}
-    )
-    tree_depth: int | None = field(default=None, metadata={"help": "Default tree depth stored in the head."})
-    tree_width: int | None = field(default=None, metadata={"help": "Default tree width stored in the head."})
-    tree_budget: int | None = field(default=None, metadata={"help": "Default tree budget stored in the head."})
-    draft_vocab_size: int | None = field(
-        default=None,
-        metadata={"help": "New head only: draft from the N most frequent answer tokens of the training data "
-                          "(reduced LM head and loss); the full vocabulary by default."},
-    )
-    last_context_input: bool = field(
-        default=False,
-        metadata={"help": "New head only: add the last context position's fused features to every block slot."},
-    )
+    max_length: int = field(default=1024, metadata={"help": "Rows are truncated to this many tokens."})
     cache_features: bool = field(
         default=False,
         metadata={"help": "Keep each row's target features in memory after its first target forward, so later "
                           "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."},
     )
-    feature_store: str | None = field(
-        default=None,
-        metadata={"help": "Folder written by training/feature_store.py: rows it holds read their target features from "
-                          "disk and the target never runs for them (any run, any epoch)."},
-    )
     max_train_minutes: float | None = field(
         default=None,
-        metadata={"help": "Stop training after this many minutes of wall time (a checkpoint-free run still saves "
-                          "its head); the schedule still follows max_steps."},
-    )
-    target_dtype: str = field(
-        default="float32",
-        metadata={"help": "Dtype of the frozen target during training: float32 or bfloat16 (features are cached "
-                          "in bfloat16 either way when cache_features is on)."},
-    )
-    use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the head's linear layers only."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"],
-        metadata={"help": "Head linear layers that get LoRA adapters."},
+        metadata={"help": "Stop training after this many minutes of wall time (and evaluate once more); the "
+                          "schedule still follows max_steps."},
     )
     measure_tau_prompts: int = field(
         default=0,
@@ -126,16 +77,27 @@ class JetSpecArguments:
                           "measured tau (0 skips it)."},
     )
     measure_tau_new_tokens: int = field(default=64, metadata={"help": "max_new_tokens of the tau measurement."})
+    base_model_id: str | None = field(
+        default=None,
+        metadata={"help": "Hub id of the target for the model card; defaults to the target's own name."},
+    )
     card_template: str | None = field(
         default=None, metadata={"help": "Model card template written as README.md; defaults to hub_cards/jetspec-head.md."}
     )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Must stay False: the collator reads `id` and `prompt_length`, which the head's forward "
+                          "does not take."},
+    )
 
     def __post_init__(self):
+        super().__post_init__()
         check_loss_kind(self.loss)
-        if isinstance(self.data, str):
-            self.data = [self.data]
-        if not self.data:
-            raise ValueError("expected at least one data folder, got none")
+        if self.remove_unused_columns:
+            raise ValueError(
+                "expected remove_unused_columns=False (the collator needs `prompt_length` and `id`, which the head's "
+                "forward does not take), got True"
+            )
         if self.num_blocks_per_sequence < 1:
             raise ValueError(f"expected num_blocks_per_sequence >= 1, got {self.num_blocks_per_sequence}")
         if self.block_size is not None and self.block_size < 2:
@@ -144,30 +106,16 @@ class JetSpecArguments:
             raise ValueError(f"expected reveal_prob in [0, 1), got {self.reveal_prob}")
         if not 0.0 <= self.answer_anchor_prob <= 1.0:
             raise ValueError(f"expected answer_anchor_prob in [0, 1], got {self.answer_anchor_prob}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"expected eval_fraction in [0, 1), got {self.eval_fraction}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
         if self.max_train_minutes is not None and not self.max_train_minutes > 0:
             raise ValueError(f"expected max_train_minutes > 0 or None, got {self.max_train_minutes}")
-        if self.target_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"expected target_dtype 'float32' or 'bfloat16', got {self.target_dtype!r}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"expected draft_vocab_size >= 1 or None (full vocabulary), got {self.draft_vocab_size}")
         if self.max_length < 3:
             raise ValueError(f"expected max_length >= 3 (an anchor needs a token before and after it), got "
                              f"{self.max_length}")
-
-    def head_overrides(self) -> dict:
-        """Config fields given for a new head (None means the `from_target` default)."""
-        names = ("num_hidden_layers", "intermediate_size", "block_attention", "target_layer_ids", "block_size",
-                 "tree_depth", "tree_width", "tree_budget", "draft_vocab_size")
-        overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        if self.last_context_input:
-            overrides["last_context_input"] = True
-        if "tree_depth" not in overrides and "block_size" in overrides:
-            overrides["tree_depth"] = min(7, overrides["block_size"] - 1)  # keep the default depth servable
-        return overrides
+        if self.dataloader_persistent_workers and self.dataloader_num_workers > 0:
+            raise ValueError("expected dataloader_persistent_workers=False (persistent workers keep the collator of "
+                             "the first epoch, and with it its anchors), got True")
 
 
 class TimeBudgetCallback(TrainerCallback):
@@ -187,38 +135,18 @@ class TimeBudgetCallback(TrainerCallback):
         return control
 
 
-def sample_key(sample_id) -> int:
-    """A stable integer for a row id (same on every process and run), seeding that row's anchors."""
-    return zlib.crc32(str(sample_id).encode("utf-8"))
+class EpochCallback(TrainerCallback):
+    """Tells the training collator which epoch begins, so each epoch draws fresh anchors for every row.
 
-
-@dataclass
-class JetSpecCollator:
-    """Right-pads `input_ids`, truncating to `max_length`; keeps `prompt_length` and a per-row seed key.
-
-    Returns a dict of `input_ids` `(B, L)`, `attention_mask` `(B, L)`, `prompt_length` `(B,)`, `sample_key` `(B,)`.
+    The Trainer builds each epoch's batch iterator (and its dataloader workers) after `on_epoch_begin`. A resumed
+    run starts inside the epoch its checkpoint was saved in (`state.epoch` holds its fraction).
     """
 
-    pad_token_id: int = 0
-    max_length: int = 1024
+    def __init__(self, collator: "JetSpecCollator"):
+        self.collator = collator
 
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        if not features:
-            raise ValueError("expected at least one row in a batch, got none")
-        rows = [list(f["input_ids"])[: self.max_length] for f in features]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)  # (B, L)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
-        for i, r in enumerate(rows):
-            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, : len(r)] = 1
-        prompt_length = torch.tensor([int(f.get("prompt_length", 0)) for f in features], dtype=torch.long)
-        keys = torch.tensor(
-            [sample_key(f["id"]) if "id" in f else sample_key(list(f["input_ids"])) for f in features],
-            dtype=torch.long,
-        )
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "prompt_length": prompt_length,
-                "sample_key": keys}
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.collator.epoch = int(state.epoch or 0)
 
 
 @dataclass
@@ -229,15 +157,14 @@ class PackedBlocks:
     position_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, 1, T, L + T) bool
     teacher_index: torch.Tensor  # (B, n, D) target position a + k - 1 predicting slot k (clamped in range)
-    labels: torch.Tensor  # (B, n, D) x_{a+k}, -100 past the end
-    loss_mask: torch.Tensor  # (B, n, D) bool: MASK slot inside the sequence
-    valid: torch.Tensor  # (B, n, D) bool: slot inside the sequence (revealed or not)
+    labels: torch.Tensor  # (B, n, D) x_{a+k} at MASK slots inside the row, -100 elsewhere (revealed, past the end)
     last_context_index: torch.Tensor  # (B, T) a - 1: the context position just before each slot's anchor
 
 
 def draw_anchors(lengths, prompt_lengths, keys, n, seed, answer_prob, generator_offset=0):
-    """Anchors per row, drawn with a generator seeded by `(seed, step offset, row key)`: reproducible and the same
-    for a row whatever process or batch it lands in.
+    """Anchors per row, drawn with a generator seeded by `(seed, generator_offset, row key)`: reproducible and the
+    same for a row whatever process or batch it lands in. The collator passes `epoch + 1` as the offset in training
+    and 0 in evaluation.
 
     Returns:
         `(anchors, generators)`: `torch.LongTensor` of shape `(B, n)` (a in [1, length - 2]; rows shorter than 3
@@ -260,11 +187,11 @@ def draw_anchors(lengths, prompt_lengths, keys, n, seed, answer_prob, generator_
 
 
 def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=True, reveal_prob=0.0,
-                generators=None, attention=True) -> PackedBlocks:
+                generators=None) -> PackedBlocks:
     """Build the packed blocks, their positions, their attention mask over `[context ; blocks]` and the targets.
 
     Args:
-        input_ids (`torch.LongTensor` of shape `(B, L)`): the sequences, right padded.
+        input_ids (`torch.LongTensor` of shape `(B, L)`): the rows, right padded.
         lengths (`torch.LongTensor` of shape `(B,)`): valid lengths.
         anchors (`torch.LongTensor` of shape `(B, n)`): from [`draw_anchors`].
         block_size (`int`): bs; D = bs - 1 MASK slots per block.
@@ -272,8 +199,6 @@ def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=T
         causal (`bool`, *optional*, defaults to `True`): causal (JetSpec) or bidirectional (DFlash) block.
         reveal_prob (`float`, *optional*, defaults to 0): probability that a slot holds its real token.
         generators (`list[torch.Generator]`, *optional*): per-row generators for the reveal draw.
-        attention (`bool`, *optional*, defaults to `True`): build the attention mask; without it (counting slots
-            only) `attention_mask` is None.
     """
     b, length = input_ids.shape
     n = anchors.shape[1]
@@ -289,23 +214,14 @@ def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=T
         reveal = (draws < reveal_prob) & inside
     reveal[..., 0] = True  # the anchor is always a real token
     block_ids = torch.where(reveal, real, torch.full_like(real, mask_token_id))  # (B, n, bs)
-
+    counted = inside[..., 1:] & ~reveal[..., 1:]  # (B, n, D): MASK slots inside the row carry the loss
     t = n * block_size
-    attention_mask = None
-    if attention:
-        attention_mask = _block_attention_mask(anchors, lengths, length, block_size, causal)
-
-    depth_pos = positions[..., 1:]  # (B, n, D)
-    valid = inside[..., 1:]
-    labels = real[..., 1:].masked_fill(~valid, -100)
     return PackedBlocks(
         input_ids=block_ids.view(b, t),
         position_ids=positions.view(b, t),
-        attention_mask=attention_mask,
-        teacher_index=(depth_pos - 1).clamp_max(length - 1),
-        labels=labels,
-        loss_mask=valid & ~reveal[..., 1:],
-        valid=valid,
+        attention_mask=_block_attention_mask(anchors, lengths, length, block_size, causal),
+        teacher_index=(positions[..., 1:] - 1).clamp_max(length - 1),
+        labels=real[..., 1:].masked_fill(~counted, -100),
         last_context_index=(anchors.unsqueeze(-1) - 1).expand(b, n, block_size).reshape(b, t),
     )
 
@@ -326,6 +242,58 @@ def _block_attention_mask(anchors, lengths, length: int, block_size: int, causal
     return torch.cat([ctx_mask, block_diag], dim=-1)  # (B, 1, T, L + T)
 
 
+@dataclass
+class JetSpecCollator:
+    """Right-pads the rows (truncated to `max_length`), draws their anchors and packs their blocks.
+
+    Anchors and revealed slots come from a generator seeded by the row's id, `seed` and the epoch: the same for a row
+    in any batch, micro-batch or process, fresh in every epoch. `epoch=None` is evaluation: the same anchors at every
+    evaluation (build the evaluation collator with `reveal_prob=0`).
+
+    Returns a dict of `input_ids` `(B, L)` and `attention_mask` `(B, L)` (the rows, what the target reads),
+    `sample_key` `(B,)` (the row keys, [`training.rows.row_key`]), and the packed blocks ([`PackedBlocks`]):
+    `block_ids` `(B, T)`, `block_position_ids` `(B, T)`, `block_attention_mask` `(B, 1, T, L + T)`,
+    `teacher_index` `(B, n, D)`, `labels` `(B, n, D)` and `last_context_index` `(B, T)`.
+    """
+
+    mask_token_id: int
+    block_size: int = 16
+    num_blocks: int = 4
+    causal: bool = True
+    max_length: int = 1024
+    pad_token_id: int = 0
+    seed: int = 0
+    answer_anchor_prob: float = 1.0
+    reveal_prob: float = 0.0
+    epoch: int | None = 0
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        if not features:
+            raise ValueError("expected at least one row in a batch, got none")
+        rows = [list(f["input_ids"])[: self.max_length] for f in features]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)  # (B, L)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
+        for i, r in enumerate(rows):
+            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            attention_mask[i, : len(r)] = 1
+        lengths = attention_mask.sum(-1)  # (B,)
+        prompt_length = torch.tensor([int(f.get("prompt_length", 0)) for f in features], dtype=torch.long)
+        keys = torch.tensor([row_key(f["id"] if "id" in f else list(f["input_ids"])) for f in features],
+                            dtype=torch.long)  # (B,)
+        offset = 0 if self.epoch is None else self.epoch + 1
+        anchors, generators = draw_anchors(lengths, prompt_length, keys, self.num_blocks, self.seed,
+                                           self.answer_anchor_prob, generator_offset=offset)
+        blocks = pack_blocks(input_ids, lengths, anchors, self.block_size, self.mask_token_id, causal=self.causal,
+                             reveal_prob=self.reveal_prob, generators=generators)
+        return {
+            "input_ids": input_ids, "attention_mask": attention_mask, "sample_key": keys,
+            "block_ids": blocks.input_ids, "block_position_ids": blocks.position_ids,
+            "block_attention_mask": blocks.attention_mask, "teacher_index": blocks.teacher_index,
+            "labels": blocks.labels, "last_context_index": blocks.last_context_index,
+        }
+
+
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
     for p in model.parameters():
@@ -340,63 +308,136 @@ def unwrap_head(model):
     return get_base() if callable(get_base) else model
 
 
+def draft_labels(head, labels: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels as draft-vocabulary ids, and the slots the loss sums over.
+
+    Args:
+        head (`JetSpecDraftModel`): its `d2t` (reduced draft vocabulary) or None (the full vocabulary).
+        labels (`torch.LongTensor` of shape `(N, D)`): target ids, -100 where a slot carries no loss.
+        kind (`str`): the loss; the hard-label one (`"sft"`) cannot score a token outside the draft vocabulary, so
+            such a slot is left out of its sum (it still counts in the denominator, as a slot the head cannot win).
+
+    Returns:
+        `(labels, summed)`: `torch.LongTensor` of shape `(N, D)` (draft ids, -100 where not drafted) and
+        `torch.BoolTensor` of shape `(N, D)`.
+    """
+    counted = labels != -100
+    if head.d2t is None:
+        return labels, counted
+    ids = head.draft_token_ids().to(labels.device)
+    table = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
+    table[ids] = torch.arange(ids.numel(), device=labels.device)
+    mapped = table[labels.clamp_min(0)].masked_fill(~counted, -100)
+    return mapped, (counted & (mapped >= 0)) if kind == "sft" else counted
+
+
+def distillation_terms(model, batch: dict, features: torch.Tensor, final: torch.Tensor, kind: str = "fkl",
+                       gamma: float | None = None):
+    """One head forward over a collated batch and the numerator and denominator of its loss.
+
+    Args:
+        model (`JetSpecDraftModel`, possibly DDP / PEFT wrapped): the head.
+        batch (`dict`): from [`JetSpecCollator`].
+        features (`torch.Tensor` of shape `(B, L, k * H)`): the target's selected-layer features of the rows.
+        final (`torch.Tensor` of shape `(B, L, H)`): the target's final (post-norm) hidden states of the rows.
+        kind (`str`, *optional*, defaults to `"fkl"`): the loss ([`training.losses.slot_losses`]).
+        gamma (`float`, *optional*): position decay ([`training.losses.depth_weights`]).
+
+    Returns:
+        `(weighted_sum, count, logits, teacher_hidden)`: the depth-weighted loss summed over the slots, the number of
+        slots that carry loss (`labels != -100`, what the Trainer counts), the head's logits `(B*n, D, V_draft)` and
+        the target's final states predicting each slot `(B*n, D, H)`.
+    """
+    head = unwrap_head(model)
+    b, n, d = batch["labels"].shape
+    teacher_hidden = final.gather(
+        1, batch["teacher_index"].reshape(b, n * d, 1).expand(b, n * d, final.shape[-1])
+    ).view(b * n, d, -1)  # (B*n, D, H): the target's state predicting each slot's token
+    # the target's logits over the head's draft vocabulary: with a reduced vocabulary its softmax restricted to the
+    # draft tokens (renormalised by the loss's log-softmax), so the head learns to rank exactly what it can draft
+    weight, bias = head._draft_lm_head()
+    teacher = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()  # (B*n, D, V_draft)
+    extra = {"last_context_index": batch["last_context_index"]} if head.config.last_context_input else {}
+    output = model(
+        input_ids=batch["block_ids"], position_ids=batch["block_position_ids"],
+        attention_mask=batch["block_attention_mask"], context_features=features,
+        context_valid=batch["attention_mask"].bool(), **extra,
+    )
+    logits = output.logits.view(b, n, d + 1, -1)[:, :, 1:].reshape(b * n, d, -1)  # slot 0 is the anchor
+    labels, summed = draft_labels(head, batch["labels"].view(b * n, d), kind)
+    total, _ = block_loss_terms(logits, teacher, labels, summed, kind, gamma)
+    count = (batch["labels"] != -100).sum().float()
+    return total, count, logits, teacher_hidden
+
+
 class JetSpecTrainer(Trainer):
     """`Trainer` that distills `target` into a JetSpec head (`model`). See the module docstring.
 
     Args:
-        target (`PreTrainedModel`): the frozen target; its embeddings and LM head must be attached to the head.
-        jetspec_args (`JetSpecArguments`): block, anchor and loss settings.
-        All other arguments are `Trainer`'s; `data_collator` defaults to [`JetSpecCollator`] and `compute_metrics`
-        to per-depth agreement with the target.
+        model (`JetSpecDraftModel` or a PEFT model around one): the head; the target's embeddings and LM head must
+            be attached to it.
+        args ([`JetSpecTrainingArguments`]): the Trainer's arguments and the block, anchor and loss settings.
+        target (`PreTrainedModel`): the frozen target.
+        feature_store ([`training.feature_store.FeatureStore`], *optional*): the target's features of the rows it
+            holds, read instead of running the target.
+        **kwargs: `Trainer`'s other arguments (`train_dataset`, `eval_dataset`, `processing_class`, ...), except
+            `data_collator`: batches always come from [`JetSpecCollator`]. `compute_metrics` defaults to per-depth
+            top-1 agreement with the target.
     """
 
-    # `compute_loss` divides by the whole step's `num_items_in_batch` (see `_get_num_items_in_batch`): the Trainer must
-    # not divide again by the gradient-accumulation steps
+    # `compute_loss` divides by the whole step's `num_items_in_batch`: the Trainer must not divide again by the
+    # gradient-accumulation steps
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, target: PreTrainedModel, jetspec_args: JetSpecArguments, **kwargs):
-        model = kwargs.get("model", args[0] if args else None)
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if model is None or training_args is None:
-            raise ValueError("expected `model` (the head) and `args` (TrainingArguments), got None")
-        if training_args.remove_unused_columns:
-            raise ValueError(
-                "expected TrainingArguments.remove_unused_columns=False (the collator needs `prompt_length` and "
-                "`id`, which the head's forward does not take), got True"
-            )
+    def __init__(self, model, args: JetSpecTrainingArguments, *, target: PreTrainedModel, feature_store=None,
+                 **kwargs):
+        if not isinstance(args, JetSpecTrainingArguments):
+            raise ValueError(f"expected args of type JetSpecTrainingArguments, got {type(args).__name__}")
+        if kwargs.get("data_collator") is not None:
+            raise ValueError("expected no data_collator (the trainer packs blocks with its JetSpecCollator), got one")
         head = unwrap_head(model)
         head.check_target(target)
-        self.head_config = head.config
-        self.jetspec_args = jetspec_args
-        self.block_size = jetspec_args.block_size or head.config.block_size
-        if self.block_size > head.config.block_size:
+        block_size = args.block_size or head.config.block_size
+        if block_size > head.config.block_size:
             raise ValueError(
                 f"expected block_size <= {head.config.block_size} (the head's block_size, which sets its maximum "
-                f"depth), got {self.block_size}"
+                f"depth), got {block_size}"
             )
         for name in ("train_dataset", "eval_dataset"):
             dataset = kwargs.get(name)
             if dataset is not None and len(dataset) == 0:
                 raise ValueError(f"expected a non-empty {name}, got an empty dataset")
-        if kwargs.get("data_collator") is None:
-            pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
-            kwargs["data_collator"] = JetSpecCollator(pad_token_id=pad or 0, max_length=jetspec_args.max_length)
+        pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
+        collator = JetSpecCollator(
+            mask_token_id=head.config.mask_token_id, block_size=block_size, num_blocks=args.num_blocks_per_sequence,
+            causal=head.config.block_attention == "causal", max_length=args.max_length, pad_token_id=pad or 0,
+            seed=args.seed, answer_anchor_prob=args.answer_anchor_prob, reveal_prob=args.reveal_prob, epoch=0,
+        )
+        self.eval_collator = dataclasses.replace(collator, reveal_prob=0.0, epoch=None)
         if kwargs.get("compute_metrics") is None:
             kwargs["compute_metrics"] = self._agreement_metrics
-        super().__init__(*args, **kwargs)
-        if jetspec_args.max_train_minutes is not None:
-            self.add_callback(TimeBudgetCallback(jetspec_args.max_train_minutes))
+        super().__init__(model=model, args=args, data_collator=collator, **kwargs)
+        # the head's forward takes no loss arguments, but `compute_loss` divides by `num_items_in_batch`: the Trainer
+        # counts it from the collator's `labels` only for a model that says it accepts them
+        self.model_accepts_loss_kwargs = True
+        self.add_callback(EpochCallback(collator))
+        if args.max_train_minutes is not None:
+            self.add_callback(TimeBudgetCallback(args.max_train_minutes))
         self.target = freeze(target).to(self.args.device)
-        self._feature_cache = {} if jetspec_args.cache_features else None  # sample_key -> (features, final)
-        self._feature_store = None
-        if jetspec_args.feature_store is not None:
-            from .feature_store import FeatureStore
-
-            self._feature_store = FeatureStore(jetspec_args.feature_store)
-            self._feature_store.check(head.config.target_layer_ids, head.config.target_hidden_size)
-        self._draft_table = None  # (target id -> draft id table, the d2t it was built from)
+        self.feature_store = feature_store
+        if feature_store is not None:
+            feature_store.check(head.config.target_layer_ids, head.config.target_hidden_size)
+        self._feature_cache = {} if args.cache_features else None  # row key -> (features, final)
         self._tokens_seen = 0
         self._last_log = (time.perf_counter(), 0)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Evaluation batches from the evaluation collator: the same anchors at every evaluation, nothing revealed."""
+        training_collator, self.data_collator = self.data_collator, self.eval_collator
+        try:
+            return super().get_eval_dataloader(eval_dataset)
+        finally:
+            self.data_collator = training_collator
 
     # ------------------------------------------------------------------------------------------------ one batch
     def _target_states(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -408,12 +449,11 @@ class JetSpecTrainer(Trainer):
         """
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (B, L)
         keys = inputs["sample_key"].tolist()
-        cache, store = self._feature_cache, self._feature_store
+        lengths = attention_mask.sum(-1).tolist()
+        cache, store = self._feature_cache, self.feature_store
         rows = None
-        if store is not None:
-            lengths = attention_mask.sum(-1).tolist()
-            if all(store.covers(key, length) for key, length in zip(keys, lengths)):
-                rows = [store.get(key, length) for key, length in zip(keys, lengths)]
+        if store is not None and all(store.covers(key, length) for key, length in zip(keys, lengths)):
+            rows = [store.get(key, length) for key, length in zip(keys, lengths)]
         if rows is None and cache is not None and all(key in cache for key in keys):
             rows = [cache[key] for key in keys]
         if rows is not None:
@@ -430,125 +470,31 @@ class JetSpecTrainer(Trainer):
         features = unwrap_head(self.model).target_features(out.hidden_states)  # (B, L, k*H)
         final = out.last_hidden_state  # (B, L, H), what the target's LM head reads
         if cache is not None:
-            for i, (key, length) in enumerate(zip(keys, attention_mask.sum(-1).tolist())):
+            for i, (key, length) in enumerate(zip(keys, lengths)):
                 cache[key] = (features[i, :length].to("cpu", torch.bfloat16), final[i, :length].to("cpu", torch.bfloat16))
         return features, final
 
-    def _blocks_and_teacher(self, inputs: dict, training: bool):
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (B, L)
-        lengths = attention_mask.sum(-1)
-        features, final = self._target_states(inputs)
-        # training steps draw fresh anchors each step; evaluation always draws the same ones
-        offset = self.state.global_step + 1 if training else 0
-        anchors, generators = draw_anchors(
-            lengths.cpu(), inputs["prompt_length"].cpu(), inputs["sample_key"].cpu(),
-            self.jetspec_args.num_blocks_per_sequence, self.args.seed, self.jetspec_args.answer_anchor_prob,
-            generator_offset=offset,
-        )
-        blocks = pack_blocks(
-            input_ids, lengths, anchors.to(input_ids.device), self.block_size, self.head_config.mask_token_id,
-            causal=self.head_config.block_attention == "causal",
-            reveal_prob=self.jetspec_args.reveal_prob if training else 0.0, generators=generators,
-        )
-        b, n, d = blocks.labels.shape
-        teacher_hidden = final.gather(
-            1, blocks.teacher_index.reshape(b, n * d, 1).expand(b, n * d, final.shape[-1])
-        ).view(b * n, d, -1)  # (B*n, D, H): the target's state predicting each slot's token
-        return blocks, teacher_hidden, features, lengths
-
-    def _teacher_logits(self, teacher_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's logits over the head's draft vocabulary, `(N, D, V_draft)` float32.
-
-        With a reduced vocabulary this is the target's softmax restricted to the draft tokens (renormalised by the
-        loss's log-softmax): the head is trained to rank exactly the tokens it can draft.
-        """
-        weight, bias = unwrap_head(self.model)._draft_lm_head()
-        return torch.nn.functional.linear(teacher_hidden.to(weight.dtype), weight, bias).float()
-
-    def _head_logits(self, model, blocks: PackedBlocks, features, lengths):
-        b, length = features.shape[:2]
-        context_valid = torch.arange(length, device=features.device) < lengths.unsqueeze(-1)  # (B, L)
-        extra = {"last_context_index": blocks.last_context_index} if self.head_config.last_context_input else {}
-        output = model(
-            input_ids=blocks.input_ids, position_ids=blocks.position_ids, attention_mask=blocks.attention_mask,
-            context_features=features, context_valid=context_valid, **extra,
-        )
-        n, d = blocks.labels.shape[1:]
-        logits = output.logits.view(b, n, d + 1, -1)[:, :, 1:]  # slot 0 is the anchor: (B, n, D, V_draft)
-        return logits.reshape(b * n, d, -1), output
-
-    def _draft_labels(self, labels: torch.Tensor, loss_mask: torch.Tensor):
-        """Labels as draft-vocabulary ids, and the loss mask without slots whose token the head cannot draft."""
-        head = unwrap_head(self.model)
-        if head.d2t is None:
-            return labels, loss_mask
-        key = (id(head.d2t), head.d2t._version, labels.device)  # rebuilt only if the vocabulary changes
-        if self._draft_table is None or self._draft_table[1] != key:
-            ids = head.draft_token_ids().to(labels.device)
-            table = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=labels.device)
-            table[ids] = torch.arange(ids.numel(), device=labels.device)
-            self._draft_table = (table, key)
-        table, _ = self._draft_table
-        mapped = table[labels.clamp_min(0)].masked_fill(labels < 0, -100)
-        if self.jetspec_args.loss == "sft":
-            loss_mask = loss_mask & (mapped >= 0)
-        return mapped, loss_mask
-
-    def _get_num_items_in_batch(self, batch_samples: list, device):
-        """The loss weight (depth-weighted counted MASK slots) of every micro-batch of one optimizer step, summed
-        over processes when `average_tokens_across_devices`: the Trainer's `num_items_in_batch`.
-
-        The blocks are drawn exactly as [`compute_loss`] will draw them (same step offset, same row keys), so the
-        loss of a step is the weighted mean over all its slots however the rows are split into micro-batches.
-        """
-        offset = self.state.global_step + 1
-        total = torch.zeros((), dtype=torch.float32)
-        for batch in batch_samples:
-            lengths = batch["attention_mask"].sum(-1).cpu()
-            anchors, generators = draw_anchors(
-                lengths, batch["prompt_length"].cpu(), batch["sample_key"].cpu(),
-                self.jetspec_args.num_blocks_per_sequence, self.args.seed, self.jetspec_args.answer_anchor_prob,
-                generator_offset=offset,
-            )
-            blocks = pack_blocks(
-                batch["input_ids"].cpu(), lengths, anchors, self.block_size, self.head_config.mask_token_id,
-                causal=self.head_config.block_attention == "causal", reveal_prob=self.jetspec_args.reveal_prob,
-                generators=generators, attention=False,
-            )
-            b, n, d = blocks.labels.shape
-            _, loss_mask = self._draft_labels(blocks.labels.view(b * n, d), blocks.loss_mask.view(b * n, d))
-            total += (depth_weights(d, self.jetspec_args.gamma) * loss_mask.float()).sum()
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            total = self.accelerator.gather(total.to(device)[None]).sum()
-        return total.to(device)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Distillation loss of one batch: the weighted sum over its counted MASK slots divided by the weight of the
-        whole optimizer step (`num_items_in_batch`: all micro-batches of gradient accumulation, all processes).
+        """Distillation loss of one batch: the depth-weighted loss summed over its slots that carry loss, divided by
+        the number of such slots in the whole optimizer step (`num_items_in_batch`, the Trainer's count of `labels`
+        over all micro-batches of gradient accumulation and all processes).
 
-        With the step's weight summed over processes, each process's loss is scaled by the process count, so the
+        With the step's count summed over processes, each process's loss is scaled by the process count, so the
         gradient average of DDP equals the single-process gradient of the concatenated batch (the Trainer's
         convention for token-level losses). Evaluation (no `num_items_in_batch`) averages over the batch's slots.
         """
-        training = model.training
-        blocks, teacher_hidden, features, lengths = self._blocks_and_teacher(inputs, training)
-        teacher = self._teacher_logits(teacher_hidden)  # (B*n, D, V_draft)
-        logits, output = self._head_logits(model, blocks, features, lengths)
-        b, n, d = blocks.labels.shape
-        labels, loss_mask = self._draft_labels(blocks.labels.view(b * n, d), blocks.loss_mask.view(b * n, d))
-        total, weight = block_loss_terms(
-            logits, teacher, labels, loss_mask, self.jetspec_args.loss, self.jetspec_args.gamma,
+        features, final = self._target_states(inputs)
+        total, count, logits, teacher_hidden = distillation_terms(
+            model, inputs, features, final, self.args.loss, self.args.gamma
         )
         if num_items_in_batch is not None:
-            weight = num_items_in_batch.to(total.device).float()
+            count = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=total.device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
-                weight = weight / self.accelerator.num_processes
-        loss = total / weight if weight > 0 else total * 0.0
-        if training:
-            self._tokens_seen += int(lengths.sum())
-        if return_outputs:
-            return loss, (output, blocks, teacher_hidden, logits)
-        return loss
+                count = count / self.accelerator.num_processes
+        loss = total / count if count > 0 else total * 0.0
+        if model.training:
+            self._tokens_seen += int(inputs["attention_mask"].sum())
+        return (loss, (logits, teacher_hidden)) if return_outputs else loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: add target tokens/s since the previous one (all processes)
@@ -565,11 +511,11 @@ class JetSpecTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Loss, and per row the top-1 agreement counts `(B, 2, D)` ([matches, slots] per depth) of head and target.
 
-        The dummy labels `(B, 1)` only make `evaluation_loop` call `compute_metrics`.
+        The batch is already on the device (the prepared dataloader places it). The dummy labels `(B, 1)` only make
+        `evaluation_loop` call `compute_metrics`.
         """
-        inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss, (_, blocks, teacher_hidden, logits) = self.compute_loss(model, inputs, return_outputs=True)
+            loss, (logits, teacher_hidden) = self.compute_loss(model, inputs, return_outputs=True)
             if prediction_loss_only:
                 return loss.detach(), None, None
             head = unwrap_head(self.model)
@@ -578,9 +524,10 @@ class JetSpecTrainer(Trainer):
             # counts as a miss, as it does when decoding
             target_top = lm_head(teacher_hidden.to(lm_head.weight.dtype)).argmax(-1)  # (B*n, D)
             draft_top = head.draft_to_target(logits.argmax(-1))  # (B*n, D)
-        b, n, d = blocks.labels.shape
-        agree = (draft_top == target_top).view(b, n, d) & blocks.loss_mask  # (B, n, D)
-        counts = torch.stack([agree.sum(1), blocks.loss_mask.sum(1)], dim=1).float()  # (B, 2, D)
+        b, n, d = inputs["labels"].shape
+        slots = inputs["labels"] != -100  # (B, n, D)
+        agree = (draft_top == target_top).view(b, n, d) & slots
+        counts = torch.stack([agree.sum(1), slots.sum(1)], dim=1).float()  # (B, 2, D)
         return loss.detach(), counts, torch.zeros(b, 1, device=counts.device)
 
     @staticmethod
@@ -591,23 +538,3 @@ class JetSpecTrainer(Trainer):
         metrics = {f"acc_depth_{k + 1}": a for k, a in enumerate(acceptance)}
         metrics["tau_chain"] = chain_accept_length(acceptance)
         return metrics
-
-
-def split_train_eval(dataset, eval_fraction: float, seed: int):
-    """`(train, eval)`: the rows whose seeded id hash falls below `eval_fraction` are held out (at least one; None if
-    0). A row's side depends only on its id and the seed, so data regenerated later never moves a held-out row into
-    training (a random split of the grown dataset would)."""
-    if len(dataset) == 0:
-        raise ValueError("expected a non-empty training dataset, got an empty dataset")
-    if eval_fraction == 0:
-        return dataset, None
-    names = dataset["id"] if "id" in dataset.column_names else [str(ids) for ids in dataset["input_ids"]]
-    draws = [zlib.crc32(f"{seed}:{name}".encode("utf-8")) / 2**32 for name in names]
-    held = [i for i, u in enumerate(draws) if u < eval_fraction] or [int(np.argmin(draws))]
-    if len(held) >= len(dataset):
-        raise ValueError(
-            f"expected more than {len(held)} rows so that eval_fraction={eval_fraction} leaves training rows, "
-            f"got {len(dataset)}"
-        )
-    held_set = set(held)
-    return dataset.select([i for i in range(len(dataset)) if i not in held_set]), dataset.select(held)
