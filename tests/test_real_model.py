@@ -36,7 +36,7 @@ def prompts(tokenizer):
 @pytest.mark.real_model
 def test_committed_head_decodes_like_plain_greedy_in_float32_and_is_trained():  # (a)
     target, tokenizer = load_target("smollm2-135m", dtype=torch.float32)
-    head = JetSpecDraftModel.from_pretrained(HEAD).eval()
+    head = JetSpecDraftModel.from_pretrained(HEAD, dtype=torch.float32).eval()  # stored in bf16, run in fp32
     counts = {"defaults": [0, 0], "head alone": [0, 0]}  # [rounds, tokens]
     for prompt_id, inputs in prompts(tokenizer):
         plain = target.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
