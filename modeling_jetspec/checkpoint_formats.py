@@ -15,7 +15,8 @@ head), under other names:
   vocabulary, unless a `mask_embedding.pt` (a tensor, or `{"mask_token_id", "embedding"}`) ships a trained vector.
   Sliding layers (`layer_types`, `sliding_window`) see keys at most `sliding_window - 1` positions back, as z-lab's
   loader masks them; without any causal flag z-lab's loader makes sliding layers causal and full layers
-  bidirectional, so a head mixing both without a flag is refused.
+  bidirectional (its Qwen3.6 heads: four causal sliding layers, one bidirectional full layer), kept per layer
+  (`layer_block_attention`).
 - **muse_glimmer_assistant**: transformers' built-in DFlash assistant; as dflash, with `target_layer_ids`,
   `mask_token_id` and `block_size` at the top level and `encoder.fc` / `encoder.output_norm_enc` for the first two
   weights, a bidirectional block, and all layers sliding by default, where transformers' bidirectional window lets
@@ -46,7 +47,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 from transformers.utils import cached_file, has_file
 
-from .configuration_jetspec import JetSpecConfig
+from .configuration_jetspec import LAYER_TYPES, JetSpecConfig
 
 CHECKPOINT_FORMATS = ("jetspec", "dflash")  # what `save_pretrained(checkpoint_format=...)` writes
 IMPORT_FORMATS = ("jetspec", "dflash", "muse_glimmer_assistant")  # what `from_pretrained` reads
@@ -178,32 +179,37 @@ def check_computable(config: dict, normal: PretrainedConfig):
 
 
 def attention_fields(config: dict, normal: PretrainedConfig, checkpoint_format: str) -> dict:
-    """`layer_types`, `sliding_window` and `block_attention` of a dflash / muse_glimmer_assistant head, in the
-    conventions of [`JetSpecConfig`] (a sliding slot sees keys with `p - k < sliding_window`)."""
+    """`layer_types`, `sliding_window`, `block_attention` (and `layer_block_attention` for a mix) of a dflash /
+    muse_glimmer_assistant head, in the conventions of [`JetSpecConfig`] (a sliding slot sees keys with
+    `p - k < sliding_window`)."""
     declared = list(getattr(normal, "layer_types", None) or ["full_attention"] * normal.num_hidden_layers)
     window = getattr(normal, "sliding_window", None)
     if checkpoint_format == "muse_glimmer_assistant":
         causal, window = False, None if window is None else window + 1  # |p - k| <= W in transformers' mask
     else:
-        votes = {"is_causal": config.get("is_causal"), "dflash_config.causal": (config.get("dflash_config") or {}).get("causal"),
-                 "dflash_config.causal_head": (config.get("dflash_config") or {}).get("causal_head")}
+        extra = config.get("dflash_config") or {}
+        votes = {"is_causal": config.get("is_causal"), "dflash_config.causal": extra.get("causal"),
+                 "dflash_config.causal_head": extra.get("causal_head")}
         votes = {k: bool(v) for k, v in votes.items() if v is not None}
         if len(set(votes.values())) > 1:
             raise ValueError(
                 f"expected is_causal, dflash_config.causal and dflash_config.causal_head to agree, got {votes}"
             )
-        if not votes and len(set(declared)) > 1:
-            raise ValueError(
-                f"expected is_causal (or dflash_config.causal) for a head with layer_types {declared}: without it "
-                "z-lab's loader makes the sliding layers causal and the full layers bidirectional, one block "
-                "attention per layer, which a JetSpec head does not have"
-            )
-        # DFlash's default block is bidirectional, except z-lab's all-sliding heads without a flag
-        causal = next(iter(votes.values()), declared[0] == "sliding_attention")
+        # DFlash's block is bidirectional by default; z-lab's loader makes sliding layers causal when no flag is set
+        per_layer = ["causal" if t == "sliding_attention" else "bidirectional" for t in declared]
+        if not votes and len(set(per_layer)) > 1:
+            fields = attention_layers(declared, window)
+            return dict(fields, layer_block_attention=per_layer, block_attention="bidirectional")
+        causal = next(iter(votes.values()), per_layer[0] == "causal")
+    return dict(attention_layers(declared, window), block_attention="causal" if causal else "bidirectional")
+
+
+def attention_layers(declared: list, window: int | None) -> dict:
+    """`layer_types` and `sliding_window` of a head: a sliding layer without a window attends to everything."""
+    if set(declared) - set(LAYER_TYPES):
+        raise ValueError(f"expected layer_types among {LAYER_TYPES} (what a JetSpec head computes), got {declared}")
     layer_types = [t if window is not None else "full_attention" for t in declared]
-    sliding = "sliding_attention" in layer_types
-    return dict(layer_types=layer_types, sliding_window=window if sliding else None,
-                block_attention="causal" if causal else "bidirectional")
+    return dict(layer_types=layer_types, sliding_window=window if "sliding_attention" in layer_types else None)
 
 
 def feature_fields(config: dict, normal: PretrainedConfig, checkpoint_format: str, overrides: dict) -> dict:
@@ -352,13 +358,8 @@ def import_checkpoint(load, path, checkpoint_format: str, config: dict, kwargs: 
 
 
 # --------------------------------------------------------------------------------------------------------- export
-def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
-    """The `config.json` of `head` in the dflash layout, as a transformers `Qwen3Config`."""
-    c = head.config
-    if getattr(c, "last_context_input", False):  # a field of newer configs
-        raise ValueError(
-            "expected last_context_input=False to export a DFlash head (the format has no such input), got True"
-        )
+def _export_mask_token_id(c: JetSpecConfig, mask_token_id: int | None) -> int:
+    """The in-vocabulary `dflash_config.mask_token_id` of an export."""
     if c.mask_source == "target":
         if mask_token_id is not None and mask_token_id != c.mask_token_id:
             raise ValueError(
@@ -373,19 +374,45 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
             f"expected mask_token_id inside the target vocabulary [0, {c.vocab_size}) for a DFlash export (its "
             f"loaders embed that id before substituting mask_embedding.pt), got {mask_token_id}"
         )
+    return int(mask_token_id)
+
+
+def _causal_flags(c: JetSpecConfig) -> tuple[dict, dict]:
+    """`(top-level, dflash_config)` block-attention flags of an export. A head mixing causal and bidirectional
+    layers is written without flags, which z-lab's loader reads as causal sliding and bidirectional full layers."""
+    per_layer = c.layer_block_attention
+    if per_layer is not None and len(set(per_layer)) > 1:
+        zlab = ["causal" if t == "sliding_attention" else "bidirectional" for t in c.layer_types]
+        if per_layer != zlab:
+            raise ValueError(
+                f"expected layer_block_attention {zlab} (causal exactly on the sliding layers, the only mix the "
+                f"DFlash format can say), got {per_layer}"
+            )
+        return {}, {}
     causal = c.block_attention == "causal"
+    # vLLM reads the top level first and dflash_config.causal; the JetSpec reference reads causal_head
+    return {"is_causal": causal}, {"causal_head": causal, "causal": causal}
+
+
+def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
+    """The `config.json` of `head` in the dflash layout, as a transformers `Qwen3Config`."""
+    c = head.config
+    if getattr(c, "last_context_input", False):  # a field of newer configs
+        raise ValueError(
+            "expected last_context_input=False to export a DFlash head (the format has no such input), got True"
+        )
+    top, flags = _causal_flags(c)
     extra = dict(
         architectures=["DFlashDraftModel"],
         block_size=c.block_size,
         num_target_layers=c.target_num_hidden_layers,
         target_hidden_size=c.target_hidden_size,
-        is_causal=causal,  # vLLM: top level first
+        **top,
         dflash_config={
             "target_layer_ids": list(c.target_layer_ids),
-            "mask_token_id": int(mask_token_id),
+            "mask_token_id": _export_mask_token_id(c, mask_token_id),
             "block_size": c.block_size,
-            "causal_head": causal,  # the JetSpec reference
-            "causal": causal,  # vLLM
+            **flags,
         },
     )
     d2t = getattr(head, "d2t", None)
@@ -393,7 +420,7 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
         extra["draft_vocab_size"] = int(d2t.shape[0])
     max_positions = c.to_dict().get("max_position_embeddings") or Qwen3Config().max_position_embeddings
     sliding = "sliding_attention" in c.layer_types
-    return Qwen3Config(
+    return Qwen3Config(  # a DFlash head is a Qwen3 network: silu, no biases, untied
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -404,9 +431,7 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
         rms_norm_eps=c.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         max_position_embeddings=max_positions,
-        hidden_act="silu",
-        attention_bias=False,
-        tie_word_embeddings=False,
+        hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
         use_sliding_window=sliding,
         sliding_window=c.sliding_window if sliding else None,
         layer_types=list(c.layer_types),

@@ -149,17 +149,13 @@ class JetSpecConfig(PretrainedConfig):
         block_attention: str = "causal",
         mask_source: str = "head",
         dflash_mask_token_id: int | None = None,
-        tree_depth: int | None = None,
-        tree_width: int = 4,
-        tree_budget: int = 32,
-        tree_scoring: str = "logprob",
-        path_conditioning: bool = False,
-        tree_lookup: int = 0,
-        tree_lookup_prior: list | None = None,
+        tree_depth: int | None = None, tree_width: int = 4, tree_budget: int = 32, tree_scoring: str = "logprob",
+        path_conditioning: bool = False, tree_lookup: int = 0, tree_lookup_prior: list | None = None,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        layer_block_attention: list[str] | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -171,45 +167,46 @@ class JetSpecConfig(PretrainedConfig):
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = (rope_parameters or {}).get("rope_theta", rope_theta)
-        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": rope_theta})
-        self.max_position_embeddings = (
-            max_position_embeddings
-            if max_position_embeddings is not None
-            else self.rope_parameters.get("original_max_position_embeddings")
-        )
-        if self.max_position_embeddings is None and self.rope_parameters.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"expected max_position_embeddings (the target's) with rope_type "
-                f"{self.rope_parameters['rope_type']!r}, got none"
-            )
+        self._set_rope(rope_theta, rope_parameters, max_position_embeddings)
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
         self.target_num_hidden_layers = target_num_hidden_layers
-        self.target_layer_ids = (
-            list(target_layer_ids)
-            if target_layer_ids is not None
-            else default_target_layer_ids(target_num_hidden_layers)
-        )
+        ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target_num_hidden_layers)
+        self.target_layer_ids = list(ids)
         self.block_size = block_size
-        self.block_attention = block_attention
         self.mask_source = mask_source
         self.dflash_mask_token_id = dflash_mask_token_id
         self.tree_depth = tree_depth if tree_depth is not None else min(7, block_size - 1)
-        self.tree_width = tree_width
-        self.tree_budget = tree_budget
-        self.tree_scoring = tree_scoring
-        self.path_conditioning = path_conditioning
-        self.tree_lookup = tree_lookup
+        self.tree_width, self.tree_budget, self.tree_scoring = tree_width, tree_budget, tree_scoring
+        self.path_conditioning, self.tree_lookup = path_conditioning, tree_lookup
         self.tree_lookup_prior = tree_lookup_prior
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         self.last_context_input = last_context_input
-        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
-        self.sliding_window = sliding_window
+        self._set_layers(block_attention, layer_types, sliding_window, layer_block_attention)
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
         # set after transformers' own checks ran in `super().__init__`: see `validate_token_ids`
         self.mask_token_id = mask_token_id if mask_token_id is not None or mask_source == "target" else vocab_size
         self._validate()
+
+    def _set_layers(self, block_attention: str, layer_types, sliding_window, layer_block_attention):
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * self.num_hidden_layers
+        self.sliding_window = sliding_window
+        self.layer_block_attention = None if layer_block_attention is None else list(layer_block_attention)
+        if self.layer_block_attention is not None:  # drafts whole blocks unless every layer is causal
+            block_attention = "causal" if set(self.layer_block_attention) == {"causal"} else "bidirectional"
+        self.block_attention = block_attention
+
+    def _set_rope(self, rope_theta: float, rope_parameters: dict | None, max_position_embeddings: int | None):
+        self.rope_theta = (rope_parameters or {}).get("rope_theta", rope_theta)
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": rope_theta})
+        if max_position_embeddings is None:
+            max_position_embeddings = self.rope_parameters.get("original_max_position_embeddings")
+        self.max_position_embeddings = max_position_embeddings
+        if max_position_embeddings is None and self.rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"expected max_position_embeddings (the target's) with rope_type "
+                f"{self.rope_parameters['rope_type']!r}, got none"
+            )
 
     def validate_token_ids(self):
         """transformers' special-token check: a warning for any `*_token_id` outside `[0, vocab_size)`, except the
@@ -272,6 +269,12 @@ class JetSpecConfig(PretrainedConfig):
         if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
             raise ValueError(
                 f"expected layer_types of {self.num_hidden_layers} entries among {LAYER_TYPES}, got {self.layer_types}"
+            )
+        per_layer = self.layer_block_attention
+        if per_layer is not None and (len(per_layer) != self.num_hidden_layers or set(per_layer) - set(BLOCK_ATTENTIONS)):
+            raise ValueError(
+                f"expected layer_block_attention of {self.num_hidden_layers} entries among {BLOCK_ATTENTIONS}, got "
+                f"{per_layer}"
             )
         if "sliding_attention" in self.layer_types and not (
             isinstance(self.sliding_window, int) and self.sliding_window >= 1

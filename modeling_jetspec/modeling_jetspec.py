@@ -425,37 +425,48 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             positions,
         )
 
-    def block_mask(self, context_valid: torch.Tensor, block_length: int) -> torch.Tensor:
+    def block_mask(self, context_valid: torch.Tensor, block_length: int, block_attention: str | None = None):
         """The drafting mask of a block that follows the whole context: `(B, 1, T, S + T)` boolean.
 
-        Every slot sees the valid context; within the block, slot i sees slots <= i (`causal`) or all slots.
+        Every slot sees the valid context; within the block, slot i sees slots <= i (`"causal"`) or all slots.
+        `block_attention` defaults to `config.block_attention`.
         """
         b = context_valid.shape[0]
-        if self.config.block_attention == "causal":
-            inner = torch.ones(block_length, block_length, dtype=torch.bool, device=context_valid.device).tril()
-        else:
-            inner = torch.ones(block_length, block_length, dtype=torch.bool, device=context_valid.device)
+        inner = torch.ones(block_length, block_length, dtype=torch.bool, device=context_valid.device)
+        if (block_attention or self.config.block_attention) == "causal":
+            inner = inner.tril()
         ctx = context_valid[:, None, None, :].expand(b, 1, block_length, -1)
         return torch.cat([ctx, inner.expand(b, 1, -1, -1)], dim=-1)
 
-    def layer_masks(self, mask: torch.Tensor, position_ids: torch.Tensor, context: JetSpecContext) -> list:
-        """`mask` per head layer, narrowed to the window for `"sliding_attention"` layers (`config.sliding_window`).
+    def layer_masks(self, attention_mask, position_ids: torch.Tensor, context: JetSpecContext) -> list:
+        """One boolean mask `(B, 1, T, S + T)` per head layer: `attention_mask` (checked), or each layer's
+        [`block_mask`] when it is `None`, narrowed to the window for `"sliding_attention"` layers.
 
-        A slot at position p sees a key at position k only if `p - k < sliding_window` (and, in a bidirectional
-        block, `k - p < sliding_window`). Each mask is boolean of shape `(B, 1, T, S + T)`.
+        In a sliding layer a slot at position p sees a key at position k only if `p - k < sliding_window` (and, with
+        bidirectional block attention, `k - p < sliding_window`).
         """
-        types = self.config.layer_types
-        if "sliding_attention" not in types:
-            return [mask] * len(types)
+        config, t = self.config, position_ids.shape[1]
+        kinds = config.layer_block_attention or [config.block_attention] * config.num_hidden_layers
+        if attention_mask is None:
+            defaults = {kind: self.block_mask(context.valid, t, kind) for kind in set(kinds)}
+            masks = [defaults[kind] for kind in kinds]
+        else:
+            expected = (position_ids.shape[0], 1, t, context.valid.shape[1] + t)
+            if tuple(attention_mask.shape) != expected:
+                raise ValueError(f"expected attention_mask of shape {expected}, got {tuple(attention_mask.shape)}")
+            masks = [attention_mask] * config.num_hidden_layers
+        if "sliding_attention" not in config.layer_types:
+            return masks
         if context.positions is None:
             raise ValueError("expected a context with positions (built by extend_context) for sliding layers, got none")
         keys = torch.cat([context.positions, position_ids], dim=1)  # (B, S + T)
         behind = position_ids[:, None, :, None] - keys[:, None, None, :]  # (B, 1, T, S + T)
-        window = behind < self.config.sliding_window
-        if self.config.block_attention == "bidirectional":
-            window &= -behind < self.config.sliding_window
-        sliding = mask & window
-        return [sliding if t == "sliding_attention" else mask for t in types]
+        ahead = -behind < config.sliding_window
+        behind = behind < config.sliding_window
+        return [
+            mask if layer == "full_attention" else mask & behind & (ahead if kind == "bidirectional" else True)
+            for mask, layer, kind in zip(masks, config.layer_types, kinds)
+        ]
 
     # --------------------------------------------------------------------------------------------------- forward
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
@@ -515,12 +526,11 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             fused, context = self._training_context(input_ids, context_features, context_position_ids, context_valid)
         elif last_context_index is not None:
             raise ValueError("expected last_context_index only with context_features (training), got it with context")
-        attention_mask = self._checked_mask(attention_mask, input_ids, context)
+        masks = self.layer_masks(attention_mask, position_ids, context)
         x = self.embed(input_ids)
         if self.config.last_context_input:
             x = x + self._last_context(input_ids, context, fused, last_context_index)
         cos, sin = self.rotary(position_ids, x.dtype)
-        masks = self.layer_masks(attention_mask, position_ids, context)
         for layer, k, v, mask in zip(self.layers, context.keys, context.values, masks):
             x = layer(x, cos, sin, k, v, mask)
         x = self.norm(x)
@@ -529,16 +539,6 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             weight, bias = self._draft_lm_head()
             logits = F.linear(x.to(weight.dtype), weight, bias).float()  # (B, T, V_draft)
         return JetSpecOutput(logits=logits, hidden_states=x)
-
-    def _checked_mask(self, attention_mask, input_ids, context) -> torch.Tensor:
-        """`attention_mask`, or [`block_mask`] when it is `None`, checked to be `(B, 1, T, S + T)`."""
-        t = input_ids.shape[1]
-        if attention_mask is None:
-            attention_mask = self.block_mask(context.valid, t)
-        expected = (input_ids.shape[0], 1, t, context.valid.shape[1] + t)
-        if tuple(attention_mask.shape) != expected:
-            raise ValueError(f"expected attention_mask of shape {expected}, got {tuple(attention_mask.shape)}")
-        return attention_mask
 
     def _training_context(self, input_ids, features, positions, valid) -> tuple[torch.Tensor, JetSpecContext]:
         """`(fused features (B, S, H), context)` of raw target `features` `(B, S, k * target_hidden_size)`."""

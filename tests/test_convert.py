@@ -408,10 +408,8 @@ BAD_CHECKPOINTS = {
                           r"fc\.weight of shape \(64, 128\)"),
     "conflicting causal flags": (broken(config={**dflash_config_dict("vllm", True), "is_causal": False}),
                                  "is_causal"),
-    # z-lab's loader makes sliding layers causal and full layers bidirectional when no flag says otherwise
-    "mixed layer types without a causal flag": (broken(config={
-        **dflash_config_dict("zlab", False), "use_sliding_window": True, "sliding_window": 16,
-        "layer_types": ["sliding_attention", "full_attention"]}), r"is_causal.*layer_types"),
+    "sliding layer type not allowed": (broken(config={**dflash_config_dict("zlab", False),
+                                                     "layer_types": ["chunked_attention"] * 2}), "layer_types"),
     "partial rotary": (broken(config={**dflash_config_dict("zlab", False), "rope_parameters": {
         "rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": 0.25}}), "partial_rotary_factor"),
     "logit softcapping": (broken(final_logit_softcapping=20.0), "final_logit_softcapping"),
