@@ -34,7 +34,8 @@ Costs, measured once per run on the first prompt's prefilled cache (median of re
 - t(1): one target decode step, a forward of 1 token as plain decoding runs it;
 - t(B): one verify forward over the root + B tree nodes under the tree-causal 4D mask, as tree decoding runs it
   (hidden states out, logits of every node);
-- t_draft: one head forward over the block `[anchor, MASK x D]`; the draft cost is c = t_draft / t(1);
+- t_draft: one draft, the head's forward over the block `[anchor, MASK x D]` and its best-first tree (the round's
+  own `draft`); the draft cost is c = t_draft / t(1);
 - limit speedup tau * t(1) / (t(B) + t_draft): what the measured tau would give without any other overhead.
 
 Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared CPU only ratios hold. The
@@ -56,10 +57,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import DynamicCache
 
-from modeling_jetspec import JetSpecDraftModel, ancestor_mask, build_tree, marginal_children
-from modeling_jetspec.tree import verification_mask
+from modeling_jetspec import JetSpecDraftModel, resolve_tree_shape
+from modeling_jetspec.generation_jetspec import draft, logits_to_keep, verifier_for, verify_seconds
 
 from modeling_jetspec.timing import clock, median_seconds
 
@@ -302,10 +302,6 @@ class Bench:
 
 
 # ------------------------------------------------------------------------------------------------ costs
-def _median_seconds(fn, repeats: int) -> float:
-    return median_seconds(fn, repeats=repeats, warmup=2)
-
-
 @torch.no_grad()
 def measure_costs(
     target: PreTrainedModel,
@@ -316,95 +312,54 @@ def measure_costs(
     repeats: int = 10,
 ) -> dict:
     """
-    Draft cost c and verify costs t(B)/t(1) on the prefilled cache of one prompt.
+    Draft cost c and verify costs t(B)/t(1) on the prefilled cache of one prompt, timing the round's own functions:
+    [`draft`] and the verifier's [`verify`] as `generate` calls them (`modeling_jetspec.generation_jetspec`).
 
     Args:
         target (`PreTrainedModel`): the target, with sdpa or eager attention.
-        head (`JetSpecDraftModel`): the draft head (tree depth and width from its config).
+        head (`JetSpecDraftModel`): the draft head (tree depth, width and scoring from its config; no lookup branch).
         input_ids (`torch.LongTensor` of shape `(1, L)`): the prompt.
         budgets (`Sequence[int]`): tree budgets B to time.
         chain_depth (`int`): depth D of the chain baseline (a chain of D nodes is timed as well).
-        repeats (`int`, *optional*, defaults to 10): timed repeats per forward (after 2 untimed ones).
+        repeats (`int`, *optional*, defaults to 10): timed repeats per call (after 2 untimed ones).
 
     Returns:
-        `dict` with the seconds of a target step, a draft forward, each verify forward, and their ratios.
+        `dict` with the seconds of a target step, a draft (head forward and best-first tree, at the smallest budget),
+        each verify forward, and their ratios.
     """
     head.attach_target(target)
-    device = target.device
-    cache = DynamicCache()
+    verifier = verifier_for(target, head)
+    state, _ = verifier.prefill(input_ids, None)
     past = input_ids.shape[1]
-    positions = torch.arange(past, device=device)[None]  # (1, L)
-    keep = {"logits_to_keep": 1} if target._supports_logits_to_keep() else {}
-    keep_all = {"logits_to_keep": 0} if target._supports_logits_to_keep() else {}
-    out = target(
-        input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
-        output_hidden_states=True, **keep,
-    )
-    anchor = out.logits[:, -1].argmax(-1)  # (1,)
-    valid = torch.ones(1, past, dtype=torch.bool, device=device)
-    context = head.extend_context(None, head.target_features(out.hidden_states), positions, valid)
-    del out
-
     # t(1): one decode step as plain greedy runs it (2D mask, last logits), the cache cropped back after each
-    step_mask = torch.ones(1, past + 1, dtype=torch.long, device=device)
+    step_mask = torch.ones(1, past + 1, dtype=torch.long, device=target.device)
 
     def step():
-        target(
-            input_ids=anchor[:, None], attention_mask=step_mask, position_ids=torch.tensor([[past]], device=device),
-            past_key_values=cache, use_cache=True, **keep,
-        )
-        cache.crop(-1)
+        target(input_ids=state.anchors[:, None], attention_mask=step_mask, position_ids=state.anchor_pos[:, None],
+               past_key_values=state.cache, use_cache=True, **logits_to_keep(target, 1))
+        state.cache.crop(-1)
 
-    t_step = _median_seconds(step, repeats)
+    t_step = median_seconds(step, repeats=repeats, warmup=2)
+    alone = dict(tree_lookup=0, path_conditioning=False)  # the head's own trees
+    shape = resolve_tree_shape(head.config, tree_budget=min(budgets), **alone)
+    t_draft = median_seconds(lambda: draft(head, state, shape, shape.budget), repeats=repeats, warmup=2)
 
-    # t_draft: one head forward over [anchor, MASK x D] (the causal block; the whole block when bidirectional)
-    depth, width = head.config.tree_depth, head.config.tree_width
-    length = depth + 1 if head.config.block_attention == "causal" else head.config.block_size
-    block = torch.full((1, length), head.config.mask_token_id, dtype=torch.long, device=device)
-    block[:, 0] = anchor
-    block_pos = past + torch.arange(length, device=device)[None]
-    t_draft = _median_seconds(lambda: head(block, block_pos, context=context), repeats)
-    logp = torch.log_softmax(head(block, block_pos, context=context).logits[0, 1 : depth + 1], dim=-1)  # (N, V)
+    def verify_cost(tree_shape) -> dict:
+        trees = draft(head, state, tree_shape, tree_shape.budget)
+        seconds = verify_seconds(verifier, state, trees, repeats=repeats, warmup=2)
+        return {"nodes": trees.tokens.shape[1], "seconds": seconds, "ratio_to_step": seconds / t_step}
 
-    def tree_of(budget: int, tree_depth: int, tree_width: int):
-        top_lp, top_tok = logp[:tree_depth].topk(tree_width, dim=-1)  # (N, W)
-        return build_tree(marginal_children(top_lp, top_tok, torch.zeros(tree_depth)), budget, tree_depth)
-
-    def verify_seconds(tree) -> float:
-        n = len(tree.tokens)
-        tokens = torch.tensor([tree.tokens], dtype=torch.long, device=device)  # (1, n)
-        parents = torch.tensor([tree.parents], dtype=torch.long, device=device)  # (1, n)
-        depths = torch.tensor([[0] + tree.depths], dtype=torch.long, device=device)  # (1, n+1)
-        dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-        mask = verification_mask(valid, ancestor_mask(parents), dtype)  # (1, 1, n+1, S+n+1), as the tree loop
-        ids = torch.cat([anchor[:, None], tokens], dim=1)
-
-        def verify():
-            target(
-                input_ids=ids, attention_mask=mask, position_ids=past + depths, past_key_values=cache,
-                use_cache=True, output_hidden_states=True, **keep_all,
-            )
-            cache.crop(-(n + 1))
-
-        return _median_seconds(verify, repeats)
-
-    verify = {}
-    for b in budgets:
-        tree = tree_of(b, depth, width)
-        seconds = verify_seconds(tree)
-        verify[str(b)] = {"nodes": len(tree.tokens), "seconds": seconds, "ratio_to_step": seconds / t_step}
-    chain = tree_of(chain_depth, chain_depth, 1)
-    chain_seconds = verify_seconds(chain)
+    chain = resolve_tree_shape(head.config, tree_depth=chain_depth, tree_width=1, tree_budget=chain_depth, **alone)
     return {
         "prompt_tokens": past,
         "repeats": repeats,
-        "tree_depth": depth,
-        "tree_width": width,
+        "tree_depth": shape.depth,
+        "tree_width": shape.width,
         "target_step_seconds": t_step,
         "draft_forward_seconds": t_draft,
         "draft_cost_c": t_draft / t_step,
-        "verify": verify,
-        "chain": {"nodes": len(chain.tokens), "seconds": chain_seconds, "ratio_to_step": chain_seconds / t_step},
+        "verify": {str(b): verify_cost(resolve_tree_shape(head.config, tree_budget=b, **alone)) for b in budgets},
+        "chain": verify_cost(chain),
     }
 
 

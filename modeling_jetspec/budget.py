@@ -1,19 +1,15 @@
-"""A tree budget chosen from measured costs and acceptance (the paper's "load-adaptive budget", left as future work).
+"""A tree budget chosen from measured costs and acceptance (the paper's "load-adaptive budget", left as future work;
+`docs/design.md`, "§6 Measured costs").
 
 Expected tokens per second at budget b is `tau(b) / (t(b) + t_draft)`, with `t(b)` the target's verify forward over
-b + 1 tokens at the current batch size, measured once per (target, batch size), and `tau(b)` the mean committed
-tokens per round. Best-first trees are nested (the tree of budget b is the first b nodes of any larger tree), so a
-round verified at budget B tells exactly how many tokens every budget b <= B would have committed: the accepted
-path's nodes are numbered in pop order, and under budget b only the path's nodes numbered <= b survive.
+b + 1 tokens at the current batch size, measured once per (target, batch size) by
+`generation_jetspec.measure_verify_seconds` (it times the round's own `draft` trees and `verify`), and `tau(b)` the
+mean committed tokens per round. Best-first trees are nested (the tree of budget b is the first b nodes of any larger
+tree), so a round verified at budget B tells exactly how many tokens every budget b <= B would have committed: the
+accepted path's nodes are numbered in pop order, and under budget b only the path's nodes numbered <= b survive.
 """
 
 from collections import deque
-
-import torch
-from transformers.cache_utils import DynamicCache
-
-from .timing import median_seconds
-from .tree import verification_mask
 
 DEFAULT_CANDIDATES = (8, 16, 32, 64)
 
@@ -31,39 +27,6 @@ def choose_budget(expected_tau: dict, verify_seconds: dict, draft_seconds: float
 def committed_under_budgets(accepted: list, budgets) -> dict:
     """Tokens a round would have committed at each budget, from its accepted node indices (root 0 first)."""
     return {b: 1 + sum(1 for node in accepted[1:] if node <= b) for b in budgets}
-
-
-@torch.no_grad()
-def measure_verify_seconds(target, budgets, batch_size: int = 1, context_length: int = 64, repeats: int = 3) -> dict:
-    """Median wall time of a target forward over b + 1 tree tokens after a prefilled context, for each budget b.
-
-    Timed with [`timing.median_seconds`] (it waits for the accelerator, so GPU costs are the kernels' own).
-
-    Returns:
-        `dict` from budget to seconds; key 0 is a plain one-token decode step.
-    """
-    device = target.device
-    vocab = target.config.get_text_config(decoder=True).vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (batch_size, context_length), generator=g).to(device)
-    cache = DynamicCache()
-    target(input_ids=prompt, past_key_values=cache, use_cache=True)
-    dtype = target.dtype if target.dtype.is_floating_point else torch.float32
-    past_valid = torch.ones(batch_size, context_length, dtype=torch.bool, device=device)
-    seconds = {}
-    for b in sorted({0, *budgets}):
-        n = b + 1
-        ids = torch.randint(0, vocab, (batch_size, n), generator=g).to(device)
-        chain = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(batch_size, n, n)  # cost ~ any tree
-        mask = verification_mask(past_valid, chain, dtype)
-        positions = (context_length + torch.arange(n, device=device)).expand(batch_size, n)
-
-        def verify(ids=ids, mask=mask, positions=positions, n=n):
-            target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-            cache.crop(-n)
-
-        seconds[b] = median_seconds(verify, repeats=repeats, warmup=1)
-    return seconds
 
 
 class BudgetController:

@@ -1,13 +1,20 @@
-"""Lossless tree speculative decoding inside `target.generate` (arXiv 2606.18394, sections 3.2-3.4).
+"""Lossless tree speculative decoding inside `target.generate` (arXiv 2606.18394, sections 3.2-3.4; `docs/design.md`,
+"§2 The round").
 
-One round is four functions over a [`RoundState`]:
+A round is five functions over explicit tensors; `generate`, the benchmark and the measured budget call the same ones:
 
 - [`draft`]: one head forward over `[anchor, MASK x N]` per row, a best-first tree of `budget` nodes per row;
 - [`verify`]: one target forward over root + tree nodes under the tree-causal mask (position = past length + depth);
 - [`accept`]: the deepest node whose whole path equals the target's own choices, plus the target's next token
   (the bonus);
-- [`advance`]: commit the tokens through the stopping criteria, drop finished rows, keep only the accepted nodes in
-  the target cache, extend the head's context with their target features, make the bonus token the next anchor.
+- [`commit`]: each row's tokens enter its sequence one at a time, through the stopping criteria and the streamer;
+- [`compact`]: finished rows leave; the target cache keeps its past in place and moves only the accepted nodes'
+  entries behind it; the head's context grows by their target features; the bonus token becomes the next anchor.
+
+[`RoundState`] holds the tensors a round replaces, [`Call`] what one `generate` call fixes (tree shape, stopping
+criteria, processors) and the sequences it has committed. The target is reached through a verifier chosen once per
+call by [`verifier_for`] ([`TreeVerifier`] for targets whose layers all cache keys/values): a target whose layers
+keep another state gets a verifier of its own with the same methods, and the round stays as it is.
 
 Lossless: every committed token is the target's own choice (argmax, or a sample of the processed distribution)
 given exactly the committed tokens before it, whatever the head drafts.
@@ -18,15 +25,38 @@ explicit position ids make the holes invisible. Finished rows leave the batch.
 
 import functools
 import inspect
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import DEFAULT_CANDIDATES, BudgetController, measure_verify_seconds
-from .timing import clock
+from .budget import DEFAULT_CANDIDATES, BudgetController
+from .timing import clock, median_seconds
 from .tree import (
     LOOKUP_MAX_NGRAM,
     Tree,
@@ -54,6 +84,16 @@ SUPPORTED_MODEL_KWARGS = ("input_ids", "inputs", "attention_mask")
 GENERATE_HONOURED = (
     "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "tokenizer",
     "trust_remote_code",
+)
+# transformers' processors whose output row depends only on that row's tokens and scores (no batch-sized state, no
+# batch index): a node's scores are processed on its row alone. Any other processor sees the row in the batch layout
+# of the call (see `_row_processors`).
+ROW_WISE_PROCESSORS = (
+    EpsilonLogitsWarper, EtaLogitsWarper, ExponentialDecayLengthPenalty, ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization, MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoRepeatNGramLogitsProcessor, SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopHLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
 )
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
 UNSUPPORTED_GENERATION = {
@@ -217,7 +257,7 @@ def tree_generate(head, target, *args, **kwargs):
     if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
         raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
     head.attach_target(target)
-    check_layer_types(target)
+    verifier = verifier_for(target, head)  # refuses layer kinds no verifier handles, before any work
     impl = target.config._attn_implementation
     switch = impl not in MASKABLE_ATTENTION
     if switch and not (impl.startswith("flash") or impl == "flex_attention"):
@@ -229,7 +269,8 @@ def tree_generate(head, target, *args, **kwargs):
         target.set_attn_implementation("sdpa")
     try:
         return target.generate(
-            *args, custom_generate=_decode, jetspec_head=head, jetspec_shape=shape, jetspec_streamer=streamer, **kwargs
+            *args, custom_generate=_decode, jetspec_head=head, jetspec_shape=shape, jetspec_streamer=streamer,
+            jetspec_verifier=verifier, **kwargs,
         )
     finally:
         if switch:
@@ -279,29 +320,23 @@ def install_generate_hook():
     GenerationMixin.generate = generate
 
 
-# ------------------------------------------------------------------------------------------------ one round
+# ------------------------------------------------------------------------------------------------ one round: data
 @dataclass
 class RoundState:
-    """Everything a round reads and writes. B rows were asked for; the A rows still decoding are `rows`.
+    """The tensors a round reads and replaces. B rows were asked for; the A rows still decoding are `rows`.
 
-    Invariant between rounds: for active row i, the target cache holds the committed sequence of row `rows[i]`
-    except its last token (the anchor), and the head's context holds the target features of the same positions.
-    Nothing is ever written into `sequences` past a row's length: tokens become real one at a time, through the
-    stopping criteria.
+    Invariant between rounds: for active row i, the target cache holds the committed sequence of row `rows[i]` except
+    its last token (the anchor), and the head's context holds the target features of the same positions.
     """
 
-    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L = max_length, where the
-    # MaxLengthCriteria that `generate` always adds stops every row
-    lengths: list  # (B,) committed length of each row
     rows: torch.Tensor  # (A,) long, batch row of each active row
-    cache: DynamicCache  # target keys/values of the A active rows, (A, H_kv, S, D) per layer
+    cache: Cache  # target cache of the A active rows: keys (A, H_kv, S, D_k) and values (A, H_kv, S, D_v) per layer
+    # (D_k != D_v under multi-head latent attention)
     valid: torch.Tensor  # (A, S) bool, False for padding and for the holes left by rejected nodes
     positions: torch.Tensor  # (A, S) long, position id of every target cache entry
-    windows: dict | None  # sliding windows of the verify mask, see `_verify_windows`
     context: object  # JetSpecContext of the A active rows (head keys/values per layer, (A, H_kv, S', D))
     anchors: torch.Tensor  # (A,) long, last committed token of each row, not yet read by the target
     anchor_pos: torch.Tensor  # (A,) long, its position id
-    records: list  # (B,) per row, `(scores (V,), logits (V,))` of every committed token, when asked for
 
 
 @dataclass
@@ -323,14 +358,76 @@ class Acceptance:
     tokens: torch.Tensor  # (A, K) long, tokens[i, k] is the target's choice after node nodes[i, k]: the path, then
     # the bonus
     count: torch.Tensor  # (A,) long, accepted nodes (root included) == tokens committed by the round
-    records: list | None  # (A,) per row, `(scores (V,), logits (V,))` of each committed token, or None
+    scores: list | None = None  # (A,) per row, the processed scores (V,) each token was chosen from; None: the
+    # scores are the logits (greedy without processors)
 
     def paths(self) -> list:
         """Accepted node indices of each row, root first (what `BudgetController.update` reads)."""
         return _paths(self.nodes, self.count)
 
 
-def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
+@dataclass
+class Call:
+    """What one `generate` call fixes at its start, and the tokens it has committed so far.
+
+    Nothing is ever written into `sequences` past a row's length: tokens become real one at a time, through the
+    stopping criteria ([`commit`]).
+    """
+
+    shape: TreeShape
+    verifier: "TreeVerifier"  # how the target verifies and compacts (see `verifier_for`)
+    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L = max_length, where the
+    # MaxLengthCriteria that `generate` always adds stops every row
+    lengths: list  # (B,) committed length of each row
+    stopping: StoppingCriteriaList  # checked after every committed token
+    streamer: object | None = None  # a `BaseStreamer` receiving each row's committed tokens (batch 1)
+    records: list | None = None  # (B,) per row, `(scores (V,), logits (V,))` of every committed token; None: not kept
+    choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
+    # greedy without processors (vectorized acceptance)
+
+    def histories(self, rows: torch.Tensor) -> list:
+        """The committed tokens of each row in `rows` `(A,)`, as lists (what prompt lookup matches)."""
+        return [self.sequences[row, : self.lengths[row]].tolist() for row in rows.tolist()]
+
+
+# ------------------------------------------------------------------------------------------------ one round: steps
+def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[RoundState, torch.Tensor]:
+    """The target reads the prompts into `cache`; the head's context starts from their features.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(B, L)`): left-padded prompts.
+        attention_mask (`torch.LongTensor` of shape `(B, L)`, *optional*): 0 on padding.
+        cache (`Cache`): an empty cache, filled in place.
+
+    Returns:
+        `(state, logits)`: every row active, its anchor the target's greedy next token (`generate` replaces it with
+        its processed choice), and the target's logits after each prompt, `(B, V)` in fp32.
+    """
+    valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+    out = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        **logits_to_keep(target, 1),
+    )
+    logits = out.logits[:, -1].float()  # (B, V)
+    state = RoundState(
+        rows=torch.arange(input_ids.shape[0], device=input_ids.device),
+        cache=cache,
+        valid=valid,
+        positions=positions,
+        context=head.extend_context(None, head.target_features(out.hidden_states), positions, valid),
+        anchors=logits.argmax(-1),
+        anchor_pos=valid.long().sum(-1),
+    )
+    return state, logits
+
+
+def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
     The head's logits at block slot d are its distribution of the token at depth d, `(A, N, V_draft)`; their top-W
@@ -338,7 +435,15 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
     second forward rescores the tree from what the head predicts under each branch's real tokens. With `lookup`,
     each tree also holds the row's prompt-lookup continuation (`tree.lookup_match`): first, or, with the head's
     `tree_lookup_prior`, scored by how often such chains are accepted against the head's own nodes.
+
+    Args:
+        shape (`TreeShape`): depth, width, scoring, path conditioning and lookup of the trees.
+        budget (`int`): draft nodes per tree.
+        histories (`list`, *optional*): per active row, its committed tokens ([`Call.histories`]); needed when
+            `shape.lookup` is set.
     """
+    if shape.lookup and histories is None:
+        raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     a, device = state.anchors.shape[0], state.anchors.device
     length = shape.depth + 1 if head.config.block_attention == "causal" else head.config.block_size
     block = torch.full((a, length), head.config.mask_token_id, dtype=torch.long, device=device)
@@ -350,14 +455,7 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
     ent = entropy(logp) if shape.scoring != "logprob" else torch.zeros(logp.shape[:2])  # (A, N)
     children = [marginal_children(top_lp[i], top_tok[i], ent[i]) for i in range(a)]
     if shape.lookup:
-        sequences = [state.sequences[row, : state.lengths[row]].tolist() for row in state.rows.tolist()]
-        prior = shape.lookup_prior
-        merged = []
-        for fn, seq in zip(children, sequences):
-            chain, order = lookup_match(seq, shape.lookup, max_ngram=len(prior) if prior else LOOKUP_MAX_NGRAM)
-            logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
-            merged.append(with_lookup(fn, chain, logprobs))
-        children = merged
+        children = [_with_lookup_branch(fn, history, shape) for fn, history in zip(children, histories)]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     trees = [build_tree(children[i], budget, deepest, shape.scoring) for i in range(a)]
     if shape.path_conditioning:
@@ -365,25 +463,28 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int) -> DraftTrees:
     return _stack_trees(trees, budget, device)
 
 
-def verify(target, head, state: RoundState, trees: DraftTrees) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None):
     """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
+
+    Args:
+        windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
 
     Returns:
         `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in fp32, and the head's input
-        features of every node, `(A, n + 1, k * H)`. The cache grows by the n + 1 entries; [`advance`] compacts it.
+        features of every node, `(A, n + 1, k * H)`. The cache grows by the n + 1 entries; [`compact`] keeps the
+        accepted ones.
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
 
     def mask(window):  # (A, 1, n + 1, S + n + 1)
-        dtype = _float_dtype(target)
-        return verification_mask(state.valid, trees.ancestors, dtype, window, state.positions, positions)
+        return verification_mask(state.valid, trees.ancestors, float_dtype(target), window, state.positions, positions)
 
-    if state.windows is None:
+    if windows is None:
         attention_mask = mask(None)
-    elif None in state.windows:  # every layer slides (Mistral): one mask
-        attention_mask = mask(state.windows[None])
+    elif None in windows:  # every layer slides (Mistral): one mask
+        attention_mask = mask(windows[None])
     else:  # one mask per layer type; the model hands each layer its own
-        attention_mask = {layer_type: mask(window) for layer_type, window in state.windows.items()}
+        attention_mask = {layer_type: mask(window) for layer_type, window in windows.items()}
     out = target(
         input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
         attention_mask=attention_mask,
@@ -391,12 +492,12 @@ def verify(target, head, state: RoundState, trees: DraftTrees) -> tuple[torch.Te
         past_key_values=state.cache,
         use_cache=True,
         output_hidden_states=True,
-        **_logits_to_keep(target, 0),
+        **logits_to_keep(target, 0),
     )
     return out.logits.float(), head.target_features(out.hidden_states)
 
 
-def accept(logits: torch.Tensor, trees: DraftTrees, state: RoundState, choose, record: bool) -> Acceptance:
+def accept(logits: torch.Tensor, trees: DraftTrees, rows: torch.Tensor, choose=None) -> Acceptance:
     """The deepest node whose path equals the target's own choices, and the target's token after it (the bonus).
 
     Greedy without logits processors (`choose is None`) is vectorized over rows and nodes: the target's argmax
@@ -407,190 +508,217 @@ def accept(logits: torch.Tensor, trees: DraftTrees, state: RoundState, choose, r
 
     Args:
         logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`].
+        trees (`DraftTrees`): the trees verified.
+        rows (`torch.LongTensor` of shape `(A,)`): the batch row of each tree (what `choose` is told).
         choose (`Callable`, *optional*): `(row, logits (V,), path tokens) -> (token, scores (V,))`.
-        record (`bool`): keep `(scores, logits)` of every committed token (`output_scores` / `output_logits`).
     """
+    if choose is None:
+        return _accept_greedy(logits, trees)
+    walks = [_walk(logits[i], trees.tokens[i].tolist(), trees.parents[i].tolist(), row, choose)
+             for i, row in enumerate(rows.tolist())]
+    a, width = len(walks), max(len(nodes) for nodes, _, _ in walks)
+    padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
+    for i, (nodes, path, _) in enumerate(walks):
+        padded[0, i, : len(nodes)], padded[1, i, : len(path)] = torch.tensor(nodes), torch.tensor(path)
+    count = torch.tensor([len(nodes) for nodes, _, _ in walks], device=logits.device)
+    return Acceptance(padded[0].to(logits.device), padded[1].to(logits.device), count, [s for _, _, s in walks])
+
+
+def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     a, n1 = logits.shape[:2]
     device = logits.device
-    if choose is None:
-        choice = logits.argmax(-1)  # (A, n + 1)
-        matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
-            [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
-        )
-        alive = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # (A, n + 1): the whole path matches
-        deepest = torch.where(alive, trees.depths, -1).argmax(-1)  # (A,)
-        on_path = trees.ancestors[torch.arange(a, device=device), deepest]  # (A, n + 1)
-        count = on_path.sum(-1)  # (A,)
-        order = torch.where(on_path, torch.arange(n1, device=device), n1).sort(-1).values  # accepted nodes first
-        order = order[:, : int(count.max())]
-        nodes = order.masked_fill(order == n1, 0)  # (A, K)
-        records = None
-        if record:  # no processors: the scores are the logits
-            records = [[(logits[i, j], logits[i, j]) for j in path] for i, path in enumerate(_paths(nodes, count))]
-        return Acceptance(nodes, choice.gather(1, nodes), count, records)
-    walks, records = [], []
-    for i, row in enumerate(state.rows.tolist()):
-        kids = [{} for _ in range(n1)]  # node -> {token: child}; the first child holding a token wins
-        for child, (token, parent) in enumerate(zip(trees.tokens[i].tolist(), trees.parents[i].tolist()), start=1):
-            kids[parent].setdefault(token, child)
-        node, path, nodes, picked = 0, [], [0], []
-        while True:
-            token, scores = choose(row, logits[i, node], path)
-            path.append(token)
-            picked.append((scores, logits[i, node]))
-            node = kids[node].get(token)
-            if node is None:
-                break
-            nodes.append(node)
-        walks.append((nodes, path))
-        records.append(picked)
-    width = max(len(nodes) for nodes, _ in walks)
-    padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
-    for i, (nodes, path) in enumerate(walks):
-        padded[0, i, : len(nodes)], padded[1, i, : len(path)] = torch.tensor(nodes), torch.tensor(path)
-    count = torch.tensor([len(nodes) for nodes, _ in walks], device=device)
-    return Acceptance(padded[0].to(device), padded[1].to(device), count, records if record else None)
+    choice = logits.argmax(-1)  # (A, n + 1)
+    matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
+        [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
+    )
+    alive = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # (A, n + 1): the whole path matches
+    deepest = torch.where(alive, trees.depths, -1).argmax(-1)  # (A,)
+    on_path = trees.ancestors[torch.arange(a, device=device), deepest]  # (A, n + 1)
+    count = on_path.sum(-1)  # (A,)
+    order = torch.where(on_path, torch.arange(n1, device=device), n1).sort(-1).values  # accepted nodes first
+    nodes = order[:, : int(count.max())]
+    nodes = nodes.masked_fill(nodes == n1, 0)  # (A, K)
+    return Acceptance(nodes, choice.gather(1, nodes), count)
 
 
-def advance(head, state: RoundState, trees: DraftTrees, acc: Acceptance, features, stopping, batch, streamer):
-    """Commit, drop finished rows, compact the target cache, extend the head's context: one pass, survivors only.
+def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -> tuple[list, list, list]:
+    """One row's walk down its tree (`logits` of shape `(n + 1, V)`). Returns its accepted nodes, committed tokens
+    and the scores each token was chosen from."""
+    kids = [{} for _ in range(len(tokens) + 1)]  # node -> {token: child}; the first child holding a token wins
+    for child, (token, parent) in enumerate(zip(tokens, parents), start=1):
+        kids[parent].setdefault(token, child)
+    node, nodes, path, scores = 0, [0], [], []
+    while True:
+        token, processed = choose(row, logits[node], path)
+        path.append(token)
+        scores.append(processed)
+        node = kids[node].get(token)
+        if node is None:
+            return nodes, path, scores
+        nodes.append(node)
+
+
+def commit(call: Call, rows: torch.Tensor, acc: Acceptance, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Append each row's accepted tokens to its sequence one at a time, through the stopping criteria, so a row stops
+    exactly where plain decoding would, even inside an accepted path; the streamer gets what was committed.
 
     Args:
-        features (`torch.Tensor` of shape `(A, n + 1, k * H)`): from [`verify`].
-        stopping (`StoppingCriteriaList`): checked after every committed token, so a row stops exactly where plain
-            decoding would, even inside an accepted path.
-        batch (`int`): the batch size the caller passed to `generate` (see [`_as_row`]).
-        streamer (`BaseStreamer`, *optional*): receives each row's committed tokens (batch 1).
+        rows (`torch.LongTensor` of shape `(A,)`): the batch row of each acceptance row.
+        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`] (kept with `output_logits`).
 
     Returns:
-        `(state, committed)`: the next round's state (A' <= A rows) and the number of tokens committed.
+        `(committed, keep)`: tokens committed, all rows, and the indices `(A',)` of the rows that go on.
     """
-    device = state.anchors.device
     keep, committed = [], 0
-    for i, row in enumerate(state.rows.tolist()):
+    for i, row in enumerate(rows.tolist()):
         count = int(acc.count[i])
-        records = acc.records[i] if acc.records is not None else None
-        added, done = _commit(state, row, acc.tokens[i, :count].tolist(), records, stopping, batch, streamer)
+        records = None
+        if call.records is not None:
+            nodes = acc.nodes[i, :count].tolist()
+            scores = acc.scores[i] if acc.scores is not None else [logits[i, node] for node in nodes]
+            records = [(s, logits[i, node]) for s, node in zip(scores, nodes)]
+        added, done = _commit_row(call, row, acc.tokens[i, :count].tolist(), records)
         committed += added
-        if not done:
-            keep.append(i)
-    past = state.valid.shape[1]
-    if len(keep) < state.rows.shape[0]:  # finished rows leave before any compaction
-        sel = torch.tensor(keep, dtype=torch.long, device=device)
-        state.cache.batch_select_indices(sel)
-        state.rows, state.valid, state.context = state.rows[sel], state.valid[sel], state.context.select_rows(sel)
-        state.positions = state.positions[sel]
-        state.anchors, state.anchor_pos = state.anchors[sel], state.anchor_pos[sel]
-        width = int(acc.count[sel].max()) if keep else 0  # the survivors' longest path
-        acc = Acceptance(acc.nodes[sel, :width], acc.tokens[sel, :width], acc.count[sel], None)
-        features, depths = features[sel], trees.depths[sel]
-    else:
-        depths = trees.depths
-    if not keep:
-        return state, committed
-    a, k = acc.nodes.shape
-    kept = torch.arange(k, device=device) < acc.count[:, None]  # (A', K)
-    index = torch.cat([torch.arange(past, device=device).expand(a, past), past + acc.nodes], dim=1)  # (A', S + K)
-    for layer in state.cache.layers:  # the cache keeps its past and the accepted nodes, root first
-        gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-        layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-    positions = state.anchor_pos[:, None] + depths.gather(1, acc.nodes)  # (A', K)
-    accepted = features.gather(1, acc.nodes[..., None].expand(-1, -1, features.shape[-1]))  # (A', K, kH)
-    state.context = head.extend_context(state.context, accepted, positions, kept)
-    state.valid = torch.cat([state.valid, kept], dim=1)  # (A', S + K)
-    state.positions = torch.cat([state.positions, positions], dim=1)  # (A', S + K)
-    state.anchors = acc.tokens.gather(1, (acc.count - 1)[:, None])[:, 0]  # the bonus token
-    state.anchor_pos = state.anchor_pos + acc.count
-    return state, committed
+        keep += [] if done else [i]
+    return committed, torch.tensor(keep, dtype=torch.long, device=rows.device)
 
 
-def _commit(state: RoundState, row: int, tokens: list, records, stopping, batch: int, streamer) -> tuple[int, bool]:
+def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> tuple[int, bool]:
     """Append `tokens` to `row` one at a time; stop as soon as the stopping criteria say so.
 
     Returns:
         `(added, done)`: tokens committed and whether the row finished.
     """
-    start = state.lengths[row]
+    start, batch = call.lengths[row], call.sequences.shape[0]
     for added, token in enumerate(tokens, start=1):
-        state.sequences[row, state.lengths[row]] = token
-        state.lengths[row] += 1
+        call.sequences[row, call.lengths[row]] = token
+        call.lengths[row] += 1
         if records is not None:
-            state.records[row].append(records[added - 1])
-        done = _as_row(stopping, row, batch, state.sequences[row : row + 1, : state.lengths[row]], None)
+            call.records[row].append(records[added - 1])
+        # the row in a batch of the caller's size, so criteria holding per-row state see plain decoding's layout
+        ids = call.sequences[row : row + 1, : call.lengths[row]].expand(batch, -1)
+        done = bool(call.stopping(ids, None)[row])
         if done:
             break
-    if streamer is not None:
-        streamer.put(state.sequences[row, start : state.lengths[row]].cpu())
-    return state.lengths[row] - start, done
+    if call.streamer is not None:
+        call.streamer.put(call.sequences[row, start : call.lengths[row]].cpu())
+    return call.lengths[row] - start, done
 
 
-# ------------------------------------------------------------------------------------------------ the decoding loop
-def _decode(
-    model,
-    input_ids,
-    logits_processor,
-    stopping_criteria,
-    generation_config,
-    synced_gpus=False,
-    jetspec_head=None,
-    jetspec_shape=None,
-    jetspec_streamer=None,
-    **model_kwargs,
-):
-    """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
-    head, shape, streamer, target = jetspec_head, jetspec_shape, jetspec_streamer, model
-    _check_call(input_ids, generation_config, streamer)
-    if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
-        streamer.put(input_ids.cpu())
-    batch = input_ids.shape[0]
-    want_records = generation_config.return_dict_in_generate and (
-        generation_config.output_scores or generation_config.output_logits
+def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor):
+    """Make a key/value cache hold its first `past` entries, then the accepted nodes' entries, root first.
+
+    After a verify forward every layer holds `past` entries and then the n + 1 entries of the tree's nodes. The past
+    stays where it is: only the accepted nodes' entries (`nodes` of shape `(A, K)`, from [`Acceptance`]) move, into
+    slots `past .. past + K - 1`, and the layer is cropped to `past + K`. Keys and values are moved each by its own
+    shape: their head sizes differ under multi-head latent attention (DeepSeek-V3, Kimi K2).
+    """
+    k = nodes.shape[1]
+    for layer in cache.layers:
+        if not layer.is_initialized:  # a layer that reads another layer's keys/values holds none of its own
+            continue
+        tail = layer.keys.shape[-2] - past  # n + 1
+        layer.keys[:, :, past : past + k] = _gather_nodes(layer.keys[:, :, past:], nodes)
+        layer.values[:, :, past : past + k] = _gather_nodes(layer.values[:, :, past:], nodes)
+        layer.crop(k - tail)  # a negative count: the entries to drop from the end
+
+
+def _gather_nodes(tail: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """Entries `nodes` `(A, K)` of a layer's tree entries `tail` `(A, H, n + 1, D)`: `(A, H, K, D)`."""
+    return tail.gather(2, nodes[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[-1]))
+
+
+def compact(head, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor, keep: torch.Tensor,
+            keep_entries=keep_accepted_entries) -> RoundState:
+    """Finished rows leave; the target cache keeps its past and the accepted nodes; the head's context grows by their
+    target features; the bonus token becomes the next anchor.
+
+    Args:
+        features (`torch.Tensor` of shape `(A, n + 1, k * H)`): from [`verify`].
+        keep (`torch.LongTensor` of shape `(A',)`): the rows that go on, from [`commit`].
+        keep_entries (`Callable`, *optional*, defaults to [`keep_accepted_entries`]): `(cache, past, nodes)`, leaves
+            the target cache holding its `past` entries then the accepted nodes' `(A', K)`, root first. A verifier
+            for layers that keep another state than keys/values passes its own.
+
+    Returns:
+        `RoundState`: the A' rows that go on.
+    """
+    depths = trees.depths
+    if keep.numel() < state.rows.shape[0]:  # finished rows leave before anything moves
+        state = select_rows(state, keep)
+        width = int(acc.count[keep].max()) if keep.numel() else 0  # the survivors' longest path
+        acc = Acceptance(acc.nodes[keep, :width], acc.tokens[keep, :width], acc.count[keep])
+        features, depths = features[keep], depths[keep]
+    if not keep.numel():
+        return state
+    keep_entries(state.cache, state.valid.shape[1], acc.nodes)
+    kept = torch.arange(acc.nodes.shape[1], device=keep.device) < acc.count[:, None]  # (A', K), False: a hole
+    positions = state.anchor_pos[:, None] + depths.gather(1, acc.nodes)  # (A', K)
+    accepted = features.gather(1, acc.nodes[..., None].expand(-1, -1, features.shape[-1]))  # (A', K, kH)
+    return replace(
+        state,
+        context=head.extend_context(state.context, accepted, positions, kept),
+        valid=torch.cat([state.valid, kept], dim=1),  # (A', S + K)
+        positions=torch.cat([state.positions, positions], dim=1),  # (A', S + K)
+        anchors=acc.tokens.gather(1, (acc.count - 1)[:, None])[:, 0],  # the bonus token
+        anchor_pos=state.anchor_pos + acc.count,
     )
-    # the prefill is a forward; a lookup chain may be accepted past the head's depths
-    stats = JetSpecStats(target_forwards=1, accepted_at_depth=[0] * max(shape.depth, shape.lookup))
-    started = clock()
-    state, first_logits = _prefill(head, target, input_ids, model_kwargs.get("attention_mask"), generation_config)
-    first_scores = logits_processor(input_ids, first_logits)  # (B, V): every row has the same length here
-    first = _pick(first_scores, generation_config.do_sample)  # (B,)
-    keep = []
-    for row in range(batch):
-        record = [(first_scores[row], first_logits[row])] if want_records else None
-        added, done = _commit(state, row, [int(first[row])], record, stopping_criteria, batch, streamer)
-        stats.new_tokens += added
-        keep += [] if done else [row]
-    state = _keep_rows(state, torch.tensor(keep, dtype=torch.long, device=input_ids.device), first)
-    controller = _budget_controller(head, target, shape, len(keep)) if shape.budget == "auto" and keep else None
-    choose = None  # greedy without processors: vectorized acceptance
-    if generation_config.do_sample or len(logits_processor):
-        choose = functools.partial(_choose, logits_processor, generation_config.do_sample, batch, state)
-    while state.rows.numel():
-        t0 = clock()
-        budget = controller.next_budget() if controller is not None else shape.budget
-        trees = draft(head, state, shape, budget)
-        t1 = clock()
-        logits, features = verify(target, head, state, trees)
-        t2 = clock()
-        acc = accept(logits, trees, state, choose, want_records)
-        if controller is not None:
-            controller.update(acc.paths(), budget, t1 - t0)
-        active = state.rows.shape[0]
-        state, committed = advance(head, state, trees, acc, features, stopping_criteria, batch, streamer)
-        stats.add_round(budget, active, acc.count, committed, clock() - t2 + t1 - t0, t2 - t1)
-    stats.total_seconds = clock() - started
-    return _finish(head, state, stats, generation_config, input_ids.shape[1], streamer)
 
 
-def _check_call(input_ids, generation_config, streamer):
-    batch, prompt_length = input_ids.shape
-    if generation_config.num_beams > 1:
-        raise ValueError(f"expected num_beams == 1 for tree speculative decoding, got {generation_config.num_beams}")
-    if prompt_length == 0:
-        raise ValueError("expected a non-empty prompt, got input_ids with 0 tokens")
-    if streamer is not None and batch > 1:
-        raise ValueError(f"expected batch size 1 with a streamer (as in transformers), got {batch}")
+def select_rows(state: RoundState, keep: torch.Tensor) -> RoundState:
+    """The rows `keep` `(A',)` of a round state; the target cache keeps only them, in place."""
+    state.cache.batch_select_indices(keep)
+    return replace(
+        state, rows=state.rows[keep], valid=state.valid[keep], positions=state.positions[keep],
+        context=state.context.select_rows(keep), anchors=state.anchors[keep], anchor_pos=state.anchor_pos[keep],
+    )
 
 
-def _verify_windows(target) -> dict | None:
+# ------------------------------------------------------------------------------------------------ verifiers
+class TreeVerifier:
+    """How a target whose layers all cache attention keys/values verifies a round: the whole tree in one forward
+    under the tree-causal mask ([`verify`]), then [`keep_accepted_entries`] in [`compact`].
+
+    The round reaches the target only through these methods, so a target whose layers keep another state (recurrent
+    or convolution states) is served by a verifier of its own with the same methods, chosen in [`verifier_for`].
+    """
+
+    def __init__(self, target, head):
+        self.target, self.head, self.windows = target, head, verify_windows(target)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
+        """[`prefill`] into a new cache of keys/values; see there."""
+        state, logits = prefill(self.head, self.target, input_ids, attention_mask, DynamicCache())
+        for layer in state.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"expected a target cache of attention keys/values (DynamicLayer), got {type(layer).__name__}"
+                )
+        return state, logits
+
+    def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
+        """[`verify`]. Returns the trees verified (another verifier may verify a part of them, e.g. one path) with
+        their logits and features."""
+        logits, features = verify(self.target, self.head, state, trees, self.windows)
+        return trees, logits, features
+
+    def compact(self, state, trees, acc, features, keep) -> RoundState:
+        """[`compact`] with [`keep_accepted_entries`]."""
+        return compact(self.head, state, trees, acc, features, keep)
+
+    def discard(self, state: RoundState, trees: DraftTrees):
+        """Undo a [`verify`] without compacting (timing repeats): drop the n + 1 entries it added."""
+        state.cache.crop(-(trees.tokens.shape[1] + 1))
+
+
+def verifier_for(target, head) -> TreeVerifier:
+    """The verifier of a call: [`TreeVerifier`] for targets whose layers all cache attention keys/values; a
+    `ValueError` naming the layer types of any other target."""
+    check_layer_types(target)
+    return TreeVerifier(target, head)
+
+
+def verify_windows(target) -> dict | None:
     """The sliding windows the verify mask applies, or `None` when no layer has one.
 
     Returns `{layer_type: window or None}` for targets with `layer_types` (the model takes a dict of masks and hands
@@ -608,78 +736,152 @@ def _verify_windows(target) -> dict | None:
     return {t: window if t == "sliding_attention" else None for t in sorted(set(layer_types))}
 
 
-def _prefill(head, target, input_ids, attention_mask, generation_config) -> tuple[RoundState, torch.Tensor]:
-    """The target reads the prompts; the head's context starts from their features.
+# ------------------------------------------------------------------------------------------------ measured costs
+def verify_seconds(verifier, state: RoundState, trees: DraftTrees, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time of the verifier's forward over `trees` after `state`'s cache, undone after every call
+    ([`timing.median_seconds`]: it waits for the accelerator)."""
+
+    def once():
+        verifier.verify(state, trees)
+        verifier.discard(state, trees)
+
+    return median_seconds(once, repeats=repeats, warmup=warmup)
+
+
+@torch.no_grad()
+def measure_verify_seconds(target, head, shape: TreeShape, budgets, batch_size: int = 1, context_length: int = 64,
+                           repeats: int = 3) -> dict:
+    """Median wall time of a verify round at each budget b, at this batch size, after a prefilled random context.
+
+    The trees are the head's own ([`draft`] at `shape` without path conditioning or lookup branch, so b nodes), and
+    the forward is [`verify`] as `generate` runs it.
 
     Returns:
-        `(state, logits)`: the state with every row active and no token committed yet, and the target's logits
-        after each prompt, `(B, V)` in fp32.
+        `dict` from budget to seconds.
     """
-    batch, prompt_length = input_ids.shape
-    device = input_ids.device
-    valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
-    cache = DynamicCache()
-    out = target(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
-        **_logits_to_keep(target, 1),
-    )
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise ValueError(
-                f"expected a target cache of attention keys/values (DynamicLayer), got {type(layer).__name__}"
-            )
-    pad = generation_config._pad_token_tensor
-    sequences = torch.full(
-        (batch, generation_config.max_length), int(pad) if pad is not None else 0, dtype=torch.long, device=device
-    )
-    sequences[:, :prompt_length] = input_ids
-    state = RoundState(
-        sequences=sequences,
-        lengths=[prompt_length] * batch,
-        rows=torch.arange(batch, device=device),
-        cache=cache,
-        valid=valid,
-        positions=positions,
-        windows=_verify_windows(target),
-        context=head.extend_context(None, head.target_features(out.hidden_states), positions, valid),
-        anchors=input_ids[:, -1],  # replaced by the first committed token in `_keep_rows`
-        anchor_pos=valid.long().sum(-1),
-        records=[[] for _ in range(batch)],
-    )
-    return state, out.logits[:, -1].float()
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (batch_size, context_length), generator=g).to(target.device)
+    verifier = verifier_for(target, head)
+    state, _ = verifier.prefill(prompt, None)
+    alone = replace(shape, path_conditioning=False, lookup=0)
+    return {b: verify_seconds(verifier, state, draft(head, state, alone, b), repeats) for b in budgets}
 
 
-def _keep_rows(state: RoundState, keep: torch.Tensor, first: torch.Tensor) -> RoundState:
-    """After the first token: the rows that go on, their anchor is that token (`first` of shape `(B,)`)."""
-    if keep.numel() < state.rows.shape[0]:
-        state.cache.batch_select_indices(keep)
-        state.valid, state.positions = state.valid[keep], state.positions[keep]
-        state.context, state.anchor_pos = state.context.select_rows(keep), state.anchor_pos[keep]
-    state.rows, state.anchors = keep, first[keep]
+# ------------------------------------------------------------------------------------------------ the decoding loop
+def _decode(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    jetspec_head=None,
+    jetspec_shape=None,
+    jetspec_streamer=None,
+    jetspec_verifier=None,
+    **model_kwargs,
+):
+    """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
+    head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
+    _check_call(input_ids, generation_config, streamer)
+    if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
+        streamer.put(input_ids.cpu())
+    call = _start_call(input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config,
+                       streamer)
+    # the prefill is a forward; a lookup chain may be accepted past the head's depths
+    stats = JetSpecStats(target_forwards=1, accepted_at_depth=[0] * max(shape.depth, shape.lookup))
+    started = clock()
+    state, logits = call.verifier.prefill(input_ids, model_kwargs.get("attention_mask"))
+    state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
+    controller = None
+    if shape.budget == "auto" and state.rows.numel():
+        controller = _budget_controller(head, model, shape, state.rows.shape[0])
+    while state.rows.numel():
+        state = _round(head, call, state, stats, controller)
+    stats.total_seconds = clock() - started
+    return _finish(head, call, stats, generation_config, input_ids.shape[1])
+
+
+def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller) -> RoundState:
+    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round")."""
+    t0 = clock()
+    budget = controller.next_budget() if controller is not None else call.shape.budget
+    histories = call.histories(state.rows) if call.shape.lookup else None
+    trees = draft(head, state, call.shape, budget, histories)
+    t1 = clock()
+    trees, logits, features = call.verifier.verify(state, trees)
+    t2 = clock()
+    acc = accept(logits, trees, state.rows, call.choose)
+    if controller is not None:
+        controller.update(acc.paths(), budget, t1 - t0)
+    active = state.rows.shape[0]
+    committed, keep = commit(call, state.rows, acc, logits)
+    state = call.verifier.compact(state, trees, acc, features, keep)
+    stats.add_round(budget, active, acc.count, committed, clock() - t2 + t1 - t0, t2 - t1)
     return state
 
 
-def _finish(head, state: RoundState, stats: JetSpecStats, generation_config, prompt_length: int, streamer):
-    if streamer is not None:
-        streamer.end()
-    longest = max(state.lengths)
-    if generation_config._pad_token_tensor is None and min(state.lengths) != longest:
+def _check_call(input_ids, generation_config, streamer):
+    batch, prompt_length = input_ids.shape
+    if generation_config.num_beams > 1:
+        raise ValueError(f"expected num_beams == 1 for tree speculative decoding, got {generation_config.num_beams}")
+    if prompt_length == 0:
+        raise ValueError("expected a non-empty prompt, got input_ids with 0 tokens")
+    if streamer is not None and batch > 1:
+        raise ValueError(f"expected batch size 1 with a streamer (as in transformers), got {batch}")
+
+
+def _start_call(input_ids, shape, verifier, processors, stopping, generation_config, streamer) -> Call:
+    """The call's settings and its sequences, holding the prompts and room for every new token."""
+    batch, prompt_length = input_ids.shape
+    pad = generation_config._pad_token_tensor
+    sequences = torch.full(
+        (batch, generation_config.max_length), int(pad) if pad is not None else 0, dtype=torch.long,
+        device=input_ids.device,
+    )
+    sequences[:, :prompt_length] = input_ids
+    wants_records = generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    )
+    call = Call(
+        shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
+        streamer=streamer, records=[[] for _ in range(batch)] if wants_records else None,
+    )
+    if generation_config.do_sample or len(processors):
+        call.choose = functools.partial(_choose, _row_processors(processors, batch), generation_config.do_sample, call)
+    return call
+
+
+def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool, stats: JetSpecStats) -> RoundState:
+    """Commit each row's first token, picked from the prefill's processed `scores` `(B, V)` (every row has the same
+    length here, so the processors run on the whole batch, as in plain decoding); it becomes the row's anchor."""
+    first = _pick(scores, do_sample)  # (B,)
+    acc = Acceptance(  # the prefill as a round whose tree is its root alone
+        nodes=torch.zeros_like(first)[:, None], tokens=first[:, None], count=torch.ones_like(first),
+        scores=[[row] for row in scores],
+    )
+    committed, keep = commit(call, state.rows, acc, logits[:, None])
+    stats.new_tokens += committed
+    state = replace(state, anchors=first)
+    return select_rows(state, keep) if keep.numel() < first.shape[0] else state
+
+
+def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_length: int):
+    if call.streamer is not None:
+        call.streamer.end()
+    longest = max(call.lengths)
+    if generation_config._pad_token_tensor is None and min(call.lengths) != longest:
         raise ValueError("expected a pad_token_id to pad rows that finish early, got none")
-    sequences = state.sequences[:, :longest]  # (B, longest); past each row's length: padding, never written
+    sequences = call.sequences[:, :longest]  # (B, longest); past each row's length: padding, never written
     head.last_stats = stats
     if not generation_config.return_dict_in_generate:
         return sequences
     steps = longest - prompt_length
     return JetSpecGenerateOutput(
         sequences=sequences,
-        scores=_per_step(state.records, 0, steps) if generation_config.output_scores else None,
-        logits=_per_step(state.records, 1, steps) if generation_config.output_logits else None,
+        scores=_per_step(call.records, 0, steps) if generation_config.output_scores else None,
+        logits=_per_step(call.records, 1, steps) if generation_config.output_logits else None,
         jetspec_stats=stats,
     )
 
@@ -696,7 +898,7 @@ def _budget_controller(head, target, shape: TreeShape, batch: int) -> BudgetCont
     per_target = head.verify_cost_cache.setdefault(target, {})
     key = (str(target.device), target.dtype, batch, tuple(candidates))
     if key not in per_target:
-        per_target[key] = measure_verify_seconds(target, candidates, batch_size=batch)
+        per_target[key] = measure_verify_seconds(target, head, shape, candidates, batch_size=batch)
     return BudgetController(candidates, per_target[key])
 
 
@@ -724,8 +926,17 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
     )
 
 
+def _with_lookup_branch(children, history: list, shape: TreeShape):
+    """A row's children with its prompt-lookup chain: scored by `shape.lookup_prior`, else first."""
+    prior = shape.lookup_prior
+    chain, order = lookup_match(history, shape.lookup, max_ngram=len(prior) if prior else LOOKUP_MAX_NGRAM)
+    logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
+    return with_lookup(children, chain, logprobs)
+
+
 def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginals: list, shape, budget) -> list:
-    """Second draft pass (DESIGN section 3): real tokens at the tree's nodes plus one MASK probe under every node.
+    """Second draft pass (`docs/design.md`, "§3 Trees and masks"): real tokens at the tree's nodes plus one MASK probe
+    under every node.
 
     Probe j sits at depth(j) + 1 and sees the context, the anchor, node j's ancestors and node j: its output is
     q(child | the branch's actual tokens). The tree is rebuilt best-first from these conditionals (branches without
@@ -768,17 +979,51 @@ def _probed_or_marginal(probed: dict, marginal, path: tuple):
     return probed.get(path) or marginal(path)
 
 
-def _choose(processors, do_sample: bool, batch: int, state: RoundState | None, row: int, logits, path: list):
+def _choose(row_processors: list, do_sample: bool, call: Call, row: int, logits: torch.Tensor, path: list):
     """The target's token after row `row`'s committed tokens plus `path`, as plain `generate` would pick it.
 
     Returns:
         `(token, scores)`: the token and the processed scores it was picked from, `(V,)`.
     """
-    ids = state.sequences[row : row + 1, : state.lengths[row]]
+    ids = call.sequences[row : row + 1, : call.lengths[row]]
     if path:
         ids = torch.cat([ids, torch.tensor([path], dtype=torch.long, device=ids.device)], dim=1)  # (1, L + len)
-    scores = _as_row(processors, row, batch, ids, logits[None])  # (1, V)
+    scores = row_processors[row](ids, logits[None].clone())  # (1, V); a copy: processors may write in place
     return int(_pick(scores, do_sample)[0]), scores[0]
+
+
+def _row_processors(processors, batch: int) -> list:
+    """Per batch row, the call's logits processors as they act on that row alone: `(1, L)` tokens, `(1, V)` scores.
+
+    Rows advance by different amounts per round, so each node is processed on its own row. A processor of
+    `ROW_WISE_PROCESSORS` runs on the row as it is (cost V per node); a repetition penalty that skips each row's left
+    padding gets that row's padding length; any other processor (`prefix_allowed_tokens_fn`'s batch id, per-row
+    state of a user's processor) sees the row repeated to the caller's batch size, its layout in plain decoding,
+    and row `row` is read back (cost B x V per node: exact for any processor).
+    """
+    return [LogitsProcessorList([_for_row(p, row, batch) for p in processors]) for row in range(batch)]
+
+
+def _for_row(processor, row: int, batch: int):
+    if isinstance(processor, ROW_WISE_PROCESSORS):
+        return processor
+    if type(processor) is RepetitionPenaltyLogitsProcessor:
+        skip = processor.prompt_ignore_length
+        if not isinstance(skip, torch.Tensor):
+            return processor
+        return RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=skip[row : row + 1])
+    return _InBatchLayout(processor, row, batch)
+
+
+class _InBatchLayout(LogitsProcessor):
+    """A processor called on one row `(1, L)` / `(1, V)` repeated to the batch size; row `row` of its output."""
+
+    def __init__(self, processor, row: int, batch: int):
+        self.processor, self.row, self.batch = processor, row, batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = self.processor(input_ids.expand(self.batch, -1), scores.repeat(self.batch, 1))  # (B, V)
+        return out[self.row : self.row + 1]
 
 
 def _pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
@@ -788,25 +1033,13 @@ def _pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return scores.argmax(-1)
 
 
-def _as_row(fn, row: int, batch: int, ids: torch.Tensor, scores: torch.Tensor | None):
-    """Call a logits processor or stopping criterion for one row, in a batch of the caller's size.
-
-    Rows advance by different amounts per round, so each row is processed on its own; the row is repeated to the
-    batch size the caller passed to `generate` so that processors holding per-row state (batch-sized tensors,
-    `prefix_allowed_tokens_fn`'s batch id) see the same batch layout as in plain decoding, and row `row` is read
-    back.
-    """
-    ids = ids.expand(batch, -1)
-    if scores is None:
-        return bool(fn(ids, None)[row])
-    return fn(ids, scores.repeat(batch, 1))[row : row + 1]  # a copy: processors may write in place
+def float_dtype(model) -> torch.dtype:
+    """The floating dtype of a model's activations (float32 for a quantized, integer-typed one)."""
+    return model.dtype if model.dtype.is_floating_point else torch.float32
 
 
-def _float_dtype(target) -> torch.dtype:
-    return target.dtype if target.dtype.is_floating_point else torch.float32
-
-
-def _logits_to_keep(target, count: int) -> dict:
+def logits_to_keep(target, count: int) -> dict:
+    """`logits_to_keep=count` for a target that takes it (0: every position), else nothing."""
     return {"logits_to_keep": count} if target._supports_logits_to_keep() else {}
 
 

@@ -2,9 +2,13 @@
 
 import torch
 
-from modeling_jetspec.budget import BudgetController, choose_budget, committed_under_budgets, measure_verify_seconds
+import pytest
+
+import modeling_jetspec.generation_jetspec as generation
+from modeling_jetspec.budget import BudgetController, choose_budget, committed_under_budgets
+from modeling_jetspec.generation_jetspec import measure_verify_seconds, resolve_tree_shape
 from modeling_jetspec.tree import build_tree, entropy, marginal_children
-from tiny import oracle_head, prompts, tiny_target
+from tiny import oracle_head, prompts, tiny_head, tiny_target
 
 
 def test_choose_budget_is_the_argmax_of_tokens_per_second():
@@ -46,9 +50,47 @@ def test_controller_explores_then_exploits():
     assert used[2] == used[3] == 16  # 3/1.2 beats 2/1.1 and 3/3.1
 
 
-def test_verify_costs_are_measured_for_every_budget():
-    seconds = measure_verify_seconds(tiny_target("llama"), [4, 16], batch_size=2, context_length=16, repeats=1)
-    assert set(seconds) == {0, 4, 16} and all(v > 0 for v in seconds.values())
+def test_choose_budget_breaks_ties_towards_the_smaller_budget_and_refuses_gaps():
+    # 8 and 16 give the same tokens per second (2 / 1.0 == 4 / 2.0): the smaller tree is as fast and cheaper
+    assert choose_budget({8: 2.0, 16: 4.0}, {8: 0.9, 16: 1.9}, draft_seconds=0.1) == 8
+    with pytest.raises(ValueError, match=r"verify cost for every candidate budget, got none for \[32\]"):
+        choose_budget({8: 2.0, 32: 3.0}, {8: 1.0}, draft_seconds=0.0)
+    with pytest.raises(ValueError, match="at least one candidate budget"):
+        choose_budget({}, {8: 1.0}, draft_seconds=0.0)
+
+
+def test_controller_converges_to_the_best_budget_as_acceptance_changes():
+    """Early paths stop at node 5 (budget 8 commits as much as 32 and is cheaper); later paths run through node 20,
+    which only budget 32 holds: once the window forgets the short paths, the controller moves to 32, and keeps
+    exploring the largest budget every `explore_every` rounds throughout."""
+    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 1.3}, explore_every=4, window=4)
+    used = []
+    for round_ in range(24):
+        b = controller.next_budget()
+        used.append(b)
+        path = [0, 5] if round_ < 8 else [0, 5, 20, 30]
+        controller.update([path], b, draft_seconds=0.0)
+    assert all(used[r] == 32 for r in range(24) if r < 2 or r % 4 == 0)  # warm-up and exploration
+    assert used[2] == used[3] == 8  # 2 tokens at every budget: the cheapest verify
+    assert used[-3:] == [32, 32, 32]  # 4 tokens / 1.3 s beats 2 / 1.0 (budget 8) and 2 / 1.1 (budget 16)
+
+
+def test_verify_costs_time_the_round_s_own_verify_over_the_head_s_trees(monkeypatch):
+    target = tiny_target("llama")
+    head = tiny_head(target, tree_depth=4, tree_width=3)
+    verified = []
+    verify = generation.verify
+
+    def spy(target, head, state, trees, windows=None):
+        verified.append((tuple(trees.tokens.shape), state.valid.shape))
+        return verify(target, head, state, trees, windows)
+
+    monkeypatch.setattr(generation, "verify", spy)
+    shape = resolve_tree_shape(head.config)
+    seconds = measure_verify_seconds(target, head, shape, [4, 12], batch_size=2, context_length=16, repeats=1)
+    assert sorted(seconds) == [4, 12]
+    # one warm-up and one timed forward per budget, over trees of exactly b nodes per row, after the 16-token context
+    assert verified == [((2, 4), (2, 16))] * 2 + [((2, 12), (2, 16))] * 2
 
 
 def test_auto_budget_decodes_losslessly():

@@ -10,8 +10,10 @@ Settings, bracketing acceptance:
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 
 import modeling_jetspec.generation_jetspec as generation
+from modeling_jetspec import JetSpecGenerateOutput
 from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
 SHAPES = [  # (depth, width, budget)
@@ -205,14 +207,20 @@ def test_flex_attention_target_is_verified_with_sdpa_and_restored():
     assert target.config._attn_implementation == "flex_attention"
 
 
-def test_plain_generate_is_untouched_by_the_hook():
+def test_plain_generate_is_untouched_by_the_hook(monkeypatch):
     target = tiny_target("llama")
     ids, mask = prompts(1)
-    # transformers' own assisted decoding with an ordinary assistant still runs through transformers
+    # transformers' own assisted decoding with an ordinary assistant still runs through transformers: the assistant
+    # drafts (its forward runs), the tree loop is never entered, and the output is transformers' own
     assistant = tiny_target("llama", seed=3)
+    drafted = []
+    assistant.register_forward_hook(lambda *args: drafted.append(1))
+    entered = []
+    monkeypatch.setattr(generation, "_decode", lambda *args, **kwargs: entered.append(1))
     plain = greedy(target, ids, mask, max_new_tokens=10)
-    assisted = greedy(target, ids, mask, max_new_tokens=10, assistant_model=assistant)
-    assert torch.equal(assisted, plain)
+    assisted = greedy(target, ids, mask, max_new_tokens=10, assistant_model=assistant, return_dict_in_generate=True)
+    assert torch.equal(assisted.sequences, plain)
+    assert drafted and not entered and not isinstance(assisted, JetSpecGenerateOutput)
 
 
 def test_peft_adapted_target():
@@ -364,3 +372,37 @@ def test_rows_whose_lookup_chains_differ_in_length_share_a_round():
     plain = greedy(target, ids, mask, max_new_tokens=30)
     head = tiny_head(target, tree_depth=1, tree_width=1, tree_budget=8, tree_lookup=6)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head), plain)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_multi_head_latent_attention_target(batch):
+    """DeepSeek-V3 / Kimi K2 attention: a cache layer's keys and values have different last sizes, so compaction
+    moves each by its own shape."""
+    target = tiny_target("deepseek_v3")
+    ids, mask = prompts(batch)
+    with torch.no_grad():
+        cache = DynamicCache()
+        target(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.layers[0].keys.shape[-1] != cache.layers[0].values.shape[-1], "the test needs MLA's shapes"
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=tiny_head(target)), plain)
+    oracle = oracle_head(target, plain, mask, mode="sometimes", tree_budget=20)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=oracle), plain)
+    assert oracle.last_stats.tau > 1.5
+
+
+def test_a_processor_that_reads_the_batch_index_sees_plain_decoding_s_layout():
+    """`prefix_allowed_tokens_fn` is told the batch row; each row here may use only tokens of its own residue, so a
+    node processed at another row's index would pick other tokens."""
+    target = tiny_target("llama")
+    ids, mask = prompts(3)
+
+    def allowed(batch_id, sent):
+        return [t for t in range(128) if t % 3 == batch_id]
+
+    kwargs = dict(max_new_tokens=20, prefix_allowed_tokens_fn=allowed)
+    plain = greedy(target, ids, mask, **kwargs)
+    assert all(int(t) % 3 == row for row in range(3) for t in plain[row, ids.shape[1] :])
+    head = oracle_head(target, plain, mask, mode="sometimes")
+    assert torch.equal(greedy(target, ids, mask, assistant_model=head, **kwargs), plain)
+    assert head.last_stats.tau > 1.5

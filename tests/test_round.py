@@ -27,22 +27,28 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monke
     plain = greedy(target, ids, mask, max_new_tokens=30, **settings)
     # (d) sometimes right: accepted nodes are non-contiguous, so compaction has to pick them out of the tree
     head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=20)
-    snapshots = []
-    advance = generation.advance
+    snapshots, calls = [], []
+    commit, compact = generation.commit, generation.compact
 
-    def recording_advance(*args, **kwargs):
-        state, committed = advance(*args, **kwargs)
+    def recording_commit(call, *args, **kwargs):
+        calls.append(call)
+        return commit(call, *args, **kwargs)
+
+    def recording_compact(*args, **kwargs):
+        state = compact(*args, **kwargs)
         if state.rows.numel():
+            call = calls[-1]
             snapshots.append(dict(
-                rows=state.rows.tolist(), lengths=list(state.lengths), sequences=state.sequences.clone(),
+                rows=state.rows.tolist(), lengths=list(call.lengths), sequences=call.sequences.clone(),
                 valid=state.valid.clone(), context_valid=state.context.valid.clone(),
                 cache=[(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers],
                 context=[(k.clone(), v.clone()) for k, v in zip(state.context.keys, state.context.values)],
                 anchors=state.anchors.tolist(), anchor_pos=state.anchor_pos.tolist(),
             ))
-        return state, committed
+        return state
 
-    monkeypatch.setattr(generation, "advance", recording_advance)
+    monkeypatch.setattr(generation, "commit", recording_commit)
+    monkeypatch.setattr(generation, "compact", recording_compact)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head, **settings), plain)
     assert len(snapshots) >= 4
     pads = (mask == 0).sum(-1).tolist()
@@ -119,3 +125,58 @@ def test_verify_costs_are_kept_per_target_object():
 
     gc.collect()
     assert len(head.verify_cost_cache) == 0  # an entry goes with its target: a new one never inherits its costs
+
+
+def test_compaction_moves_only_the_accepted_entries_behind_the_past():
+    """After a verify forward a layer holds `past` entries, then one per tree node. Compaction leaves the past in place
+    (the same storage, the same values), moves the accepted nodes' entries behind it in path order, and crops; keys
+    and values are moved each by its own shape (their last sizes differ under multi-head latent attention)."""
+    past, nodes_in_tree = 5, 4
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, past + nodes_in_tree, 6, generator=g)  # (A, H, S + n + 1, D_k)
+    values = torch.randn(2, 3, past + nodes_in_tree, 2, generator=g)  # (A, H, S + n + 1, D_v)
+    cache = DynamicCache()
+    cache.update(keys.clone(), values.clone(), layer_idx=0)
+    layer = cache.layers[0]
+    storage = layer.keys.data_ptr(), layer.values.data_ptr()
+    nodes = torch.tensor([[0, 2, 3], [0, 1, 0]])  # row 0 accepted root, 2, 3; row 1 root, 1 (then a hole)
+    generation.keep_accepted_entries(cache, past, nodes)
+    assert (layer.keys.data_ptr(), layer.values.data_ptr()) == storage  # nothing was copied to a new tensor
+    assert layer.keys.shape == (2, 3, past + 3, 6) and layer.values.shape == (2, 3, past + 3, 2)
+    assert torch.equal(layer.keys[:, :, :past], keys[:, :, :past])
+    assert torch.equal(layer.values[:, :, :past], values[:, :, :past])
+    for row in range(2):
+        for slot, node in enumerate(nodes[row].tolist()):
+            assert torch.equal(layer.keys[row, :, past + slot], keys[row, :, past + node])
+            assert torch.equal(layer.values[row, :, past + slot], values[row, :, past + node])
+
+
+def test_row_wise_processors_see_one_row_and_others_the_batch(monkeypatch):
+    """At batch 3 a node's scores are processed on its row alone by transformers' row-wise processors (no copy of the
+    row per batch row), and in the call's batch layout by any other processor; the output is plain decoding's."""
+    from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
+
+    seen = {"row_wise": set(), "other": set()}
+
+    class RowWise(TemperatureLogitsWarper):  # a transformers row-wise processor, spied on
+        def __call__(self, input_ids, scores):
+            seen["row_wise"].add(tuple(scores.shape))
+            return super().__call__(input_ids, scores)
+
+    class Other(LogitsProcessor):  # a user's processor: may hold per-row state
+        def __call__(self, input_ids, scores):
+            seen["other"].add(tuple(scores.shape))
+            return scores - input_ids.shape[-1] * 0.01 * (scores > 0)
+
+    target = tiny_target("llama")
+    ids, mask = prompts(3)
+    processors = LogitsProcessorList([RowWise(0.9), Other()])
+    plain = greedy(target, ids, mask, max_new_tokens=16, logits_processor=processors)
+    seen = {"row_wise": set(), "other": set()}
+    head = oracle_head(target, plain, mask, mode="sometimes")
+    tree = greedy(target, ids, mask, max_new_tokens=16, logits_processor=processors, assistant_model=head)
+    assert torch.equal(tree, plain)
+    vocab = target.config.vocab_size
+    # the first token is processed for the whole batch at once (every row has the same length then), every node after
+    # it on one row: by the row-wise processor as it is, by the other one repeated to the batch size
+    assert seen["row_wise"] == {(3, vocab), (1, vocab)} and seen["other"] == {(3, vocab)}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from modeling_jetspec.generation_jetspec import DraftTrees, RoundState, accept
+from modeling_jetspec.generation_jetspec import DraftTrees, accept
 from modeling_jetspec.tree import (
     ancestor_mask,
     GAP_FANOUT_NATS,
@@ -182,7 +182,7 @@ def test_accept_follows_target_choices_and_appends_bonus():
         logits = torch.zeros(1, 5, 200)
         for node in range(5):
             logits[0, node, choice.get(node, 150)] = 1.0
-        acc = accept(logits, stacked([tree]), None, None, record=False)
+        acc = accept(logits, stacked([tree]), torch.arange(1))
         assert acc.paths() == [nodes]
         assert acc.tokens[0, : int(acc.count[0])].tolist() == committed
 
@@ -207,14 +207,12 @@ def test_vectorized_greedy_acceptance_equals_the_walk(seed):
     for row, choice in enumerate(choices):
         logits[row, torch.arange(21), torch.tensor(choice)] = 1.0
     batch = stacked(trees)
-    fast = accept(logits, batch, None, None, record=False)
-    state = RoundState(sequences=torch.zeros(5, 1, dtype=torch.long), lengths=[1] * 5, rows=torch.arange(5),
-                       cache=None, valid=None, positions=None, windows=None, context=None, anchors=None,
-                       anchor_pos=None, records=None)
+    fast = accept(logits, batch, torch.arange(5))
+
     def chooser(row, node_logits, path):
         return int(node_logits.argmax()), node_logits
 
-    slow = accept(logits, batch, state, chooser, record=True)
+    slow = accept(logits, batch, torch.arange(5), chooser)
     for row, tree in enumerate(trees):
         nodes, committed = walk(tree, choices[row])
         assert fast.paths()[row] == slow.paths()[row] == nodes
