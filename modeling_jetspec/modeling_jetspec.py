@@ -218,7 +218,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         rope = dict(getattr(text, "rope_parameters", None) or {})
         if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3/4): the global layers' rotary
             rope = dict(rope["full_attention"])
-        rope.pop("partial_rotary_factor", None)  # the head rotates its whole head_dim
+        if "partial_rotary_factor" in rope:  # the head rotates its whole head_dim
+            rope["partial_rotary_factor"] = 1.0
         fields = dict(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,

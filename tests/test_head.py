@@ -105,3 +105,30 @@ def test_new_head_starts_at_the_targets_final_norm_gain():
         target.model.norm.weight.copy_(torch.linspace(-2.0, 3.0, 64))  # a trained-looking per-channel gain
     head = tiny_head(target)
     torch.testing.assert_close(head.norm.weight.detach(), torch.linspace(-2.0, 3.0, 64))
+
+
+def test_from_target_reads_gemma4_per_layer_attention():
+    """Gemma 4's config holds `head_dim` per layer (reading it globally raises): a new head takes its global
+    (full-attention) layers' width and rotary, and decodes losslessly."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from tiny import prompts
+
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, max_position_embeddings=512, sliding_window=4, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    )
+    target = Gemma4ForCausalLM(config).eval()
+    head = tiny_head(target, tree_depth=4, tree_width=2, tree_budget=8)
+    assert head.config.head_dim == 32 and head.config.num_key_value_heads == 2  # the full-attention layer's
+    assert head.config.rope_parameters["rope_type"] == "proportional"  # the global layers' rotary, whole head_dim
+    assert head.config.rope_parameters["partial_rotary_factor"] == 1.0
+    ids, mask = prompts(2)  # lengths 9 and 5, longer than the sliding window
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                           assistant_model=head)
+    assert torch.equal(tree, plain)

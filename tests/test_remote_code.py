@@ -9,6 +9,8 @@ import sys
 import textwrap
 
 import torch
+import transformers.utils.hub as transformers_hub
+from huggingface_hub import ModelCard, ModelCardData
 from safetensors.torch import load_file
 
 from tiny import prompts, tiny_head, tiny_target
@@ -88,3 +90,43 @@ def test_reloaded_weights_draft_the_same_trees(tmp_path):
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head)
     target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=again)
     assert head.last_stats.accepted_at_depth == again.last_stats.accepted_at_depth
+
+
+class FakeHubApi:
+    """Stands for transformers' `hf_api()`: records the repository and every file a commit would upload."""
+
+    def __init__(self):
+        self.created, self.uploaded = [], {}
+
+    def create_repo(self, repo_id, private=None, token=None, exist_ok=False):
+        self.created.append((repo_id, private))
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
+        for op in operations:
+            with open(op.path_or_fileobj, "rb") as file:
+                self.uploaded[op.path_in_repo] = file.read()
+        self.commit_message = commit_message
+        return "commit"
+
+
+def test_push_to_hub_uploads_the_jetspec_layout(tmp_path, monkeypatch):
+    """`save_pretrained(push_to_hub=True)` uploads, through transformers' own push, the folder a Hub user needs:
+    config, weights, the flat code files and the `custom_generate` recipe (no network: the Hub API is a fake)."""
+    api = FakeHubApi()
+    monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
+    monkeypatch.setattr(  # a new repository has no card yet: transformers writes its default one
+        transformers_hub, "create_and_tag_model_card",
+        lambda repo_id, tags=None, token=None: ModelCard.from_template(ModelCardData(library_name="transformers")),
+    )
+    head = tiny_head(tiny_target("llama"))
+    head.save_pretrained(tmp_path / "head", push_to_hub=True, repo_id="org/head", private=True,
+                         commit_message="first head")
+    local = {p.relative_to(tmp_path / "head").as_posix() for p in (tmp_path / "head").rglob("*") if p.is_file()}
+    assert api.created == [("org/head", True)] and api.commit_message == "first head"
+    assert set(api.uploaded) == local | {"README.md"}
+    assert {"config.json", "model.safetensors", "custom_generate/generate.py", "modeling_jetspec.py",
+            "configuration_jetspec.py", "generation_jetspec.py", "tree.py", "checkpoint_formats.py"} <= local
+    assert json.loads(api.uploaded["config.json"])["auto_map"]["AutoModel"] == "modeling_jetspec.JetSpecDraftModel"
+    for name in local:  # the uploaded bytes are the saved ones
+        assert api.uploaded[name] == (tmp_path / "head" / name).read_bytes(), name
