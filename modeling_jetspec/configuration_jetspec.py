@@ -271,7 +271,9 @@ class JetSpecConfig(PretrainedConfig):
                 f"expected layer_types of {self.num_hidden_layers} entries among {LAYER_TYPES}, got {self.layer_types}"
             )
         per_layer = self.layer_block_attention
-        if per_layer is not None and (len(per_layer) != self.num_hidden_layers or set(per_layer) - set(BLOCK_ATTENTIONS)):
+        if per_layer is not None and (
+            len(per_layer) != self.num_hidden_layers or set(per_layer) - set(BLOCK_ATTENTIONS)
+        ):
             raise ValueError(
                 f"expected layer_block_attention of {self.num_hidden_layers} entries among {BLOCK_ATTENTIONS}, got "
                 f"{per_layer}"

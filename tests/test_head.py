@@ -51,7 +51,8 @@ def test_incremental_context_equals_one_shot_context():
     pos = torch.arange(8).expand(2, 8)
     valid = torch.ones(2, 8, dtype=torch.bool)
     whole = head.extend_context(None, feats, pos, valid)
-    parts = head.extend_context(head.extend_context(None, feats[:, :5], pos[:, :5], valid[:, :5]), feats[:, 5:], pos[:, 5:], valid[:, 5:])
+    first = head.extend_context(None, feats[:, :5], pos[:, :5], valid[:, :5])
+    parts = head.extend_context(first, feats[:, 5:], pos[:, 5:], valid[:, 5:])
     m = head.config.mask_token_id
     block, bpos = torch.tensor([[3, m, m]] * 2), torch.arange(8, 11).expand(2, 3)
     # same projections of the same rows, concatenated: identical up to fp32 rounding of the matmuls (~1e-7)
