@@ -207,6 +207,9 @@ def portable_name(name_or_path: Optional[str]) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------------ per-prompt rows
+HEAD_FIELDS = ("tau", "acceptance_per_depth", "target_forwards", "rounds", "draft_seconds", "verify_seconds")
+
+
 @dataclass
 class PromptRow:
     """One method on one prompt: an entry of `results.json`'s `prompts`."""
@@ -244,9 +247,6 @@ class PromptRow:
             figures = self.stats.as_dict()
             row.update({k: figures[k] for k in HEAD_FIELDS}, budget_mean=self.budget_mean)
         return row
-
-
-HEAD_FIELDS = ("tau", "acceptance_per_depth", "target_forwards", "rounds", "draft_seconds", "verify_seconds")
 
 
 @dataclass

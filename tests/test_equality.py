@@ -95,8 +95,8 @@ def broken_accept(monkeypatch):
     original = generation.accept
     state = {"broken": False}
 
-    def accept(logits, trees, round_state, choose, record):
-        acc = original(logits, trees, round_state, choose, record)
+    def accept(logits, *args, **kwargs):  # logits of shape (A, n + 1, V): every node's next-token scores
+        acc = original(logits, *args, **kwargs)
         if not state["broken"] and int(acc.count[0]) >= 1:
             last = int(acc.count[0]) - 1
             node = int(acc.nodes[0, last])
