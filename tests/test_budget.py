@@ -121,3 +121,25 @@ def test_median_seconds_is_the_median_of_the_timed_calls():
     seconds = median_seconds(nap, repeats=5, warmup=1)
     assert len(calls) == 6
     assert 0.03 <= seconds < 0.06  # the median of 0.03, 0.001, 0.06, 0.002, 0.09, whatever the clock's overhead
+
+
+def test_bench_costs_time_the_round_s_own_draft_and_verify(monkeypatch):
+    """`jetspec bench`'s costs come from the functions `generate` runs: the verify forwards are the round's `verify`
+    over the head's `draft` trees of each budget, and the chain of the chain baseline."""
+    from jetspec import bench
+
+    target = tiny_target("llama")
+    head = tiny_head(target, tree_depth=4, tree_width=3)
+    verified = []
+    verify = generation.verify
+
+    def spy(target, head, state, trees, windows=None):
+        verified.append(tuple(trees.tokens.shape))
+        return verify(target, head, state, trees, windows)
+
+    monkeypatch.setattr(generation, "verify", spy)
+    ids, _ = prompts(1)
+    costs = bench.measure_costs(target, head, ids, [4, 12], chain_depth=3, repeats=1)
+    # per budget and for the chain: 2 untimed and 1 timed forward over one tree of exactly that many nodes
+    assert verified == [(1, 4)] * 3 + [(1, 12)] * 3 + [(1, 3)] * 3
+    assert [costs["verify"][b]["nodes"] for b in ("4", "12")] == [4, 12] and costs["chain"]["nodes"] == 3
