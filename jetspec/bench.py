@@ -58,12 +58,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from modeling_jetspec import JetSpecDraftModel, resolve_tree_shape
+from modeling_jetspec import JetSpecDraftModel, JetSpecGenerateOutput, JetSpecStats, resolve_tree_shape
 from modeling_jetspec.generation_jetspec import draft, logits_to_keep, verifier_for, verify_seconds
-
 from modeling_jetspec.timing import clock, median_seconds
-
-from modeling_jetspec import JetSpecGenerateOutput, JetSpecStats
 
 from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, LosslessError, Verdict, check_lossless, strict_for
 from .prompts import check_suites, load_prompts
