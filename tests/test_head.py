@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from modeling_jetspec import JetSpecConfig, JetSpecDraftModel, default_target_layer_ids
+from modeling_jetspec import JetSpecConfig, default_target_layer_ids
 from tiny import tiny_head, tiny_target
 
 
