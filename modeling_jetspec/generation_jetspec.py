@@ -1040,7 +1040,7 @@ def float_dtype(model) -> torch.dtype:
 
 def logits_to_keep(target, count: int) -> dict:
     """`logits_to_keep=count` for a target that takes it (0: every position), else nothing."""
-    return {"logits_to_keep": count} if target._supports_logits_to_keep() else {}
+    return {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
 
 
 def _per_step(records: list, which: int, steps: int) -> tuple:
