@@ -56,6 +56,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import DEFAULT_CANDIDATES, BudgetController
+from .hybrid import HybridVerifier, is_hybrid
 from .timing import clock, median_seconds
 from .tree import (
     LOOKUP_MAX_NGRAM,
@@ -249,6 +250,7 @@ def tree_generate(head, target, *args, **kwargs):
     given = {name: kwargs.pop(name, None) for name in TREE_ARGUMENTS}
     shape = resolve_tree_shape(head.config, **given)
     streamer = kwargs.pop("streamer", None)
+    tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
     check_generate_kwargs(kwargs)
     max_new_tokens = kwargs.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens <= 0:
@@ -257,7 +259,7 @@ def tree_generate(head, target, *args, **kwargs):
     if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
         raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
     head.attach_target(target)
-    verifier = verifier_for(target, head)  # refuses layer kinds no verifier handles, before any work
+    verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
     impl = target.config._attn_implementation
     switch = impl not in MASKABLE_ATTENTION
     if switch and not (impl.startswith("flash") or impl == "flex_attention"):
@@ -711,10 +713,15 @@ class TreeVerifier:
         state.cache.crop(-(trees.tokens.shape[1] + 1))
 
 
-def verifier_for(target, head) -> TreeVerifier:
-    """The verifier of a call: [`TreeVerifier`] for targets whose layers all cache attention keys/values; a
-    `ValueError` naming the layer types of any other target."""
+def verifier_for(target, head, tree_verify: str = "auto") -> TreeVerifier:
+    """The verifier of a call: [`TreeVerifier`] for targets whose layers all cache attention keys/values,
+    [`hybrid.HybridVerifier`] (`tree_verify`: "auto", "tree" or "chain") for targets with linear-attention or
+    convolution layers; a `ValueError` naming the layer types of any other target."""
+    if is_hybrid(target):
+        return HybridVerifier(target, head, tree_verify, verify_windows(target))
     check_layer_types(target)
+    if tree_verify not in ("auto", "tree"):
+        raise ValueError(f"expected tree_verify 'auto' or 'tree' for an attention-only target, got {tree_verify!r}")
     return TreeVerifier(target, head)
 
 

@@ -223,7 +223,9 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         fields = dict(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
+            # MoE-only targets (Qwen3.5-MoE) have no dense MLP size: the experts' sum of the routed ones
+            intermediate_size=getattr(text, "intermediate_size", None)
+            or text.moe_intermediate_size * text.num_experts_per_tok,
             num_attention_heads=layer.num_attention_heads,
             num_key_value_heads=getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
             head_dim=getattr(layer, "head_dim", None) or text.hidden_size // layer.num_attention_heads,

@@ -27,6 +27,7 @@ MLA = dict(head_dim=8, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
            qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1)  # keys and values of different last sizes
 LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
               linear_conv_kernel_dim=4)  # gated delta-net layers (Qwen3.5, Qwen3-Next)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16)  # Mamba-2 layers
 # model type -> (config overrides, attention implementation); sliding windows smaller than the answers
 ATTENTION_FAMILIES = {
     "llama": ({}, "sdpa"),
@@ -76,21 +77,30 @@ ATTENTION_FAMILIES = {
     "nanochat": ({}, "sdpa"),
     "vaultgemma": ({"sliding_window": 8}, "eager"),
 }
-# hybrid families: one linear-attention / conv layer and one attention layer
+# hybrid families, verified by modeling_jetspec/hybrid.py ("auto": chain): one linear-attention, Mamba or
+# convolution layer and one attention layer
 HYBRID_FAMILIES = {
     "qwen3_5_text": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
     "qwen3_5_moe_text": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
     "qwen3_next": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, "sdpa"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"], "num_dense_layers": 1}, "sdpa"),
+    "olmo_hybrid": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
+    "jamba": ({"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8}, "sdpa"),
+    "granitemoehybrid": ({**MAMBA2, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
+    "bamba": ({**MAMBA2, "attn_layer_indices": [1]}, "sdpa"),
+    "nemotron_h": ({"layers_block_type": ["mamba", "attention"], "mamba_num_heads": 8, "mamba_head_dim": 16,
+                    "ssm_state_size": 8, "chunk_size": 16, "n_groups": 1}, "sdpa"),
 }
-# families whose layers neither verification path handles: refused, naming the layer types
+# families neither verification path handles: refused, naming the layer types (or, MiniMax, its own cache class)
 REFUSED = {
     "llama4_text": ({"attention_chunk_size": 8}, "sdpa", "chunked_attention"),
+    "zamba2": ({"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 8, "mamba_headdim": 16, "n_mamba_heads": 8,
+                "chunk_size": 16}, "sdpa", "'hybrid'"),  # a mamba layer plus a shared attention block in one layer
+    "minimax": ({"layer_types": ["linear_attention", "full_attention"]}, "sdpa", "cache of its own"),
 }
 XFAIL = {  # temporary, removed as the fixes land
     "gemma4_text": "per-layer head_dim in from_target (helper B is fixing it)",
-    **{family: "hybrid verification not built yet (helper E, phase 2)" for family in HYBRID_FAMILIES},
 }
 
 

@@ -189,14 +189,16 @@ def test_unsupported_setting_inside_a_generation_config(pair):
         run(*pair, generation_config=GenerationConfig(max_new_tokens=4, cache_implementation="static"))
 
 
-def test_recurrent_layers_are_rejected_by_name():
-    from transformers import Lfm2Config, Lfm2ForCausalLM
+def test_layer_types_no_verifier_handles_are_rejected_by_name():
+    # recurrent and convolution layers are verified by modeling_jetspec/hybrid.py; Zamba2's "hybrid" layers (a Mamba
+    # block and a shared attention block in one layer) by neither verifier
+    from transformers import Zamba2Config, Zamba2ForCausalLM
 
-    config = Lfm2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-                        block_auto_adjust_ff_dim=False, pad_token_id=0, bos_token_id=None, eos_token_id=None)
-    target = Lfm2ForCausalLM(config).eval()
-    with pytest.raises(ValueError, match=r"layer types \['conv'\] \(Lfm2ForCausalLM\)"):
+    config = Zamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
+                          chunk_size=16, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    target = Zamba2ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"layer types \['hybrid'\] \(Zamba2ForCausalLM\)"):
         run(target, tiny_head(target))
 
 

@@ -1,0 +1,142 @@
+"""Hybrid targets (linear-attention or convolution layers next to attention layers) decode losslessly with both
+verifiers of `modeling_jetspec/hybrid.py`: "chain" (the best path in one forward, recorded convolution states cut
+back, recurrent rows replayed) and "tree" (the whole tree scanned depth by depth from each node's parent's states).
+
+Settings, bracketing acceptance (tiny random Qwen3.5 dense and MoE, Qwen3-Next and LFM2 targets, fp32):
+  (a) a random untrained head: drafts mostly wrong;
+  (b) an always-right drafter: every round commits depth + 1 tokens in either mode, and the forwards are counted;
+  (c) a sometimes-right drafter: the right token is the head's 1st, 2nd or 3rd candidate depending on the position,
+      so chains are cut short (recurrent states replayed) and trees accept through later siblings (a non-first
+      child's states become the row's);
+  (d) sampling with logits processors: a chi-square test against the exact distribution, as in `test_sampling.py`.
+"""
+
+import pytest
+import torch
+from test_architectures import HYBRID_FAMILIES, VOCAB, family_target
+from test_sampling import ALPHA, NEW, MarginalHead, exact_distribution, goodness_of_fit, sample
+from tiny import oracle_head, prompts, tiny_head, tiny_target
+
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2"]
+MODES = ["chain", "tree"]
+
+
+def hybrid_target(family: str, **extra):
+    overrides, attention = HYBRID_FAMILIES[family]
+    return family_target(family, {**overrides, **extra}, attention)
+
+
+def greedy(target, ids, mask, **kwargs):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+
+
+class ForwardCount:
+    """Counts the target's forward calls (prefill, verify, replay and scan steps alike)."""
+
+    def __init__(self, target):
+        self.calls = 0
+        self.handle = target.register_forward_hook(self.hook)
+
+    def hook(self, *args):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_random_head_matches_greedy(family, mode, batch):  # (a)
+    target = hybrid_target(family)
+    ids, mask = prompts(batch, vocab_size=VOCAB)
+    free = greedy(target, ids, mask, max_new_tokens=16)
+    eos = int(free[batch - 1, ids.shape[1] + 6])  # rows stop at different rounds
+    plain = greedy(target, ids, mask, max_new_tokens=16, eos_token_id=eos)
+    tree = greedy(target, ids, mask, max_new_tokens=16, eos_token_id=eos, assistant_model=tiny_head(target),
+                  tree_verify=mode)
+    assert torch.equal(tree, plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_always_right_drafter_commits_whole_paths(family, mode):  # (b)
+    target = hybrid_target(family)
+    ids, mask = prompts(3, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=13)
+    head = oracle_head(target, plain, mask, mode="always", tree_depth=3)
+    count = ForwardCount(target)
+    tree = greedy(target, ids, mask, max_new_tokens=13, assistant_model=head, tree_verify=mode)
+    assert torch.equal(tree, plain)
+    assert head.last_stats.tau == 4.0 and head.last_stats.rounds == 3  # 1 from the prefill, 3 rounds of 3 + bonus
+    # chain: one forward per round, nothing to replay; tree: one forward per depth 0..3
+    assert count.calls == 1 + 3 * (1 if mode == "chain" else 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sometimes_right_drafter_matches_greedy(family, mode, batch):  # (c)
+    target = hybrid_target(family)
+    ids, mask = prompts(batch, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
+    tree = greedy(target, ids, mask, max_new_tokens=24, assistant_model=head, tree_verify=mode)
+    assert torch.equal(tree, plain)
+    # the tree finds the right token among the first three candidates at every depth, the chain only at rank 0
+    assert head.last_stats.tau > (3.0 if mode == "tree" else 1.2)
+
+
+def test_tree_accepts_more_than_chain_and_costs_more_forwards():
+    """The measurement behind `tree_verify="auto"` == "chain" (counts, not times; README "Supported targets")."""
+    target = hybrid_target("qwen3_5_text")
+    ids, mask = prompts(1, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=40)
+    result = {}
+    for mode in MODES:
+        head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
+        count = ForwardCount(target)
+        assert torch.equal(greedy(target, ids, mask, max_new_tokens=40, assistant_model=head, tree_verify=mode), plain)
+        count.handle.remove()
+        result[mode] = (head.last_stats.tau, head.last_stats.rounds, count.calls - 1)  # forwards after the prefill
+    print(f"\n{'mode':>6} {'tau':>6} {'rounds':>7} {'forwards':>9} {'tokens/forward':>15}")
+    for mode, (tau, rounds, forwards) in result.items():
+        print(f"{mode:>6} {tau:6.2f} {rounds:7d} {forwards:9d} {39 / forwards:15.2f}")
+    (chain_tau, chain_rounds, chain_forwards), (tree_tau, tree_rounds, tree_forwards) = result.values()
+    assert tree_tau > chain_tau  # a tree accepts through later siblings, a chain stops at its first miss
+    assert chain_rounds <= chain_forwards <= 2 * chain_rounds  # one verify, plus at most one replay at batch 1
+    assert tree_forwards == 5 * tree_rounds  # depths 0..4, every round
+
+
+# family, mode, gain on the (tied) output embeddings: peaked enough that drafts are accepted often, flat enough
+# that the 3-token continuations spread over 15-20 bins (at a larger gain some targets become deterministic)
+SAMPLING = [("qwen3_5_text", "chain", 40.0), ("qwen3_5_moe_text", "tree", 15.0), ("qwen3_next", "chain", 15.0),
+            ("lfm2", "tree", 3.0)]
+
+
+@pytest.mark.parametrize("family,mode,gain", SAMPLING, ids=[f"{f}-{m}" for f, m, _ in SAMPLING])
+def test_sampling_matches_the_exact_reference(family, mode, gain):  # (d)
+    vocab = 8
+    target = hybrid_target(family, vocab_size=vocab, pad_token_id=None)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(gain)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    probs = exact_distribution(target, prompt)
+    head = MarginalHead.from_target(target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=2,
+                                    tree_budget=6).eval()
+    marginals = torch.full((NEW, vocab), 1e-9)
+    for seq, p in probs.items():
+        for d, token in enumerate(seq):
+            marginals[d, token] += p
+    head.marginals = marginals.log()
+    torch.manual_seed(1)
+    out = sample(target, prompt, assistant_model=head, tree_verify=mode)
+    assert goodness_of_fit(out, probs) > ALPHA
+    assert min(head.last_stats.acceptance_per_depth) > 0.2  # drafts were accepted at both depths
+
+
+def test_tree_verify_is_checked():
+    hybrid = hybrid_target("lfm2")
+    ids, mask = prompts(1, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="tree_verify"):
+        greedy(hybrid, ids, mask, max_new_tokens=4, assistant_model=tiny_head(hybrid), tree_verify="scan")
+    attention = tiny_target("llama")
+    with pytest.raises(ValueError, match="attention-only"):
+        greedy(attention, ids, mask, max_new_tokens=4, assistant_model=tiny_head(attention), tree_verify="chain")
