@@ -1,11 +1,12 @@
 """Decoding settings of a head side by side on held-out regenerated prompts (never the benchmark suites): tau and
 speed over plain greedy, every setting on every prompt in one process, in an order that rotates per prompt.
 
-    python scripts/ablate_decoding.py --out results/ablation-decoding --prompts 12 --max-new-tokens 128
+    python -m scripts.ablate_decoding --out results/ablation-decoding --prompts 12 --max-new-tokens 128
 
 The prompts are the held-out rows of the training data (the trainer's hash split), so the defaults chosen here are
 not tuned on the evaluation suites. Each setting is a set of `generate` tree arguments (see SETTINGS).
-Results: OUT/decoding.json and OUT/decoding.md.
+Results: OUT/decoding.json and OUT/decoding.md. Run from the repository root, as a module (`training/` is not an
+installed package).
 """
 
 import argparse
@@ -17,14 +18,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from jetspec.targets import load_target, resolve_dtype
+from modeling_jetspec import JetSpecDraftModel
+from modeling_jetspec.timing import clock
+from training.rows import TRAINING_COLUMNS, load_source, split_train_eval
 
-from jetspec.cli import load_head  # noqa: E402
-from jetspec.targets import load_target, resolve_dtype  # noqa: E402
-from modeling_jetspec.timing import clock  # noqa: E402
-from training.regen import load_source  # noqa: E402
-from training.trainer import split_train_eval  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SETTINGS = {
     "tree-16": {"tree_budget": 16, "tree_lookup": 0},
@@ -39,6 +38,7 @@ SETTINGS = {
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m", help="target alias, folder or Hub id (load_target)")
     parser.add_argument("--head", default=str(REPO / "jetspec/heads/smollm2-135m"))
     parser.add_argument("--data", default=str(REPO / "training/data/smollm2-135m-mix.npz"))
     parser.add_argument("--prompts", type=int, default=12)
@@ -48,13 +48,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="results/ablation-decoding")
     args = parser.parse_args(argv)
     dtype, reason = resolve_dtype(args.dtype)
-    target, tokenizer = load_target(dtype=dtype)
-    head = load_head(Path(args.head), target)
+    target, tokenizer = load_target(args.target, dtype=dtype)
+    head = JetSpecDraftModel.from_pretrained(args.head, dtype=target.dtype).to(target.device).eval()
+    head.attach_target(target)
     data = load_source(args.data)
-    _, held_out = split_train_eval(data.select_columns(["id", "input_ids", "prompt_length"]), 0.02, 0)
+    _, held_out = split_train_eval(data.select_columns(TRAINING_COLUMNS), 0.02, 0)
     rows = held_out.select(range(min(args.prompts, len(held_out))))
     names = ["plain"] + list(args.settings)
-    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id}
+    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id,
+              "return_dict_in_generate": True}
     per = {name: {"speedup": [], "tau": [], "same_prefix": []} for name in names}
     warm = torch.tensor([rows[0]["input_ids"][: rows[0]["prompt_length"]]])
     for name in names:  # untimed warm-up of every setting
@@ -69,9 +71,9 @@ def main(argv=None) -> dict:
             started = clock()
             out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **common, **extra)
             seconds[name] = clock() - started
-            outputs[name] = out[0, ids.shape[1]:]
+            outputs[name] = out.sequences[0, ids.shape[1]:]
             if name != "plain":
-                per[name]["tau"].append(head.last_stats.tau)
+                per[name]["tau"].append(out.jetspec_stats.tau)
         for name in names:
             n = min(len(outputs[name]), len(outputs["plain"]))
             rate, plain_rate = len(outputs[name]) / seconds[name], len(outputs["plain"]) / seconds["plain"]

@@ -1,24 +1,23 @@
 """Short training runs of head variants on one feature store, side by side: held-out agreement per depth, the chain
 tau it implies, and seconds per step, so variants compare per CPU-minute as well as per step.
 
-    python training/feature_store.py --data training/data/smollm2-135m-mix.npz --out cache/smollm2-135m
-    python scripts/ablate_head.py --store cache/smollm2-135m --steps 300 --out results/ablation \
+    python -m training.feature_store --data training/data/smollm2-135m-mix.npz --out cache/smollm2-135m
+    python -m scripts.ablate_head --store cache/smollm2-135m --steps 300 --out results/ablation \
         --variants baseline gamma4 layers2 no_last_context blocks32 vocab4096
 
 Every variant starts from the committed config (training/configs/smollm2-135m.yaml) with the same data, split and
-seed, and changes one thing. Results: OUT/ablation.json and OUT/ablation.md.
+seed, and changes one thing. Results: OUT/ablation.json and OUT/ablation.md; each variant's run (its head, logs
+and curve) in RUNS/<variant>. Run from the repository root, as a module (`training/` is not an installed package).
 """
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from training import run_trainer
 
-from training import run_trainer  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
     "baseline": [],
@@ -40,6 +39,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--data", default=None, help="override the config's data (one .npz or folder)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="results/ablation")
+    parser.add_argument("--runs", default=str(REPO / "runs" / "ablation"), help="folder of the variants' runs")
     parser.add_argument("--variants", nargs="+", default=["baseline"], choices=sorted(VARIANTS))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
         common = [args.config, "--feature_store", args.store, "--cache_features", "false", "--max_steps",
                   str(args.steps), "--eval_steps", str(args.steps), "--save_strategy", "no",
                   "--max_train_minutes", "1000", "--measure_tau_prompts", "0", "--warmup_steps",
-                  str(max(1, args.steps // 20)), "--output_dir", str(REPO / "runs" / "ablation" / name)]
+                  str(max(1, args.steps // 20)), "--output_dir", str(Path(args.runs) / name)]
         if args.data:
             common += ["--data", args.data]
         started = time.perf_counter()

@@ -47,7 +47,7 @@ def draft_cost(target, head, depth: int, context: int, repeats: int) -> dict:
     return {"target_step_s": t_step, "draft_s": t_draft, "c": t_draft / t_step, "depth": depth, "context": context}
 
 
-def main():
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m", help="'tiny', the 'smollm2-135m' alias, or a folder")
     parser.add_argument("--depth", type=int, default=7)
@@ -59,7 +59,7 @@ def main():
         "--draft-vocab-sizes", default=None,
         help="comma-separated draft vocabulary sizes to time (default: the full vocabulary only)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if args.dtype not in dtypes:
         raise ValueError(f"expected --dtype float32 or bfloat16, got {args.dtype!r}")
@@ -74,13 +74,16 @@ def main():
     target = target.to(dtypes[args.dtype]).eval()
     vocab = target.config.get_text_config(decoder=True).vocab_size
     sizes = [vocab] if args.draft_vocab_sizes is None else [int(x) for x in args.draft_vocab_sizes.split(",")]
+    records = []
     for size in sizes:
         head = JetSpecDraftModel.from_target(
             target, num_hidden_layers=args.layers, block_size=args.depth + 1, draft_vocab_size=size
         ).eval()
         result = draft_cost(target, head, args.depth, args.context, args.repeats)
-        print(json.dumps({"target": args.target, "dtype": args.dtype, "head_layers": args.layers,
-                          "draft_vocab_size": size, **result}), flush=True)
+        records.append({"target": args.target, "dtype": args.dtype, "head_layers": args.layers,
+                        "draft_vocab_size": size, **result})
+        print(json.dumps(records[-1]), flush=True)
+    return records
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""The command-line scripts on tiny inputs: the head ablation (scripts/ablate_head.py), the decoding ablation
+(scripts/ablate_decoding.py), the draft cost (scripts/measure_draft_cost.py), the training-step timer
+(scripts/train_step_speed.py), and the module entry points of `training/` (run from the repository root)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import torch
+
+from test_training import regenerated_rows, save_target_folder, sharp_target, write_shards
+from tiny import tiny_head
+from training.feature_store import build_feature_store
+from training.rows import split_train_eval
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """A script of scripts/ as a module, by its path (`scripts` is not a package, and a distribution on the path could
+    own that name)."""
+    spec = importlib.util.spec_from_file_location(f"jetspec_script_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ablate_head_trains_each_variant_once_with_its_one_change(tmp_path, capsys):
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    rows = regenerated_rows(target)
+    data = write_shards(tmp_path / "regen", rows)
+    head = tiny_head(target)
+    build_feature_store(target, head.config.target_layer_ids, rows, tmp_path / "store", progress=False)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"target: {target_dir}\ndata: [{data}]\nblock_size: 6\nnum_hidden_layers: 1\neval_fraction: 0.25\n"
+        "num_blocks_per_sequence: 2\nper_device_train_batch_size: 4\nlearning_rate: 3.0e-3\nuse_cpu: true\n"
+        "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\n"
+    )
+    ablate_head = load_script("ablate_head")
+    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "2", "--out",
+            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--variants", "baseline", "layers2"]
+    summary = ablate_head.main(argv)
+
+    assert list(summary) == ["baseline", "layers2"]
+    assert summary["layers2"]["change"] == "--num_hidden_layers 2" and summary["baseline"]["steps"] == 2
+    assert all(len(row["acc_per_depth"]) == 5 for row in summary.values())  # block 6: depths 1..5 evaluated
+    # the variant's one change reached the head it trained; the baseline kept the config's
+    layers = {name: json.loads((tmp_path / "runs" / name / "config.json").read_text())["num_hidden_layers"]
+              for name in summary}
+    assert layers == {"baseline": 1, "layers2": 2}
+    table = (tmp_path / "out" / "ablation.md").read_text()
+    assert "| baseline |" in table and "| layers2 | `--num_hidden_layers 2` |" in table
+    # a second call finds both measured and trains nothing
+    stamp = (tmp_path / "runs" / "baseline" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert ablate_head.main(argv) == summary
+    assert capsys.readouterr().out.count("already measured, skipped") == 2
+    assert (tmp_path / "runs" / "baseline" / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_ablate_decoding_decodes_held_out_prompts_like_plain_greedy(tmp_path):
+    """Every setting decodes the held-out prompts exactly as plain greedy does (float32), and its tau is reported."""
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    rows = regenerated_rows(target, count=40)
+    data = write_shards(tmp_path / "regen", rows)
+    tiny_head(target).save_pretrained(tmp_path / "head")
+    ablate_decoding = load_script("ablate_decoding")
+    summary = ablate_decoding.main([
+        "--target", str(target_dir), "--head", str(tmp_path / "head"), "--data", str(data), "--prompts", "2",
+        "--max-new-tokens", "10", "--dtype", "float32", "--settings", "tree-16", "tree-8-lookup12",
+        "--out", str(tmp_path / "out"),
+    ])
+    _, held_out = split_train_eval(datasets.Dataset.from_list(rows), 0.02, 0)
+    prompts = min(2, len(held_out))
+    assert summary["prompts"] == prompts
+    results = summary["results"]
+    assert list(results) == ["plain", "tree-16", "tree-8-lookup12"]
+    assert all(r["outputs_equal_plain"] == prompts for r in results.values())
+    assert results["plain"]["tau_mean"] is None
+    assert all(1.0 <= results[name]["tau_mean"] <= 11.0 for name in ("tree-16", "tree-8-lookup12"))
+    assert json.loads((tmp_path / "out" / "decoding.json").read_text())["results"] == results
+
+
+def test_measure_draft_cost_times_one_head_per_draft_vocabulary(capsys):
+    measure_draft_cost = load_script("measure_draft_cost")
+    measure_draft_cost.main(["--target", "tiny", "--depth", "3", "--context", "16", "--repeats", "2",
+                             "--draft-vocab-sizes", "128,32"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["draft_vocab_size"] for r in records] == [128, 32]
+    assert all(r["depth"] == 3 and r["context"] == 16 and r["target"] == "tiny" for r in records)
+    assert all(0 < r["draft_s"] < 10 and 0 < r["target_step_s"] < 10 for r in records)
+
+
+def test_train_step_speed_trains_every_mode_from_the_same_start(tmp_path):
+    """fp32 and bf16 autocast train copies of one head on one batch: the same first loss (the bf16 forward within
+    bf16 rounding), and each table row is reported. torch.compile is left to the smoke run (minutes to compile)."""
+    train_step_speed = load_script("train_step_speed")
+    out = tmp_path / "speed.json"
+    results = train_step_speed.main([
+        "--steps", "1", "--warmup", "0", "--modes", "fp32,bf16", "--hidden_size", "64", "--intermediate_size", "128",
+        "--num_layers", "4", "--num_heads", "4", "--num_kv_heads", "2", "--vocab_size", "256",
+        "--draft_vocab_size", "64", "--anchors", "4", "--batch_size", "2", "--max_length", "32", "--out", str(out),
+    ])
+    assert list(results) == ["fp32", "bf16"]
+    assert results["fp32"]["speedup_over_fp32"] == 1.0
+    # one step from the same head on the same batch: the reported losses are those of the first forward
+    torch.testing.assert_close(torch.tensor(results["bf16"]["last_loss"]), torch.tensor(results["fp32"]["last_loss"]),
+                               rtol=2e-2, atol=0.0)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
+    assert json.loads(out.read_text())["settings"]["modes"] == "fp32,bf16"
+
+
+def test_training_entry_points_run_from_the_repository_root():
+    """`python -m training.<cli>` (the command-line modules import their siblings as a package), and
+    `python training/run_trainer.py` (the README's and `accelerate launch`'s form) through its one bootstrap."""
+    env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    commands = [[sys.executable, "-m", "training.regenerate", "--help"],
+                [sys.executable, str(Path("training") / "run_trainer.py"), "--help"]]
+    for command in commands:
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+        assert "usage:" in result.stdout
