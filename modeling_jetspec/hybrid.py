@@ -162,7 +162,9 @@ class HybridVerifier:
         self.mode = "chain" if mode == "auto" else mode
         self.types = layer_types(target)
         self.attention = [i for i, t in enumerate(self.types) if t in ATTENTION_LAYER_TYPES]
-        self.pending = None  # chain: (snapshot, chain) ; tree: node states {(layer, s): LinearState (A, n + 1, ...)}
+        # chain: the linear states before the round; tree: every node's, {(layer, s): LinearState (A, n + 1, ...)}
+        self.pending = None
+        self.added = 0  # entries the last verify added to the attention layers
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
         from .generation_jetspec import prefill
@@ -177,10 +179,12 @@ class HybridVerifier:
                 if index not in self.attention:
                     layer.activate_past_recording()
             tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
+            self.added = tokens.shape[1]
             out = self._forward(state.cache, tokens, state.anchor_pos[:, None] + chain.depths,
                                 self._masks(state.valid, state.positions, chain, state.anchor_pos))
             return chain, out.logits.float(), self.head.target_features(out.hidden_states)
         logits, features, tree_kv, self.pending = self._scan(state, trees)
+        self.added = trees.depths.shape[1]
         for index, (keys, values) in tree_kv.items():  # the cache now holds past + n + 1 entries, as a tree verify's
             state.cache.layers[index].update(keys, values)
         return trees, logits, features
@@ -206,7 +210,7 @@ class HybridVerifier:
     def discard(self, state, trees):
         """Undo a `verify` without compacting (timing repeats)."""
         for index in self.attention:
-            state.cache.layers[index].crop(-(trees.tokens.shape[1] + 1))
+            state.cache.layers[index].crop(-self.added)  # the chain's or the tree's entries
         if self.mode == "chain":
             write_states(state.cache, self.pending)
             self._stop_recording(state.cache)
@@ -299,8 +303,8 @@ class HybridVerifier:
             r, j = (trees.depths == d).nonzero(as_tuple=True)  # (N_d,) row and node of every node at depth d
             start = {key: s.map(lambda t: t[r]) for key, s in row_states.items()} if d == 0 else \
                 {key: s.map(lambda t: t[r, parents[r, j]]) for key, s in nodes.items()}
-            attention = {i: tuple(torch.cat([c[r], t[r]], dim=2) for c, t in zip(
-                (cache.layers[i].keys, cache.layers[i].values), tree_kv[i])) for i in self.attention}  # (N, H, S+n+1, D)
+            attention = {i: tuple(torch.cat([c[r], t[r]], dim=2) for c, t in zip(  # (N, H, S + n + 1, D)
+                (cache.layers[i].keys, cache.layers[i].values), tree_kv[i])) for i in self.attention}
             step = filled_cache(self.types, attention, start)
             out = self._forward(step, tokens[r, j][:, None], positions[r, j][:, None],
                                 {t: m if m is None else _node_mask(m, r, j, past) for t, m in masks.items()})

@@ -84,6 +84,31 @@ def test_sometimes_right_drafter_matches_greedy(family, mode, batch):  # (c)
     assert head.last_stats.tau > (3.0 if mode == "tree" else 1.2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_lookup_branch_is_verified(mode):
+    # a prompt that repeats itself: the prompt-lookup chain leads the tree (no prior: chain first), so the chain
+    # verifier's best path is the lookup branch; rows whose lookup chain differs in length are padded
+    target = hybrid_target("qwen3_5_text")
+    ids, mask = prompts(3, vocab_size=VOCAB)
+    ids = torch.cat([ids, ids[:, -6:], ids[:, -6:]], dim=1)
+    mask = torch.cat([mask, torch.ones(3, 12, dtype=mask.dtype)], dim=1)
+    plain = greedy(target, ids, mask, max_new_tokens=20)
+    head = tiny_head(target, tree_lookup=6)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=head, tree_verify=mode), plain)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_measured_budget_and_path_conditioning_stay_lossless(mode):
+    # tree_budget="auto" times verify forwards and undoes each one (`discard`), before the first round
+    target = hybrid_target("qwen3_next")
+    ids, mask = prompts(3, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=12)
+    for kwargs in (dict(tree_budget="auto"), dict(path_conditioning=True)):
+        tree = greedy(target, ids, mask, max_new_tokens=12, assistant_model=tiny_head(target), tree_verify=mode,
+                      **kwargs)
+        assert torch.equal(tree, plain), kwargs
+
+
 def test_tree_accepts_more_than_chain_and_costs_more_forwards():
     """The measurement behind `tree_verify="auto"` == "chain" (counts, not times; README "Supported targets")."""
     target = hybrid_target("qwen3_5_text")
