@@ -179,7 +179,8 @@ def test_revealed_slots_carry_real_tokens_and_get_no_loss():
     flat, loss_mask = labels.view(16, 7), (labels != -100).view(16, 7)
     changed = student.clone()
     changed[revealed.view(16, 7)] += 5 * torch.randn(int(revealed.sum()), VOCAB)
-    torch.testing.assert_close(block_loss(changed, teacher, flat, loss_mask), block_loss(student, teacher, flat, loss_mask))
+    torch.testing.assert_close(block_loss(changed, teacher, flat, loss_mask),
+                               block_loss(student, teacher, flat, loss_mask))
 
 
 def test_collator_draws_per_row_and_epoch():
@@ -333,7 +334,7 @@ def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
 
 def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     """Steps 3-4 resumed from checkpoint-2 log the losses of the uninterrupted run: the weights, optimizer, data
-    position and anchor draws (seeded by step) all come back."""
+    position and anchor draws (seeded by row and epoch) all come back."""
     target = sharp_target()
     target_dir = save_target_folder(target, tmp_path / "target")
     data = write_shards(tmp_path / "regen", regenerated_rows(target))
@@ -378,9 +379,10 @@ TWO_PROCESS_TOLERANCE = 1e-4
 
 @pytest.mark.multiprocess
 def test_two_process_run_matches_one_process_with_the_doubled_batch(tmp_path):
-    """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo DDP) with 2 rows per process follows the same loss curve
-    as one process with 4 rows: same rows per step, same anchors per row (seeded by row id and step), and the loss
-    normalised by the slot count of all processes."""
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (gloo DDP) with 2 rows per process follows the same loss
+    curve as one process with 4 rows: same rows per step, same anchors per row (seeded by row id and epoch), and the loss
+    normalised by the slot count of all processes. The run must also end: every process leaves the process group at
+    the same point, and a collective stuck for a minute (`--ddp_timeout 60`) fails instead of hanging."""
     target = sharp_target()
     target_dir = save_target_folder(target, tmp_path / "target")
     data = write_shards(tmp_path / "regen", regenerated_rows(target))
