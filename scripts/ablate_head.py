@@ -75,7 +75,8 @@ def main(argv=None) -> dict:
         acc = row["acc_per_depth"]
         lines.append(f"| {name} | `{row['change']}` | {row['seconds_per_step']:.2f} | {row['eval_loss']:.3f} | "
                      f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |")
-    (out / "ablation.md").write_text(f"{args.steps} steps per variant, store {args.store}\n\n" + "\n".join(lines) + "\n")
+    header = f"{args.steps} steps per variant, store {args.store}\n\n"
+    (out / "ablation.md").write_text(header + "\n".join(lines) + "\n")
     print("\n".join(lines))
     return summary
 

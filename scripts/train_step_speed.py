@@ -61,8 +61,8 @@ def synthetic_batch(args, head: JetSpecDraftModel, generator: torch.Generator):
     """One collated batch of `batch_size` rows of `max_length` tokens, and the target's features `(B, L, k*H)` and
     final states `(B, L, H)` of its rows (bf16, as a feature store returns them)."""
     rows = [
-        {"id": f"row-{i}", "input_ids": torch.randint(0, args.vocab_size, (args.max_length,), generator=generator).tolist(),
-         "prompt_length": args.max_length // 4}
+        {"id": f"row-{i}", "prompt_length": args.max_length // 4,
+         "input_ids": torch.randint(0, args.vocab_size, (args.max_length,), generator=generator).tolist()}
         for i in range(args.batch_size)
     ]
     collator = JetSpecCollator(
@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
                         help=f"comma-separated, of {sorted(MODES)} (default: all)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed steps per mode first (compilation, of the forward and the backward, happens here)")
+                        help="untimed steps per mode first (compilation of the forward and backward happens here)")
     parser.add_argument("--hidden_size", type=int, default=576)
     parser.add_argument("--intermediate_size", type=int, default=1536)
     parser.add_argument("--num_layers", type=int, default=30, help="target layers (the head reads 5 of them)")
@@ -160,7 +160,8 @@ def main(argv=None) -> dict:
         for mode, values in seconds.items()
     }
     lines = [f"{args.steps} timed steps per mode after {args.warmup} warm-up steps; {args.batch_size} rows x "
-             f"{args.max_length} tokens, {args.anchors} blocks of {args.block_size} per row, hidden {args.hidden_size}, "
+             f"{args.max_length} tokens, {args.anchors} blocks of {args.block_size} per row, "
+             f"hidden {args.hidden_size}, "
              f"draft vocabulary {args.draft_vocab_size}, {torch.get_num_threads()} threads",
              "", "| mode | s/step (median) | min | max | sequence positions/s | vs fp32 | last loss |",
              "|---|---:|---:|---:|---:|---:|---:|"]

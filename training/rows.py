@@ -92,11 +92,15 @@ def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path} which does not exist")
+        raise ValueError(
+            f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path} which does not exist"
+        )
     with np.load(path) as data:
         missing = {"tokens", "offsets", "prompt_length", "id"} - set(data.files)
         if missing:
-            raise ValueError(f"expected arrays tokens, offsets, prompt_length and id in {path}, got {sorted(data.files)}")
+            raise ValueError(
+                f"expected arrays tokens, offsets, prompt_length and id in {path}, got {sorted(data.files)}"
+            )
         tokens, offsets = data["tokens"].astype(np.int64), data["offsets"]
         rows = {
             "id": [str(i) for i in data["id"]],

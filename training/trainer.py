@@ -82,7 +82,8 @@ class JetSpecTrainingArguments(TrainingArguments):
         metadata={"help": "Hub id of the target for the model card; defaults to the target's own name."},
     )
     card_template: str | None = field(
-        default=None, metadata={"help": "Model card template written as README.md; defaults to hub_cards/jetspec-head.md."}
+        default=None,
+        metadata={"help": "Model card template written as README.md; defaults to hub_cards/jetspec-head.md."},
     )
     remove_unused_columns: bool = field(
         default=False,
@@ -471,7 +472,8 @@ class JetSpecTrainer(Trainer):
         final = out.last_hidden_state  # (B, L, H), what the target's LM head reads
         if cache is not None:
             for i, (key, length) in enumerate(zip(keys, lengths)):
-                cache[key] = (features[i, :length].to("cpu", torch.bfloat16), final[i, :length].to("cpu", torch.bfloat16))
+                cache[key] = (features[i, :length].to("cpu", torch.bfloat16),
+                              final[i, :length].to("cpu", torch.bfloat16))
         return features, final
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
