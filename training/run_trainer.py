@@ -316,9 +316,10 @@ def main(argv=None) -> dict:
     metrics["train_target_tokens_per_second"] = trainer._tokens_seen * trainer.accelerator.num_processes / runtime
     if eval_set is not None:
         metrics.update(trainer.evaluate())
-    # The evaluation was the last collective. Every process leaves the process group here, at the same point and
-    # with nothing in flight; shipping needs no other process, so no rank sits in a barrier while the main process
-    # ships, and none tears its side down while another still waits on it.
+    # The evaluation was the last collective. Every process meets the others once more and leaves the process group
+    # here, through accelerate, at the same point and with nothing in flight. Shipping needs no other process, so it
+    # comes after: no rank waits in a collective while the main process ships (tens of seconds), and a process that
+    # must exit abnormally never leaves a peer blocked in one. A stuck collective fails after `ddp_timeout`.
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     if trainer.is_world_process_zero():
