@@ -30,12 +30,19 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from .tree import verification_mask
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # keys/values; windows are applied by the mask
 STATE_LAYER_TYPES = ("linear_attention", "conv")  # a recurrent and/or convolution state per row
+CACHELESS_LAYER_TYPES = ("moe", "mlp")  # no token mixing, nothing cached (Nemotron-H's MoE layers)
 TREE_VERIFY = ("auto", "tree", "chain")
 
 
@@ -51,11 +58,13 @@ def is_hybrid(target) -> bool:
 
 def check_hybrid_layer_types(target):
     """Raise a `ValueError` naming the layer types neither verifier handles."""
-    other = sorted({t for t in layer_types(target) if t not in ATTENTION_LAYER_TYPES + STATE_LAYER_TYPES})
+    known = ATTENTION_LAYER_TYPES + STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES
+    other = sorted({t for t in layer_types(target) if t not in known})
     if other:
         raise ValueError(
-            f"expected a target whose layers are attention ({', '.join(ATTENTION_LAYER_TYPES)}) or linear attention / "
-            f"convolution ({', '.join(STATE_LAYER_TYPES)}), got layer types {other} ({type(target).__name__})"
+            f"expected a target whose layers are attention ({', '.join(ATTENTION_LAYER_TYPES)}), linear attention / "
+            f"convolution ({', '.join(STATE_LAYER_TYPES)}) or cacheless ({', '.join(CACHELESS_LAYER_TYPES)}), got "
+            f"layer types {other} ({type(target).__name__})"
         )
 
 
@@ -65,7 +74,11 @@ class HybridCache(DynamicCache):
 
     def __init__(self, types: list):
         super().__init__()
-        self.layers = [LinearAttentionLayer() if t in STATE_LAYER_TYPES else DynamicLayer() for t in types]
+        self.layers = [
+            LinearAttentionLayer() if t in STATE_LAYER_TYPES else DummyLayer() if t in CACHELESS_LAYER_TYPES
+            else DynamicLayer()
+            for t in types
+        ]
 
     def batch_select_indices(self, indices: torch.Tensor):
         for layer in self.layers:
@@ -175,8 +188,8 @@ class HybridVerifier:
         if self.mode == "chain":
             chain = best_path(trees)
             self.pending = read_states(state.cache)  # the states before the round, for replays and discards
-            for index, layer in enumerate(state.cache.layers):
-                if index not in self.attention:
+            for layer in state.cache.layers:
+                if isinstance(layer, LinearAttentionCacheLayerMixin):
                     layer.activate_past_recording()
             tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
             self.added = tokens.shape[1]
@@ -231,14 +244,14 @@ class HybridVerifier:
         masks = {}
         for t in set(self.types):
             window = None if self.windows is None else self.windows.get(t, self.windows.get(None))
-            masks[t] = None if t in STATE_LAYER_TYPES else verification_mask(
+            masks[t] = None if t in STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES else verification_mask(
                 valid, trees.ancestors, dtype, window, past_positions, positions
             )
         return masks
 
     def _stop_recording(self, cache):
-        for index, layer in enumerate(cache.layers):
-            if index not in self.attention:
+        for layer in cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
                 layer.record_past = False  # as `generate` ends a recording (`DeferredStopCheck.finish`)
 
     def _chain_states(self, state, chain, count: torch.Tensor) -> dict:

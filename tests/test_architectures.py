@@ -89,8 +89,11 @@ HYBRID_FAMILIES = {
     "jamba": ({"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8}, "sdpa"),
     "granitemoehybrid": ({**MAMBA2, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
     "bamba": ({**MAMBA2, "attn_layer_indices": [1]}, "sdpa"),
-    "nemotron_h": ({"layers_block_type": ["mamba", "attention"], "mamba_num_heads": 8, "mamba_head_dim": 16,
-                    "ssm_state_size": 8, "chunk_size": 16, "n_groups": 1}, "sdpa"),
+    "nemotron_h": ({"layers_block_type": ["mamba", "attention", "moe"], "num_hidden_layers": 3, "mamba_num_heads": 8,
+                    "mamba_head_dim": 16, "ssm_state_size": 8, "chunk_size": 16, "n_groups": 1}, "sdpa"),  # + a
+    # cacheless MoE layer
+    "kimi_linear": ({**MLA, "layer_types": ["linear_attention", "full_attention"], "linear_head_dim": 16,
+                     "linear_num_heads": 4, "mlp_layer_types": ["dense", "sparse"]}, "sdpa"),  # KDA + MLA
 }
 # families neither verification path handles: refused, naming the layer types (or, MiniMax, its own cache class)
 REFUSED = {
