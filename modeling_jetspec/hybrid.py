@@ -1,6 +1,6 @@
 """Verification for hybrid targets: attention layers next to layers that keep a recurrent or convolution state
-(Qwen3.5 / Qwen3.6 and Qwen3-Next gated delta-net layers, LFM2 short convolutions; `docs/design.md`, "§2 The round",
-"§7 Targets and checkpoint formats").
+(gated delta-net in Qwen3.5 / Qwen3.6 and Qwen3-Next, Kimi delta attention, Mamba in Jamba, Bamba, Granite 4 and
+Nemotron-H, short convolutions in LFM2; `docs/design.md`, "§2 The round", "§7 Targets and checkpoint formats").
 
 A key/value cache can keep any subset of a tree's entries, so an attention target verifies the whole tree in one
 forward. A recurrent state cannot: it folds its tokens in order, so a state holds one path. Two verifiers serve these
@@ -19,8 +19,9 @@ targets, chosen per call with `tree_verify`:
   It costs depth + 1 target forwards per round instead of one.
 
 "auto" is "chain": a round of the tree scan costs depth + 1 sequential forwards, a chain one or two, and at batch 1 a
-forward's time is mostly reading the weights, whatever its width; the tree scan pays only where the extra acceptance
-of a tree (measured in `tests/test_hybrid.py`) exceeds that factor, which it does not at depths >= 2.
+forward's time is mostly reading the weights, whatever its width; the scan pays only where a tree's tau exceeds the
+chain's by that ratio (the counts, from `tests/test_hybrid.py`, and the estimate at Qwen3.5 size are in the README,
+"Supported targets").
 
 Lossless: every committed token is the target's choice after exactly the committed tokens, whichever nodes are
 verified, and the state a row keeps is the state after exactly its committed tokens minus the anchor.
@@ -81,6 +82,8 @@ class HybridCache(DynamicCache):
         ]
 
     def batch_select_indices(self, indices: torch.Tensor):
+        """Keep the rows `indices` `(A',)` of every layer, in place (transformers' linear-attention layers lack this
+        method; their `reorder_cache` selects rows)."""
         for layer in self.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 layer.reorder_cache(indices)  # an index_select of every state over rows
@@ -96,6 +99,7 @@ class LinearState:
     recurrent: torch.Tensor | None  # (A, ...) the recurrent state
 
     def map(self, fn) -> "LinearState":
+        """`fn` applied to each state tensor that exists."""
         return LinearState(*(fn(t) if t is not None else None for t in (self.conv, self.recurrent)))
 
 
