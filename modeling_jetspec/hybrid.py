@@ -169,6 +169,10 @@ class HybridVerifier:
 
     Same methods as `generation_jetspec.TreeVerifier`: `prefill`, `verify`, `compact`, `discard`. Between `verify`
     and `compact` it keeps the round's pending linear states.
+
+    Args:
+        mode (`str`): `tree_verify` of the call, "auto" (= "chain"), "chain" or "tree".
+        windows (`dict`, *optional*): sliding windows per layer type, from `generation_jetspec.verify_windows`.
     """
 
     def __init__(self, target, head, mode: str, windows: dict | None):
@@ -189,6 +193,13 @@ class HybridVerifier:
         return prefill(self.head, self.target, input_ids, attention_mask, HybridCache(self.types))
 
     def verify(self, state, trees):
+        """Verify the round's trees (`DraftTrees`, n nodes per row) after `state`'s cache.
+
+        Returns:
+            `(trees, logits, features)`: the trees verified (chain: the best paths, k nodes per row), the target's
+            logits after each of their nodes `(A, n + 1, V)` in fp32 and the head's features `(A, n + 1, kH)`. The
+            attention layers hold past + n + 1 entries; the linear layers' states of the round wait in `pending`.
+        """
         if self.mode == "chain":
             chain = best_path(trees)
             self.pending = read_states(state.cache)  # the states before the round, for replays and discards
@@ -207,6 +218,8 @@ class HybridVerifier:
         return trees, logits, features
 
     def compact(self, state, trees, acc, features, keep):
+        """`generation_jetspec.compact` for the attention layers; each surviving row's linear states become those
+        after its accepted nodes."""
         from .generation_jetspec import compact, keep_accepted_entries
 
         if self.mode == "chain":
