@@ -59,6 +59,7 @@ from .budget import DEFAULT_CANDIDATES, BudgetController
 from .hybrid import HybridVerifier, is_hybrid
 from .timing import clock, median_seconds
 from .tree import (
+    ENTROPY_SCORINGS,
     LOOKUP_MAX_NGRAM,
     Tree,
     ancestor_mask,
@@ -454,7 +455,7 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: lis
     logp = torch.log_softmax(out.logits[:, 1 : shape.depth + 1], dim=-1)  # (A, N, V_draft)
     top_lp, top_tok = logp.topk(shape.width, dim=-1)  # (A, N, W)
     top_tok = head.draft_to_target(top_tok)  # (A, N, W) target ids
-    ent = entropy(logp) if shape.scoring != "logprob" else torch.zeros(logp.shape[:2])  # (A, N)
+    ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, N)
     children = [marginal_children(top_lp[i], top_tok[i], ent[i]) for i in range(a)]
     if shape.lookup:
         children = [_with_lookup_branch(fn, history, shape) for fn, history in zip(children, histories)]
@@ -965,7 +966,7 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     logp = torch.log_softmax(out.logits[:, n + 1 :], dim=-1)  # (A, n, V_draft)
     probe_lp, probe_tok = logp.topk(shape.width, dim=-1)  # (A, n, W)
     probe_tok = head.draft_to_target(probe_tok)  # (A, n, W) target ids
-    probe_ent = entropy(logp) if shape.scoring != "logprob" else torch.zeros(logp.shape[:2])  # (A, n)
+    probe_ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, n)
     rebuilt = []
     for i in range(a):
         paths, probed = [()], {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 TREE_SCORINGS = ("logprob", "entropy", "mixed", "gap")
+ENTROPY_SCORINGS = ("entropy", "mixed")  # the keys that read a depth's entropy; the others need not compute it
 # `gap` scoring (JetSpec's low-budget "top-2-gap fanout"): a node keeps only the candidates whose log-prob is within
 # this many nats of its best one, so a confident depth (top-1 far above top-2) spends no budget on siblings and the
 # budget goes deeper along the likely path instead. 2 nats: a sibling must be at least 1/e^2 (~14%) as likely.
