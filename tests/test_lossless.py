@@ -128,7 +128,7 @@ def test_eos_inside_an_accepted_path(arch):
 
 
 @pytest.mark.parametrize("block_attention", ["causal", "bidirectional"])
-@pytest.mark.parametrize("scoring", ["logprob", "entropy", "mixed"])
+@pytest.mark.parametrize("scoring", ["logprob", "entropy", "mixed", "gap"])
 def test_ablations_stay_lossless(block_attention, scoring):
     target = tiny_target("llama")
     head = tiny_head(target, block_attention=block_attention, tree_scoring=scoring)
