@@ -85,7 +85,7 @@ def resolve_head_path(head: Optional[str], target: str) -> Path:
         raise ValueError(
             f"expected a trained JetSpec head at {path} (config.json + model.safetensors from "
             f"`head.save_pretrained`), got {found}; train one for target {target!r} (regenerate data with "
-            f"`python training/regenerate.py --target {target} ...`, then `python training/run_trainer.py "
+            f"`python -m training.regenerate --target {target} ...`, then `python training/run_trainer.py "
             f"--target {target} --data data/regen --output_dir {path}`) or pass --head DIR"
         )
     return path
