@@ -70,7 +70,9 @@ from .targets import apply_chat_template
 __all__ = ["BenchConfig", "LosslessError", "Method", "PromptRow", "aggregate", "build_methods", "run_benchmark"]
 
 
-METHOD_KINDS = ("plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup", "lookup_first")
+METHOD_KINDS = (
+    "plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup", "lookup_first", "gap", "lookup_gap",
+)
 DEFAULT_METHODS = METHOD_KINDS
 PROMPT_LOOKUP_TOKENS = 10
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +158,8 @@ def build_methods(
 ) -> list[Method]:
     """The measured methods, in the order of `kinds`.
 
-    `"tree"`, `"lookup"` and `"lookup_first"` expand to one method per budget; `"path_conditioning"` is the tree at
+    `"tree"`, `"lookup"`, `"lookup_first"`, `"gap"` and `"lookup_gap"` expand to one method per budget (the `gap`
+    kinds shape the tree with `tree_scoring="gap"`, see docs/design.md); `"path_conditioning"` is the tree at
     `default_budget`; the lookup branch holds `lookup_tokens` tokens, by default `chain_depth`. `chain`, `tree-B`,
     `auto` and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default.
     """
@@ -165,6 +168,8 @@ def build_methods(
         "tree": ("", {"tree_lookup": 0}),
         "lookup": ("-lookup", {"tree_lookup": lookup_tokens}),
         "lookup_first": ("-lookup-first", {"tree_lookup": lookup_tokens, "tree_lookup_prior": False}),
+        "gap": ("-gap", {"tree_lookup": 0, "tree_scoring": "gap"}),
+        "lookup_gap": ("-lookup-gap", {"tree_lookup": lookup_tokens, "tree_scoring": "gap"}),
     }
     chain = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth, "tree_lookup": 0}
     single = {

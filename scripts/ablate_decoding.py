@@ -33,6 +33,13 @@ SETTINGS = {
     "tree-16-lookup16": {"tree_budget": 16, "tree_lookup": 16},
     "tree-24-lookup16": {"tree_budget": 24, "tree_lookup": 16},
     "tree-8-lookup12": {"tree_budget": 8, "tree_lookup": 12},
+    # best-first cumulative log-prob (the default) against the top-2-gap fanout, at the low budgets
+    "tree-8": {"tree_budget": 8, "tree_lookup": 0},
+    "tree-8-gap": {"tree_budget": 8, "tree_lookup": 0, "tree_scoring": "gap"},
+    "tree-16-gap": {"tree_budget": 16, "tree_lookup": 0, "tree_scoring": "gap"},
+    "tree-8-lookup16": {"tree_budget": 8, "tree_lookup": 16},
+    "tree-8-lookup16-gap": {"tree_budget": 8, "tree_lookup": 16, "tree_scoring": "gap"},
+    "tree-16-lookup16-gap": {"tree_budget": 16, "tree_lookup": 16, "tree_scoring": "gap"},
 }
 
 

@@ -13,9 +13,8 @@ import json
 import time
 
 import torch
-from transformers import GenerationConfig
 
-from jetspec.targets import apply_chat_template, load_target
+from jetspec.targets import apply_chat_template, load_target, resolve_dtype
 from training.regen import _generate_shard, compact_ids, read_prompts
 
 
@@ -28,8 +27,11 @@ def main(argv=None) -> None:
     parser.add_argument("--capture", action="store_true", help="generate with the feature capture of --feature_store")
     parser.add_argument("--continuous", action="store_true", help="also time continuous batching (generate_batch)")
     parser.add_argument("--out", default=None, help="jsonl file to append the results to")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 only where the CPU runs it natively), float32, bfloat16")
     args = parser.parse_args(argv)
-    model, tokenizer = load_target("smollm2-135m", dtype=torch.bfloat16)
+    dtype, reason = resolve_dtype(args.dtype)
+    print(f"dtype {dtype} ({reason})", flush=True)
+    model, tokenizer = load_target("smollm2-135m", dtype=dtype)
     packed, _ = compact_ids("training/data/smollm2-135m-mix.npz")
     records = [r for r in read_prompts("training/prompts/train_mix.jsonl") if r["id"] not in packed]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -39,15 +41,12 @@ def main(argv=None) -> None:
     totals = {name: [0, 0.0] for name in settings}  # answer tokens, seconds
 
     def run(name: str, shard: list) -> int:
-        if name == "continuous batching":
-            config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=pad)
-            outputs = model.generate_batch([s["prompt_ids"] for s in shard], generation_config=config, warmup=False)
-            return sum(len(o.generated_tokens) for o in outputs.values())
         counted = []
-        _generate_shard(model, tokenizer, shard, batch_size=int(name.split()[-1]), max_new_tokens=args.max_new_tokens,
-                        sample_temperature=0.0, pad_token_id=pad, on_batch=lambda rows, tokens: counted.append(tokens),
-                        capture_layers=capture)
+        continuous = name == "continuous batching"
+        _generate_shard(model, tokenizer, shard, batch_size=0 if continuous else int(name.split()[-1]),
+                        max_new_tokens=args.max_new_tokens, sample_temperature=0.0, pad_token_id=pad,
+                        on_batch=lambda rows, tokens: counted.append(tokens), capture_layers=None if continuous else capture,
+                        continuous=continuous)  # continuous batching returns no hidden states
         return sum(counted)
 
     for round_ in range(args.rounds):
@@ -64,7 +63,8 @@ def main(argv=None) -> None:
             print(json.dumps({"round": round_, "setting": name, "tokens": tokens, "tok_s": round(tokens / seconds, 1)}),
                   flush=True)
     base = totals[settings[0]][0] / totals[settings[0]][1]
-    results = [{"setting": name, "capture": bool(capture), "prompts": args.prompts * args.rounds,
+    results = [{"setting": name, "dtype": str(dtype).removeprefix("torch."), "capture": bool(capture),
+                "prompts": args.prompts * args.rounds,
                 "max_new_tokens": args.max_new_tokens, "answer_tokens": tokens, "seconds": round(seconds, 1),
                 "tok_s": round(tokens / seconds, 1), "vs_first": round(tokens / seconds / base, 2)}
                for name, (tokens, seconds) in totals.items()]

@@ -36,8 +36,10 @@ CHAT_TEMPLATE = (
 BUDGETS = [4, 12]
 MAX_NEW = 10
 METHODS = ["plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
-           "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first"]
-TREE_ARGUMENTS = ("tree_budget", "tree_width", "tree_depth", "tree_lookup", "tree_lookup_prior", "path_conditioning")
+           "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first", "tree-4-gap", "tree-12-gap",
+           "tree-4-lookup-gap", "tree-12-lookup-gap"]
+TREE_ARGUMENTS = ("tree_budget", "tree_width", "tree_depth", "tree_lookup", "tree_lookup_prior", "path_conditioning",
+                  "tree_scoring")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -125,8 +127,10 @@ def test_methods_pass_their_arguments(run):
     assert arguments["tree-4-lookup"] == {"tree_budget": 4, "tree_lookup": 6}  # the head's prior scores the chain
     assert arguments["tree-4-lookup-first"] == {"tree_budget": 4, "tree_lookup": 6, "tree_lookup_prior": False}
     assert arguments["chain"] == {"tree_depth": 4, "tree_width": 1, "tree_budget": 4, "tree_lookup": 0}
-    # chain, tree-B, auto and tree-B-pc measure the head alone although the head's default has a lookup branch
-    for name in ("chain", "tree-4", "tree-12", "auto", "tree-12-pc"):
+    assert arguments["tree-12-gap"] == {"tree_budget": 12, "tree_lookup": 0, "tree_scoring": "gap"}
+    assert arguments["tree-4-lookup-gap"] == {"tree_budget": 4, "tree_lookup": 6, "tree_scoring": "gap"}
+    # chain, tree-B, auto, tree-B-pc and tree-B-gap measure the head alone although the head's default has a lookup branch
+    for name in ("chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-gap"):
         assert arguments[name]["tree_lookup"] == 0, name
     for group in measured_calls(calls):  # and these arguments are the ones generate received
         sent = sorted(json.dumps(c["key"], sort_keys=True) for c in group)

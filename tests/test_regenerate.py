@@ -291,3 +291,42 @@ def test_compact_file_round_trips_and_extends_without_regenerating_packed_rows(m
     regenerate(model, tokenizer, rest, tmp_path / "other", **dict(RUN, max_new_tokens=3))
     with pytest.raises(ValueError, match="expected the settings of the rows already in"):
         save_compact(tmp_path / "other", packed)
+
+
+def test_continuous_batching_writes_the_rows_of_padded_batches(model, tokenizer, prompt_file, tmp_path):
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts, tmp_path / "padded", **RUN)
+    stats = regenerate(model, tokenizer, prompts, tmp_path / "continuous", continuous=True, **RUN)
+    padded, continuous = load_regenerated(tmp_path / "padded"), load_regenerated(tmp_path / "continuous")
+    assert stats["new_rows"] == 11 and stats["new_tokens"] == sum(
+        len(row["input_ids"]) - row["prompt_length"] for row in continuous)
+    # fp32 greedy: the same answers, EOS cut the same way, whichever engine scheduled them
+    assert continuous.to_list() == padded.to_list()
+    manifest = json.loads((tmp_path / "continuous" / "progress.json").read_text())
+    assert manifest["settings"]["continuous"] is True
+
+
+def test_continuous_batching_refuses_a_feature_store(model, tokenizer, prompt_file, tmp_path):
+    from training.feature_store import StoreWriter, store_settings
+
+    writer = StoreWriter(tmp_path / "store", store_settings(model, [0, 1], 32, "tiny"))
+    with pytest.raises(ValueError, match="continuous batching returns no hidden states"):
+        regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", continuous=True,
+                   feature_store=writer, **RUN)
+
+
+def test_regenerate_command_skips_the_rows_of_excluded_files(model, tokenizer, prompt_file, tmp_path):
+    from training.regen import save_compact
+    from training.regenerate import main
+
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts[:4], tmp_path / "earlier", **RUN)
+    save_compact(tmp_path / "earlier", tmp_path / "earlier.npz")  # e.g. rows committed from another dtype
+    command = ["--target", str(tmp_path / "tiny"), "--prompts", str(prompt_file), "--out", str(tmp_path / "out"),
+               "--max_new_tokens", "6", "--batch_size", "3", "--shard_size", "4", "--dtype", "float32"]
+    main(command + ["--exclude", str(tmp_path / "earlier.npz")])
+    assert load_regenerated(tmp_path / "out")["id"] == [f"p{i}" for i in range(4, 11)]
+    with pytest.raises(ValueError, match="expected --exclude to name existing compact .npz files"):
+        main(command + ["--exclude", str(tmp_path / "missing.npz")])

@@ -30,7 +30,7 @@ import datasets
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from jetspec.targets import apply_chat_template
 
@@ -40,7 +40,7 @@ from .rows import (
 )
 
 HUMAN_ROLES = ("human", "user")
-SCHEDULING_SETTINGS = frozenset({"batch_size", "shard_size"})  # may differ between the parts of one compact file
+SCHEDULING_SETTINGS = frozenset({"batch_size", "shard_size", "continuous"})  # may differ between the parts of one compact file
 
 
 def _prompt_of(record: Any, where: str) -> str:
@@ -149,6 +149,75 @@ def _batches(items: list, size: int) -> Iterator[list]:
         yield items[start : start + size]
 
 
+def _until_eos(answer_ids: list[int], eos_ids: set[int]) -> list[int]:
+    """The answer up to and including its first EOS; what a batch generated after it is padding."""
+    for position, token in enumerate(answer_ids):
+        if token in eos_ids:
+            return answer_ids[: position + 1]
+    return answer_ids
+
+
+def _static_answers(
+    model: PreTrainedModel, shard: list[dict[str, Any]], *, batch_size: int, pad_token_id: int,
+    capture_layers: Optional[list[int]], generate_kwargs: dict,
+) -> Iterator[tuple[list[int], list[list[int]], Optional[list[torch.Tensor]]]]:
+    """`model.generate` on left-padded batches of similar prompt lengths; yields `(shard indices, answers, states)`
+    per batch, states (one tensor per row) only with `capture_layers`."""
+    eos_ids = _eos_ids(model)
+    # batches of similar length waste less compute on padding; the order is deterministic
+    order = sorted(range(len(shard)), key=lambda i: (len(shard[i]["prompt_ids"]), i))
+    for batch in _batches(order, batch_size):
+        prompt_ids = [shard[i]["prompt_ids"] for i in batch]
+        width = max(len(ids) for ids in prompt_ids)
+        # left padding: every prompt ends at the same column, where generation starts
+        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, T)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        output = model.generate(
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
+            pad_token_id=pad_token_id,
+            output_hidden_states=capture_layers is not None,
+            return_dict_in_generate=capture_layers is not None,
+            **generate_kwargs,
+        )
+        steps = None
+        if capture_layers is not None:
+            # step 0 is the prompt forward (B, T, .); step s >= 1 fed answer token s - 1 (B, 1, .)
+            steps = [stack_states(states, capture_layers) for states in output.hidden_states]
+            output = output.sequences  # (B, T + new)
+        answers = [_until_eos(output[row, width:].tolist(), eos_ids) for row in range(len(batch))]
+        states = None
+        if steps is not None:
+            states = []
+            for row, answer_ids in enumerate(answers):
+                prompt = steps[0][row, width - len(prompt_ids[row]) :]
+                fed = [steps[s][row] for s in range(1, len(answer_ids))]
+                states.append(torch.cat([prompt, *fed, torch.zeros_like(prompt[:1])]))
+        yield batch, answers, states
+
+
+def _continuous_answers(
+    model: PreTrainedModel, shard: list[dict[str, Any]], *, pad_token_id: int, generate_kwargs: dict,
+) -> Iterator[tuple[list[int], list[list[int]], None]]:
+    """transformers' continuous batching (`generate_batch`) over the whole shard: a finished answer frees its slot
+    for the next prompt at once, so no row decodes padding after its EOS and no prompt is padded. Yields the shard
+    as one batch, in its order."""
+    eos_ids = _eos_ids(model)
+    config = GenerationConfig(pad_token_id=pad_token_id, eos_token_id=sorted(eos_ids) or None, **generate_kwargs)
+    outputs = model.generate_batch([row["prompt_ids"] for row in shard], generation_config=config, warmup=False)
+    results = list(outputs.values())
+    failed = [r.request_id for r in results if r.error is not None]
+    if len(results) != len(shard) or failed:
+        raise RuntimeError(
+            f"expected generate_batch to answer all {len(shard)} prompts, got {len(results)} answers "
+            f"and failures {failed}"
+        )
+    yield list(range(len(shard))), [_until_eos(list(r.generated_tokens), eos_ids) for r in results], None
+
+
 @torch.inference_mode()
 def _generate_shard(
     model: PreTrainedModel,
@@ -161,52 +230,29 @@ def _generate_shard(
     pad_token_id: int,
     on_batch: Callable[[int, int], None],
     capture_layers: Optional[list[int]] = None,
+    continuous: bool = False,
 ) -> list[dict[str, Any]]:
     """Answers the prompts of one shard; rows come back in the shard's order.
 
     With `capture_layers`, each row also carries `"states"`: the target's selected-layer and final hidden states at
     every position, as computed during generation, in the feature store's layout ([`training.feature_store.stack_states`]).
     Generation never feeds the last token of an answer, so its row is zero; training never reads it (an anchor
-    needs a next token, and its context ends before it).
+    needs a next token, and its context ends before it). `continuous` answers with transformers' continuous
+    batching instead of padded `generate` batches (no states: build the feature store afterwards).
     """
-    eos_ids = _eos_ids(model)
-    device = model.device
-    # batches of similar length waste less compute on padding; the order is deterministic
-    order = sorted(range(len(shard)), key=lambda i: (len(shard[i]["prompt_ids"]), i))
-    rows: dict[int, dict[str, Any]] = {}
+    if continuous and capture_layers is not None:
+        raise ValueError("expected either continuous batching or a feature capture, got both (continuous batching "
+                         "returns no hidden states: run training/feature_store.py on the rows afterwards)")
     sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0} if sample_temperature > 0 else {"do_sample": False}
-    for batch in _batches(order, batch_size):
-        prompt_ids = [shard[i]["prompt_ids"] for i in batch]
-        width = max(len(ids) for ids in prompt_ids)
-        # left padding: every prompt ends at the same column, where generation starts
-        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, T)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
-        for row, ids in enumerate(prompt_ids):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-        output = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad_token_id,
-            output_hidden_states=capture_layers is not None,
-            return_dict_in_generate=capture_layers is not None,
-            **sampling,
-        )
-        steps = None
-        if capture_layers is not None:
-            # step 0 is the prompt forward (B, T, .); step s >= 1 fed answer token s - 1 (B, 1, .)
-            steps = [stack_states(states, capture_layers) for states in output.hidden_states]
-            output = output.sequences  # (B, T + new)
-        new_tokens = 0
-        for row, i in enumerate(batch):
-            answer_ids = output[row, width:].tolist()
-            # keep the answer up to and including its first EOS; what follows is padding
-            for position, token in enumerate(answer_ids):
-                if token in eos_ids:
-                    answer_ids = answer_ids[: position + 1]
-                    break
-            new_tokens += len(answer_ids)
+    generate_kwargs = {"max_new_tokens": max_new_tokens, **sampling}
+    if continuous:
+        batches = _continuous_answers(model, shard, pad_token_id=pad_token_id, generate_kwargs=generate_kwargs)
+    else:
+        batches = _static_answers(model, shard, batch_size=batch_size, pad_token_id=pad_token_id,
+                                  capture_layers=capture_layers, generate_kwargs=generate_kwargs)
+    rows: dict[int, dict[str, Any]] = {}
+    for batch, answers, states in batches:
+        for row, (i, answer_ids) in enumerate(zip(batch, answers)):
             rows[i] = {
                 "id": shard[i]["id"],
                 "prompt": shard[i]["prompt"],
@@ -214,11 +260,9 @@ def _generate_shard(
                 "prompt_length": len(shard[i]["prompt_ids"]),
                 "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
             }
-            if steps is not None:
-                prompt = steps[0][row, width - len(prompt_ids[row]) :]
-                fed = [steps[s][row] for s in range(1, len(answer_ids))]
-                rows[i]["states"] = torch.cat([prompt, *fed, torch.zeros_like(prompt[:1])])
-        on_batch(len(batch), new_tokens)
+            if states is not None:
+                rows[i]["states"] = states[row]
+        on_batch(len(batch), sum(len(a) for a in answers))
     return [rows[i] for i in range(len(shard))]
 
 
@@ -236,6 +280,7 @@ def regenerate(
     target: Optional[str] = None,
     progress: bool = True,
     feature_store: Optional[StoreWriter] = None,
+    continuous: bool = False,
 ) -> dict[str, Any]:
     """
     Answers every prompt with the target and writes the rows as shards in `out_dir`, resuming
@@ -278,6 +323,9 @@ def regenerate(
             raise ValueError(f"expected {name} to be a positive int, got {value!r}")
     if sample_temperature < 0:
         raise ValueError(f"expected sample_temperature >= 0 (0 is greedy), got {sample_temperature}")
+    if continuous and feature_store is not None:
+        raise ValueError("expected either continuous=True or a feature_store, got both: continuous batching returns "
+                         "no hidden states (build the store afterwards with training/feature_store.py)")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_token_id is None:
         raise ValueError(f"expected the tokenizer to have a pad or EOS token for left padding, got neither on {type(tokenizer).__name__}")
@@ -292,6 +340,7 @@ def regenerate(
         "seed": seed,
         "sample_temperature": sample_temperature,
         "shard_size": shard_size,
+        "continuous": continuous,
     }
     manifest_path = out_dir / MANIFEST_NAME
     if manifest_path.exists():
@@ -345,6 +394,7 @@ def regenerate(
                 pad_token_id=pad_token_id,
                 on_batch=on_batch,
                 capture_layers=None if feature_store is None else feature_store.meta["target_layer_ids"],
+                continuous=continuous,
             )
             if feature_store is not None:
                 feature_store.append([(row_key(row["id"]), row.pop("states")) for row in rows])

@@ -11,12 +11,12 @@ Rerunning the same command resumes after the last completed shard.
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
-import torch
 from transformers import HfArgumentParser
 
-from jetspec.targets import load_target
+from jetspec.targets import load_target, resolve_dtype
 from modeling_jetspec.configuration_jetspec import default_target_layer_ids
 
 from .feature_store import StoreWriter, store_settings
@@ -55,9 +55,20 @@ class RegenerateArguments:
                           "target."},
     )
     feature_max_length: int = field(default=512, metadata={"help": "Positions stored per row (training max_length)."})
+    continuous: bool = field(
+        default=False,
+        metadata={"help": "Answer with transformers' continuous batching (generate_batch) instead of padded "
+                          "generate batches; excludes --feature_store (build it afterwards)."},
+    )
+    exclude: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Compact .npz files whose row ids are skipped besides --export's (e.g. rows committed "
+                          "from a run with other settings, which --export cannot be extended with)."},
+    )
     dtype: str = field(
-        default="bfloat16",
-        metadata={"help": "Target weights: `bfloat16` (fastest on CPUs with native bf16 and on GPUs) or `float32`."},
+        default="auto",
+        metadata={"help": "Target weights: `auto` (bfloat16 on a GPU or a CPU with native bf16, else float32), "
+                          "`bfloat16` or `float32`. bf16 without native support is several times slower."},
     )
 
 
@@ -72,16 +83,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.prompts is None:
         raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
     prompts = read_prompts(args.prompts, limit=args.limit)
-    if args.export is not None:  # rows already packed (e.g. committed) are not regenerated again
-        packed, _ = compact_ids(args.export)
+    missing = [path for path in args.exclude if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"expected --exclude to name existing compact .npz files, got missing {missing}")
+    # rows already packed (e.g. committed) are not regenerated again
+    packed = set().union(*(compact_ids(path)[0] for path in [*args.exclude, args.export] if path is not None))
+    if packed:
         prompts = [record for record in prompts if record["id"] not in packed]
         if not prompts:
-            print(f"every prompt is already in {args.export}")
+            print(f"every prompt is already in {', '.join([*args.exclude, args.export or ''])}")
             return
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    if args.dtype not in dtypes:
-        raise ValueError(f"expected --dtype in {sorted(dtypes)}, got {args.dtype!r}")
-    model, tokenizer = load_target(args.target, dtype=dtypes[args.dtype])
+    dtype, reason = resolve_dtype(args.dtype)
+    print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason})")
+    model, tokenizer = load_target(args.target, dtype=dtype)
     writer = None
     if args.feature_store is not None:
         layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
@@ -98,6 +112,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         shard_size=args.shard_size,
         target=args.target,
         feature_store=writer,
+        continuous=args.continuous,
     )
     if args.export is not None:
         summary = save_compact(args.out, args.export)
