@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from jetspec.bench import portable_name
 from jetspec.targets import load_target, resolve_dtype
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.timing import clock
@@ -87,9 +88,9 @@ def main(argv=None) -> dict:
             per[name]["speedup"].append(rate / plain_rate)
             per[name]["same_prefix"].append(bool(torch.equal(outputs[name][:n], outputs["plain"][:n])))
     summary = {
-        "command": "python " + " ".join(sys.argv),
+        "command": "python -m scripts.ablate_decoding " + " ".join(sys.argv[1:]),
         "dtype": str(dtype), "dtype_reason": reason, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
-        "head": args.head, "settings": {k: SETTINGS[k] for k in args.settings},
+        "head": portable_name(args.head), "settings": {k: SETTINGS[k] for k in args.settings},
         "results": {
             name: {
                 "speedup_median": statistics.median(v["speedup"]),

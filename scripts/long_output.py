@@ -1,8 +1,8 @@
-"""Plain greedy against tree decoding on long outputs: SmolLM2-135M-Instruct in bf16 with a saved head, 1,024 new
-tokens per call, the two alternated in one process; prints every call and the speedup ratio.
+"""Plain greedy against tree decoding on long outputs: SmolLM2-135M-Instruct (`--dtype auto`: bf16 where the hardware
+runs it natively, else fp32) with a saved head, 1,024 new tokens per call, the two alternated in one process; prints every call and the speedup ratio.
 
-    python scripts/long_output.py
-    python scripts/long_output.py --repeats 3 --max-new-tokens 2048 --head /path/to/the/same/head
+    python -m scripts.long_output
+    python -m scripts.long_output --repeats 3 --max-new-tokens 2048 --head /path/to/the/same/head
 
 Made to compare checkouts (before and after a change to the round): it calls only `load_target`,
 `JetSpecDraftModel.from_pretrained` and `target.generate(..., assistant_model=head)`, which every version has, so
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from jetspec.targets import apply_chat_template, load_target
+from jetspec.targets import apply_chat_template, load_target, resolve_dtype
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.timing import clock
 
@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="new tokens per call (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per prompt and method")
     parser.add_argument("--budget", type=int, default=None, help="tree budget (default: the head's)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (see jetspec.targets.resolve_dtype)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.repeats < 1:
         parser.error(f"expected --max-new-tokens and --repeats >= 1, got {args.max_new_tokens} and {args.repeats}")
@@ -44,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    target, tokenizer = load_target("smollm2-135m", dtype=torch.bfloat16)
+    dtype, reason = resolve_dtype(args.dtype)
+    print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason})", flush=True)
+    target, tokenizer = load_target("smollm2-135m", dtype=dtype)
     head = JetSpecDraftModel.from_pretrained(args.head, dtype=target.dtype).to(target.device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     common = dict(do_sample=False, eos_token_id=None, pad_token_id=pad, max_new_tokens=args.max_new_tokens)

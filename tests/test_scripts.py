@@ -126,3 +126,26 @@ def test_training_entry_points_run_from_the_repository_root():
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (command, result.stderr[-2000:])
         assert "usage:" in result.stdout
+
+
+def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
+    """The float32 round statistics are deterministic (what makes the before/after diff meaningful), one line per
+    prompt and method, each with its own tau (the first token comes from the prefill, the rest from rounds)."""
+    from transformers import AutoTokenizer
+
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(target_dir)
+    tiny_head(target).save_pretrained(tmp_path / "head")
+    round_stats = load_script("round_stats")
+    runs = []
+    for _ in range(2):
+        round_stats.main(["--target", str(target_dir), "--head", str(tmp_path / "head"), "--limit", "1",
+                          "--max-new-tokens", "12"])
+        runs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 3 * len(round_stats.METHODS)  # 1 prompt per suite
+    for line in runs[0]:
+        assert line["tokens"] == 12 and line["tau"] == round(11 / line["rounds"], 4)
