@@ -15,6 +15,7 @@ import time
 import torch
 
 from jetspec.targets import apply_chat_template, load_target, resolve_dtype
+from modeling_jetspec.configuration_jetspec import default_target_layer_ids
 from training.regen import _generate_shard, compact_ids, read_prompts
 
 
@@ -35,7 +36,7 @@ def main(argv=None) -> None:
     packed, _ = compact_ids("training/data/smollm2-135m-mix.npz")
     records = [r for r in read_prompts("training/prompts/train_mix.jsonl") if r["id"] not in packed]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    capture = [1, 8, 15, 22, 29] if args.capture else None
+    capture = default_target_layer_ids(model.config.num_hidden_layers) if args.capture else None
     settings = [f"generate batch {b}" for b in args.batch_sizes.split(",")]
     settings += ["continuous batching"] if args.continuous else []
     totals = {name: [0, 0.0] for name in settings}  # answer tokens, seconds
@@ -45,8 +46,9 @@ def main(argv=None) -> None:
         continuous = name == "continuous batching"
         _generate_shard(model, tokenizer, shard, batch_size=0 if continuous else int(name.split()[-1]),
                         max_new_tokens=args.max_new_tokens, sample_temperature=0.0, pad_token_id=pad,
-                        on_batch=lambda rows, tokens: counted.append(tokens), capture_layers=None if continuous else capture,
-                        continuous=continuous)  # continuous batching returns no hidden states
+                        on_batch=lambda rows, tokens: counted.append(tokens),
+                        capture_layers=None if continuous else capture,  # continuous batching returns no states
+                        continuous=continuous)
         return sum(counted)
 
     for round_ in range(args.rounds):

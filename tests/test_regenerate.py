@@ -330,3 +330,15 @@ def test_regenerate_command_skips_the_rows_of_excluded_files(model, tokenizer, p
     assert load_regenerated(tmp_path / "out")["id"] == [f"p{i}" for i in range(4, 11)]
     with pytest.raises(ValueError, match="expected --exclude to name existing compact .npz files"):
         main(command + ["--exclude", str(tmp_path / "missing.npz")])
+
+
+def test_a_folder_written_before_continuous_existed_resumes(model, tokenizer, prompt_file, tmp_path):
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts[:4], tmp_path / "out", **RUN)
+    manifest = tmp_path / "out" / "progress.json"
+    summary = json.loads(manifest.read_text())
+    del summary["settings"]["continuous"]  # the manifest of an older run
+    manifest.write_text(json.dumps(summary))
+    assert regenerate(model, tokenizer, prompts, tmp_path / "out", **RUN)["new_rows"] == 7
+    with pytest.raises(ValueError, match="expected the settings of the run being resumed"):
+        regenerate(model, tokenizer, prompts, tmp_path / "out", continuous=True, **RUN)

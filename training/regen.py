@@ -40,7 +40,8 @@ from .rows import (
 )
 
 HUMAN_ROLES = ("human", "user")
-SCHEDULING_SETTINGS = frozenset({"batch_size", "shard_size", "continuous"})  # may differ between the parts of one compact file
+# may differ between the parts of one compact file
+SCHEDULING_SETTINGS = frozenset({"batch_size", "shard_size", "continuous"})
 
 
 def _prompt_of(record: Any, where: str) -> str:
@@ -238,11 +239,9 @@ def _generate_shard(
     every position, as computed during generation, in the feature store's layout ([`training.feature_store.stack_states`]).
     Generation never feeds the last token of an answer, so its row is zero; training never reads it (an anchor
     needs a next token, and its context ends before it). `continuous` answers with transformers' continuous
-    batching instead of padded `generate` batches (no states: build the feature store afterwards).
+    batching instead of padded `generate` batches; it returns no states, so `capture_layers` is ignored with it
+    ([`regenerate`] refuses the combination).
     """
-    if continuous and capture_layers is not None:
-        raise ValueError("expected either continuous batching or a feature capture, got both (continuous batching "
-                         "returns no hidden states: run training/feature_store.py on the rows afterwards)")
     sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0} if sample_temperature > 0 else {"do_sample": False}
     generate_kwargs = {"max_new_tokens": max_new_tokens, **sampling}
     if continuous:
@@ -344,7 +343,8 @@ def regenerate(
     }
     manifest_path = out_dir / MANIFEST_NAME
     if manifest_path.exists():
-        previous = json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]
+        # folders written before `continuous` existed were regenerated without it
+        previous = {"continuous": False, **json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]}
         if previous != settings:
             raise ValueError(
                 f"expected the settings of the run being resumed in {out_dir}, {previous}, got {settings}; "

@@ -87,11 +87,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if missing:
         raise ValueError(f"expected --exclude to name existing compact .npz files, got missing {missing}")
     # rows already packed (e.g. committed) are not regenerated again
-    packed = set().union(*(compact_ids(path)[0] for path in [*args.exclude, args.export] if path is not None))
+    skipped = [path for path in [*args.exclude, args.export] if path is not None]
+    packed = set().union(*(compact_ids(path)[0] for path in skipped))
     if packed:
         prompts = [record for record in prompts if record["id"] not in packed]
         if not prompts:
-            print(f"every prompt is already in {', '.join([*args.exclude, args.export or ''])}")
+            print(f"every prompt is already in {', '.join(skipped)}")
             return
     dtype, reason = resolve_dtype(args.dtype)
     print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason})")
