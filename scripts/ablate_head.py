@@ -6,7 +6,14 @@ tau it implies, and seconds per step, so variants compare per CPU-minute as well
         --variants baseline gamma4 layers2 no_last_context blocks32 vocab4096
 
 Every variant starts from the committed config (training/configs/smollm2-135m.yaml) with the same data, split and
-seed, and changes one thing. Results: OUT/ablation.json and OUT/ablation.md; each variant's run (its head, logs
+seed, and changes one thing. `--minutes M` gives every variant the same wall-clock instead of the same steps: a short
+probe run times the variant's step, and the real run gets the steps that fill M minutes (its cosine schedule ends
+there; the probe's first steps are slower, so runs come out somewhat shorter, alike for all: the table gives the
+minutes each really trained):
+
+    python -m scripts.ablate_head --store cache/smollm2-135m-fp32 --data training/data/smollm2-135m-mix-fp32.npz \
+        --minutes 8 --out results/ablation-wallclock --variants baseline layers2 layers3 init_target block16 warm
+ Results: OUT/ablation.json and OUT/ablation.md; each variant's run (its head, logs
 and curve) in RUNS/<variant>. Run from the repository root, as a module (`training/` is not an installed package).
 """
 
@@ -29,7 +36,14 @@ VARIANTS = {
     "blocks8": ["--num_blocks_per_sequence", "8"],
     "vocab4096": ["--draft_vocab_size", "4096"],
     "lr1e-3": ["--learning_rate", "1e-3"],
+    "layers3": ["--num_hidden_layers", "3"],
+    "init_target": ["--init_layers_from_target", "true"],
+    "layers2_init_target": ["--num_hidden_layers", "2", "--init_layers_from_target", "true"],
+    "block16": ["--block_size", "16"],
+    # warm restart: continue from the committed head (its architecture and draft vocabulary) on this data
+    "warm": ["--init_head", str(REPO / "jetspec/heads/smollm2-135m")],
 }
+PROBE_STEPS = 8
 
 
 def main(argv=None) -> dict:
@@ -38,6 +52,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--store", required=True, help="feature store folder (training/feature_store.py)")
     parser.add_argument("--data", default=None, help="override the config's data (one .npz or folder)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval_fraction", type=float, default=None, help="override the config's held-out share")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="equal wall-clock instead of equal steps: train each variant for about this long")
     parser.add_argument("--out", default="results/ablation")
     parser.add_argument("--runs", default=str(REPO / "runs" / "ablation"), help="folder of the variants' runs")
     parser.add_argument("--variants", nargs="+", default=["baseline"], choices=sorted(VARIANTS))
@@ -46,36 +63,53 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "ablation.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    for name in args.variants:
-        if name in summary and summary[name].get("steps") == args.steps:
-            print(f"ablation: {name} already measured, skipped")
-            continue
+    if args.minutes is not None and args.minutes <= 0:
+        raise ValueError(f"expected --minutes > 0, got {args.minutes}")
+    budget = {"minutes": args.minutes} if args.minutes is not None else {"steps": args.steps}
+
+    def arguments(name: str, steps: int, run: str) -> list[str]:
         common = [args.config, "--feature_store", args.store, "--cache_features", "false", "--max_steps",
-                  str(args.steps), "--eval_steps", str(args.steps), "--save_strategy", "no",
+                  str(steps), "--eval_steps", str(steps), "--save_strategy", "no",
                   "--max_train_minutes", "1000", "--measure_tau_prompts", "0", "--warmup_steps",
-                  str(max(1, args.steps // 20)), "--output_dir", str(Path(args.runs) / name)]
+                  str(max(1, steps // 20)), "--output_dir", str(Path(args.runs) / run)]
         if args.data:
             common += ["--data", args.data]
+        if args.eval_fraction is not None:
+            common += ["--eval_fraction", str(args.eval_fraction)]
+        return common + VARIANTS[name]
+
+    for name in args.variants:
+        if name in summary and all(summary[name].get(key) == value for key, value in budget.items()):
+            print(f"ablation: {name} already measured, skipped")
+            continue
+        steps = args.steps
+        if args.minutes is not None:
+            probe = run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"])
+            steps = max(1, int(args.minutes * 60 * PROBE_STEPS / probe["train_runtime"]))
+            print(f"ablation: {name} at {probe['train_runtime'] / PROBE_STEPS:.2f} s/step gets {steps} steps")
         started = time.perf_counter()
-        metrics = run_trainer.main(common + VARIANTS[name])
+        metrics = run_trainer.main(arguments(name, steps, name))
         depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
         summary[name] = {
             "change": " ".join(VARIANTS[name]) or "(committed config)",
-            "steps": args.steps,
-            "seconds_per_step": metrics["train_runtime"] / args.steps,
+            **budget,
+            "steps": steps,
+            "seconds_per_step": metrics["train_runtime"] / steps,
             "wall_seconds": time.perf_counter() - started,
             "eval_loss": metrics["eval_loss"],
             "acc_per_depth": [metrics[f"eval_acc_depth_{d}"] for d in depths],
             "tau_chain": metrics["eval_tau_chain"],
         }
         summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-    lines = ["| variant | change | s/step | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | change | steps | s/step | train min | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary.items():
         acc = row["acc_per_depth"]
-        lines.append(f"| {name} | `{row['change']}` | {row['seconds_per_step']:.2f} | {row['eval_loss']:.3f} | "
+        lines.append(f"| {name} | `{row['change']}` | {row['steps']} | {row['seconds_per_step']:.2f} | "
+                     f"{row['seconds_per_step'] * row['steps'] / 60:.1f} | {row['eval_loss']:.3f} | "
                      f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |")
-    header = f"{args.steps} steps per variant, store {args.store}\n\n"
+    per_variant = f"{args.minutes:g} minutes of training" if args.minutes is not None else f"{args.steps} steps"
+    header = f"{per_variant} per variant, store {args.store}, data {args.data or 'of the config'}\n\n"
     (out / "ablation.md").write_text(header + "\n".join(lines) + "\n")
     print("\n".join(lines))
     return summary

@@ -1,5 +1,6 @@
 """Regeneration throughput, side by side in one process: `generate` at several batch sizes (with and without the
-feature capture that `regenerate.py --feature_store` uses) and transformers' continuous batching (`generate_batch`).
+feature capture that `regenerate.py --feature_store` uses, with generate's dynamic or a static KV cache, in file order
+or with the prompts sorted by length first) and transformers' continuous batching (`generate_batch`).
 
 Every setting answers the same prompts (train-mix rows not yet in the committed data) with the same
 `max_new_tokens`, round after round on fresh prompts, the order of the settings rotating per round so that a drift
@@ -24,7 +25,10 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=128, help="prompts per round (every setting answers them)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds on fresh prompts; the setting order rotates")
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--batch_sizes", default="32,64,128")
+    parser.add_argument("--batch_sizes", default="32,64,128",
+                        help="settings: a batch size, optionally with `+static` (static KV cache) and `+pool` (the "
+                             "round's prompts sorted by length before being cut into shards), e.g. 32,32+static+pool")
+    parser.add_argument("--shard_size", type=int, default=64, help="rows per shard, as regenerate.py cuts them")
     parser.add_argument("--capture", action="store_true", help="generate with the feature capture of --feature_store")
     parser.add_argument("--continuous", action="store_true", help="also time continuous batching (generate_batch)")
     parser.add_argument("--out", default=None, help="jsonl file to append the results to")
@@ -41,14 +45,21 @@ def main(argv=None) -> None:
     settings += ["continuous batching"] if args.continuous else []
     totals = {name: [0, 0.0] for name in settings}  # answer tokens, seconds
 
-    def run(name: str, shard: list) -> int:
+    def run(name: str, prompts: list) -> int:
         counted = []
         continuous = name == "continuous batching"
-        _generate_shard(model, tokenizer, shard, batch_size=0 if continuous else int(name.split()[-1]),
-                        max_new_tokens=args.max_new_tokens, sample_temperature=0.0, pad_token_id=pad,
-                        on_batch=lambda rows, tokens: counted.append(tokens),
-                        capture_layers=None if continuous else capture,  # continuous batching returns no states
-                        continuous=continuous)
+        batch, *options = name.split()[-1].split("+")
+        if "pool" in options:
+            prompts = sorted(prompts, key=lambda r: len(r["prompt_ids"]))
+        # regenerate.py cuts the prompts into shards and sorts each by length into batches
+        step = len(prompts) if continuous else args.shard_size
+        for start in range(0, len(prompts), step):
+            _generate_shard(model, tokenizer, prompts[start : start + step],
+                            batch_size=0 if continuous else int(batch),
+                            max_new_tokens=args.max_new_tokens, sample_temperature=0.0, pad_token_id=pad,
+                            on_batch=lambda rows, tokens: counted.append(tokens),
+                            capture_layers=None if continuous else capture,  # continuous batching returns no states
+                            continuous=continuous, cache_implementation="static" if "static" in options else None)
         return sum(counted)
 
     for round_ in range(args.rounds):

@@ -332,13 +332,70 @@ def test_regenerate_command_skips_the_rows_of_excluded_files(model, tokenizer, p
         main(command + ["--exclude", str(tmp_path / "missing.npz")])
 
 
-def test_a_folder_written_before_continuous_existed_resumes(model, tokenizer, prompt_file, tmp_path):
+def test_a_folder_written_before_the_scheduling_settings_existed_resumes(model, tokenizer, prompt_file, tmp_path):
     prompts = read_prompts(prompt_file)
     regenerate(model, tokenizer, prompts[:4], tmp_path / "out", **RUN)
     manifest = tmp_path / "out" / "progress.json"
     summary = json.loads(manifest.read_text())
-    del summary["settings"]["continuous"]  # the manifest of an older run
+    for key in ("continuous", "sort_pool", "cache_implementation"):
+        del summary["settings"][key]  # the manifest of an older run
     manifest.write_text(json.dumps(summary))
     assert regenerate(model, tokenizer, prompts, tmp_path / "out", **RUN)["new_rows"] == 7
     with pytest.raises(ValueError, match="expected the settings of the run being resumed"):
         regenerate(model, tokenizer, prompts, tmp_path / "out", continuous=True, **RUN)
+
+
+def prompt_length(tokenizer, record) -> int:
+    return len(tokenizer(apply_chat_template(tokenizer, record["prompt"]), add_special_tokens=False)["input_ids"])
+
+
+def test_sort_pool_shards_prompts_by_length_and_resumes(model, tokenizer, prompt_file, tmp_path, monkeypatch):
+    prompts = read_prompts(prompt_file)
+    run = {**RUN, "sort_pool": 8}
+    regenerate(model, tokenizer, prompts, tmp_path / "file_order", **RUN)
+    regenerate(model, tokenizer, prompts, tmp_path / "sorted", **run)
+    by_id = {row["id"]: row for row in load_regenerated(tmp_path / "file_order")}
+    rows = load_regenerated(tmp_path / "sorted")
+    # pools of 8 then 3, each sorted by prompt length (ties in file order), cut into shards of 4
+    expected = [r["id"] for start in (0, 8) for r in sorted(prompts[start : start + 8],
+                                                              key=lambda r: prompt_length(tokenizer, r))]
+    assert rows["id"] == expected != [r["id"] for r in prompts]
+    # the same answers, whichever prompts shared a batch (fp32 greedy)
+    assert rows.to_list() == [by_id[i] for i in expected]
+
+    generate, calls = model.generate, {"n": 0}
+
+    def failing_generate(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # shard 0 written, shard 1 half done
+            raise KeyboardInterrupt("simulated interruption")
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", failing_generate)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(model, tokenizer, prompts, tmp_path / "resumed", **run)
+    monkeypatch.setattr(model, "generate", generate)
+    assert load_regenerated(tmp_path / "resumed")["id"] == expected[:4]
+    assert regenerate(model, tokenizer, prompts, tmp_path / "resumed", **run)["new_rows"] == 7
+    assert load_regenerated(tmp_path / "resumed").to_list() == rows.to_list()
+    with pytest.raises(ValueError, match="expected the settings of the run being resumed"):
+        regenerate(model, tokenizer, prompts, tmp_path / "resumed", **RUN)  # file order is another schedule
+
+
+def test_static_cache_writes_the_rows_of_the_dynamic_cache(model, tokenizer, prompt_file, tmp_path):
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts, tmp_path / "dynamic", **RUN)
+    regenerate(model, tokenizer, prompts, tmp_path / "static", cache_implementation="static", **RUN)
+    assert load_regenerated(tmp_path / "static").to_list() == load_regenerated(tmp_path / "dynamic").to_list()
+    manifest = json.loads((tmp_path / "static" / "progress.json").read_text())
+    assert manifest["settings"]["cache_implementation"] == "static"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"sort_pool": -1}, "expected sort_pool to be an int >= 0"),
+    ({"cache_implementation": "paged"}, "expected cache_implementation in"),
+])
+def test_bad_scheduling_settings_raise(model, tokenizer, prompt_file, tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", **RUN, **bad)
+    assert not (tmp_path / "out").exists()

@@ -64,6 +64,35 @@ def test_ablate_head_trains_each_variant_once_with_its_one_change(tmp_path, caps
     assert (tmp_path / "runs" / "baseline" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    rows = regenerated_rows(target)
+    data = write_shards(tmp_path / "regen", rows)
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store", progress=False)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"target: {target_dir}\ndata: [{data}]\nblock_size: 6\nnum_hidden_layers: 1\neval_fraction: 0.25\n"
+        "num_blocks_per_sequence: 2\nper_device_train_batch_size: 4\nlearning_rate: 3.0e-3\nuse_cpu: true\n"
+        "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\n"
+    )
+    ablate_head = load_script("ablate_head")
+    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--minutes", "0.05", "--out",
+            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--variants", "baseline", "init_target"]
+    summary = ablate_head.main(argv)
+    out = capsys.readouterr().out
+    for name in ("baseline", "init_target"):
+        row = summary[name]
+        assert row["minutes"] == 0.05 and row["steps"] >= 1
+        # the steps fill 0.05 minutes (3 s) at the pace of the variant's own probe
+        assert f"ablation: {name} at " in out and f"s/step gets {row['steps']} steps" in out
+        assert (tmp_path / "runs" / f"{name}-probe" / "config.json").is_file()
+    assert "0.05 minutes of training per variant" in (tmp_path / "out" / "ablation.md").read_text()
+    assert ablate_head.main(argv) == summary  # measured at this budget: skipped
+    assert argv[4:6] == ["--minutes", "0.05"]
+    assert ablate_head.main([*argv[:5], "0.1", *argv[6:]])["baseline"]["minutes"] == 0.1  # another budget: rerun
+
+
 def test_ablate_decoding_decodes_held_out_prompts_like_plain_greedy(tmp_path):
     """Every setting decodes the held-out prompts exactly as plain greedy does (float32), and its tau is reported."""
     target = sharp_target()

@@ -372,6 +372,28 @@ def test_lora_trains_only_the_adapters(tmp_path):
     # ... and nothing else: the head's own weights, norms and MASK vector are as initialised
 
 
+def test_head_layers_can_start_as_the_targets_last_layers():
+    target = sharp_target()  # 2 Llama layers
+    head = run_trainer.build_head(HeadArguments(num_hidden_layers=1, init_layers_from_target=True), target, 8)
+    last = dict(target.model.layers[-1].named_parameters())
+    layer = dict(head.layers[0].named_parameters())
+    shared = {n for n in layer if n in last and last[n].shape == layer[n].shape}
+    assert {"self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"} <= shared
+    assert all(torch.equal(layer[n], last[n]) for n in shared)
+    # the head's q/k norms have no Llama counterpart and keep their init
+    assert all(torch.equal(layer[n], torch.ones_like(layer[n])) for n in layer if n.endswith("_norm.weight")
+               and n not in shared)
+    random = run_trainer.build_head(HeadArguments(num_hidden_layers=1), target, 8)
+    assert not torch.equal(dict(random.layers[0].named_parameters())["self_attn.q_proj.weight"],
+                           last["self_attn.q_proj.weight"])
+    # two head layers copy the target's two layers, in order
+    two = run_trainer.build_head(HeadArguments(num_hidden_layers=2, init_layers_from_target=True), target, 8)
+    for head_layer, target_layer in zip(two.layers, target.model.layers):
+        assert torch.equal(head_layer.mlp.up_proj.weight, target_layer.mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="expected a target with at least the head's 3 layers to copy, got 2"):
+        run_trainer.build_head(HeadArguments(num_hidden_layers=3, init_layers_from_target=True), target, 8)
+
+
 # ---------------------------------------------------------------------------------------------- 1 vs 2 processes
 # relative; the two runs add the same fp32 numbers in other orders (padding widths, all-reduce): measured ~2e-6
 TWO_PROCESS_TOLERANCE = 1e-4

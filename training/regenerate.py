@@ -65,6 +65,15 @@ class RegenerateArguments:
         metadata={"help": "Compact .npz files whose row ids are skipped besides --export's (e.g. rows committed "
                           "from a run with other settings, which --export cannot be extended with)."},
     )
+    sort_pool: int = field(
+        default=0,
+        metadata={"help": "Order the prompts by token length within pools of this many before sharding (0 keeps "
+                          "file order): batches then pad prompts to a width close to their own."},
+    )
+    cache_implementation: Optional[str] = field(
+        default=None,
+        metadata={"help": "`static` preallocates each batch's KV cache; unset is generate's dynamic cache."},
+    )
     dtype: str = field(
         default="auto",
         metadata={"help": "Target weights: `auto` (bfloat16 on a GPU or a CPU with native bf16, else float32), "
@@ -114,6 +123,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         target=args.target,
         feature_store=writer,
         continuous=args.continuous,
+        sort_pool=args.sort_pool,
+        cache_implementation=args.cache_implementation,
     )
     if args.export is not None:
         summary = save_compact(args.out, args.export)

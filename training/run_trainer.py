@@ -96,6 +96,11 @@ class HeadArguments:
         default=False,
         metadata={"help": "New head only: add the last context position's fused features to every block slot."},
     )
+    init_layers_from_target: bool = field(
+        default=False,
+        metadata={"help": "New head only: start its decoder layers as copies of the target's last layers (the "
+                          "weights whose names and shapes match; the rest keep their random init)."},
+    )
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the head's linear layers only."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
@@ -190,6 +195,39 @@ def resolve_checkpoint(args: JetSpecTrainingArguments) -> str | None:
     return str(value)
 
 
+@torch.no_grad()
+def init_layers_from_target(head: JetSpecDraftModel, target) -> list[str]:
+    """Copies the target's last `n` decoder layers into the head's `n` layers, in order: every weight whose name and
+    shape match (attention and MLP projections, layer norms); the others (e.g. the head's q/k norms, which a Llama
+    layer lacks) keep their init. The head's last layer thus starts as the target's last, which maps the residual
+    stream to what the final norm and LM head, shared with the head, read.
+
+    Returns:
+        `list[str]`: the parameter names copied into each layer (those of layer 0).
+
+    Raises:
+        `ValueError`: the target has fewer layers than the head, or no weight of a layer matches.
+    """
+    target_layers = target.get_decoder().layers
+    n = len(head.layers)
+    if len(target_layers) < n:
+        raise ValueError(f"expected a target with at least the head's {n} layers to copy, got {len(target_layers)}")
+    copied = []
+    for head_layer, target_layer in zip(head.layers, list(target_layers)[-n:]):
+        source = dict(target_layer.named_parameters())
+        copied = []
+        for name, param in head_layer.named_parameters():
+            if name in source and source[name].shape == param.shape:
+                param.copy_(source[name].to(param.dtype))
+                copied.append(name)
+        if not copied:
+            raise ValueError(
+                f"expected the target's layers ({type(target_layer).__name__}) to share weight names and shapes with "
+                f"the head's, got none in common: {sorted(source)[:6]} vs {[k for k, _ in head_layer.named_parameters()][:6]}"
+            )
+    return copied
+
+
 def build_head(head_args: HeadArguments, target, block_size: int | None = None, checkpoint: str | None = None):
     """A new head sized for `target`, or the saved one in `head_args.init_head` / the checkpoint; LoRA-wrapped on
     request.
@@ -211,6 +249,10 @@ def build_head(head_args: HeadArguments, target, block_size: int | None = None, 
         head.attach_target(target)  # raises for a head built for another target
     else:
         head = JetSpecDraftModel.from_target(target, **head_args.head_overrides(block_size))
+        if head_args.init_layers_from_target:
+            copied = init_layers_from_target(head, target)
+            print(f"jetspec: the head's layers start as the target's last {head.config.num_hidden_layers}, copied "
+                  f"{len(copied)} weights per layer")
     if block_size is not None and block_size > head.config.block_size:
         raise ValueError(
             f"expected block_size <= {head.config.block_size} (the head's block_size, its maximum depth + 1), "
