@@ -8,8 +8,7 @@ tau it implies, and seconds per step, so variants compare per CPU-minute as well
 Every variant starts from the committed config (training/configs/smollm2-135m.yaml) with the same data, split and
 seed, and changes one thing. `--minutes M` gives every variant the same wall-clock instead of the same steps: a short
 probe run times the variant's step, and the real run gets the steps that fill M minutes (its cosine schedule ends
-there; the probe's first steps are slower, so runs come out somewhat shorter, alike for all: the table gives the
-minutes each really trained):
+there; the probe times its steady steps, after the first few; the table gives the minutes each really trained):
 
     python -m scripts.ablate_head --store cache/smollm2-135m-fp32 --data training/data/smollm2-135m-mix-fp32.npz \
         --minutes 8 --out results/ablation-wallclock --variants baseline layers2 layers3 init_target block16 warm
@@ -21,6 +20,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from transformers import TrainerCallback
 
 from training import run_trainer
 
@@ -43,7 +44,22 @@ VARIANTS = {
     # warm restart: continue from the committed head (its architecture and draft vocabulary) on this data
     "warm": ["--init_head", str(REPO / "jetspec/heads/smollm2-135m")],
 }
-PROBE_STEPS = 8
+PROBE_STEPS = 12  # the probe times its steps after the first PROBE_SKIP, which carry one-off costs
+PROBE_SKIP = 3
+
+
+class StepTimer(TrainerCallback):
+    """Wall-clock time at the end of every optimizer step."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+    def seconds_per_step(self) -> float:
+        steady = self.ends[PROBE_SKIP - 1 :]
+        return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
 def main(argv=None) -> dict:
@@ -84,9 +100,11 @@ def main(argv=None) -> dict:
             continue
         steps = args.steps
         if args.minutes is not None:
-            probe = run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"])
-            steps = max(1, int(args.minutes * 60 * PROBE_STEPS / probe["train_runtime"]))
-            print(f"ablation: {name} at {probe['train_runtime'] / PROBE_STEPS:.2f} s/step gets {steps} steps")
+            timer = StepTimer()
+            run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"], [timer])
+            pace = timer.seconds_per_step()
+            steps = max(1, int(args.minutes * 60 / pace))
+            print(f"ablation: {name} at {pace:.2f} s/step gets {steps} steps")
         started = time.perf_counter()
         metrics = run_trainer.main(arguments(name, steps, name))
         depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))

@@ -323,7 +323,9 @@ def write_learning_curve(log_history: list, path: Path) -> Path | None:
     return path
 
 
-def main(argv=None) -> dict:
+def main(argv=None, callbacks=None) -> dict:
+    """Trains a head as the command line asks; `callbacks` are extra `TrainerCallback`s (e.g. a timer). Returns the
+    run's metrics (training, then held-out evaluation)."""
     head_args, data_args, args = parse_args(argv)
     push, repo_id = args.push_to_hub, args.hub_model_id
     if push and not repo_id:
@@ -346,7 +348,7 @@ def main(argv=None) -> dict:
     store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
     trainer = JetSpecTrainer(
         model=head, args=args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
-        target=target, feature_store=store,
+        target=target, feature_store=store, callbacks=callbacks,
     )
     if trainer.is_world_process_zero():
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {len(train_set)}")
