@@ -42,7 +42,9 @@ VARIANTS = {
     "layers2_init_target": ["--num_hidden_layers", "2", "--init_layers_from_target", "true"],
     "block16": ["--block_size", "16"],
     # warm restart: continue from the committed head (its architecture and draft vocabulary) on this data
-    "warm": ["--init_head", str(REPO / "jetspec/heads/smollm2-135m")],
+    "warm": ["--init_head", "jetspec/heads/smollm2-135m"],
+    # the committed head as shipped, for reference: one step at learning rate 0 (Adam moves nothing), then evaluated
+    "committed": ["--init_head", "jetspec/heads/smollm2-135m", "--learning_rate", "0"],
 }
 PROBE_STEPS = 12  # the probe times its steps after the first PROBE_SKIP, which carry one-off costs
 PROBE_SKIP = 3
@@ -119,15 +121,16 @@ def main(argv=None) -> dict:
             "tau_chain": metrics["eval_tau_chain"],
         }
         summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-    lines = ["| variant | change | steps | s/step | train min | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | change | budget | steps | s/step | train min | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary.items():
         acc = row["acc_per_depth"]
-        lines.append(f"| {name} | `{row['change']}` | {row['steps']} | {row['seconds_per_step']:.2f} | "
+        budget_of_row = f"{row['minutes']:g} min" if "minutes" in row else f"{row['steps']} steps"
+        lines.append(f"| {name} | `{row['change']}` | {budget_of_row} | {row['steps']} | {row['seconds_per_step']:.2f} | "
                      f"{row['seconds_per_step'] * row['steps'] / 60:.1f} | {row['eval_loss']:.3f} | "
                      f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |")
-    per_variant = f"{args.minutes:g} minutes of training" if args.minutes is not None else f"{args.steps} steps"
-    header = f"{per_variant} per variant, store {args.store}, data {args.data or 'of the config'}\n\n"
+    header = (f"Store {args.store}, data {args.data or 'of the config'}; each variant trained for its budget "
+              "(wall-clock minutes, or steps)\n\n")
     (out / "ablation.md").write_text(header + "\n".join(lines) + "\n")
     print("\n".join(lines))
     return summary

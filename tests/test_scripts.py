@@ -87,7 +87,7 @@ def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
         # the steps fill 0.05 minutes (3 s) at the pace of the variant's own probe
         assert f"ablation: {name} at " in out and f"s/step gets {row['steps']} steps" in out
         assert (tmp_path / "runs" / f"{name}-probe" / "config.json").is_file()
-    assert "0.05 minutes of training per variant" in (tmp_path / "out" / "ablation.md").read_text()
+    assert "| 0.05 min |" in (tmp_path / "out" / "ablation.md").read_text()
     assert ablate_head.main(argv) == summary  # measured at this budget: skipped
     assert argv[4:6] == ["--minutes", "0.05"]
     assert ablate_head.main([*argv[:5], "0.1", *argv[6:]])["baseline"]["minutes"] == 0.1  # another budget: rerun
