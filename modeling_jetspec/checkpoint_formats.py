@@ -451,13 +451,13 @@ def dflash_state_dict(head) -> dict:
             raise ValueError(f"expected only tensors the DFlash format can hold, got {name!r}")
         state[exported] = tensor.detach().contiguous().cpu()
     if getattr(head, "d2t", None) is not None:
-        if head._target_io is None:
+        if not head.has_target:
             raise ValueError(
                 "expected the head attached to its target (`head.attach_target(target)`) to export a reduced draft "
                 "vocabulary (d2t): vLLM needs the target's LM head rows of the draft vocabulary as lm_head.weight, "
                 "got no target"
             )
-        _, lm_head = head._io()
+        lm_head = head.target_lm_head()
         rows = head.draft_token_ids().to(lm_head.weight.device)  # (V_draft,) target ids
         state["lm_head.weight"] = lm_head.weight[rows].detach().to(head.dtype).contiguous().cpu()  # (V_draft, H)
     return state

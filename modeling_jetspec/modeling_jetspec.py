@@ -356,9 +356,13 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         self.config.draft_vocab_size = size
         self._draft_lm = None
 
-    def _draft_lm_head(self):
-        """`(weight, bias)` of the draft LM head: the target's LM head, restricted to the draft rows when reduced."""
-        _, lm_head = self._io()
+    def draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(weight, bias)` of the draft LM head: the target's LM head, restricted to the draft rows when reduced.
+
+        Returns:
+            `weight` of shape `(draft_vocab_size, hidden_size)` and `bias` of shape `(draft_vocab_size,)` or `None`.
+        """
+        lm_head = self.target_lm_head()
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if self.d2t is None:
             return weight, bias
@@ -370,7 +374,20 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             self._draft_lm = (key, rows, None if bias is None else bias[ids].detach().to(self.dtype))
         return self._draft_lm[1], self._draft_lm[2]
 
-    def _io(self):
+    @property
+    def has_target(self) -> bool:
+        """Whether a target's embeddings and LM head are attached ([`attach_target`])."""
+        return self._target_io is not None
+
+    def target_input_embeddings(self) -> nn.Module:
+        """The attached target's input embeddings (frozen, not part of the head's state dict)."""
+        return self._attached()[0]
+
+    def target_lm_head(self) -> nn.Module:
+        """The attached target's LM head over the full vocabulary (frozen, not part of the head's state dict)."""
+        return self._attached()[1]
+
+    def _attached(self) -> tuple[nn.Module, nn.Module]:
         if self._target_io is None:
             raise ValueError(
                 "expected a target attached to the head (call `head.attach_target(target)`, or pass the head to "
@@ -478,7 +495,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         With `config.mask_source == "target"` (imported DFlash heads) a MASK is the target's own row of the
         in-vocabulary `mask_token_id`, so every slot is a plain target embedding.
         """
-        embed, _ = self._io()
+        embed = self.target_input_embeddings()
         if self.config.mask_source == "target":
             return embed(input_ids).to(self.dtype)
         is_mask = input_ids == self.config.mask_token_id
@@ -539,7 +556,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         x = self.norm(x)
         logits = None
         if return_logits:
-            weight, bias = self._draft_lm_head()
+            weight, bias = self.draft_lm_head()
             logits = F.linear(x.to(weight.dtype), weight, bias).float()  # (B, T, V_draft)
         return JetSpecOutput(logits=logits, hidden_states=x)
 

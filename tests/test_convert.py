@@ -375,9 +375,11 @@ def test_reduced_draft_vocabulary_export_needs_the_target(tmp_path):
     target = target_for("llama")
     head = tiny_head(target, num_hidden_layers=2, target_layer_ids=LAYER_IDS, draft_vocab_size=32)
     head.set_draft_vocab(range(32))
-    head._target_io = None  # as after from_pretrained, before any attach
+    head.save_pretrained(tmp_path / "saved")
+    loaded = JetSpecDraftModel.from_pretrained(tmp_path / "saved")  # no target attached yet
+    assert not loaded.has_target
     with pytest.raises(ValueError, match="attached to its target"):
-        head.save_pretrained(tmp_path, checkpoint_format="dflash")
+        loaded.save_pretrained(tmp_path / "dflash", checkpoint_format="dflash")
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs

@@ -133,3 +133,20 @@ def test_from_target_reads_gemma4_per_layer_attention():
     tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
                            assistant_model=head)
     assert torch.equal(tree, plain)
+
+
+def test_public_accessors_expose_the_attached_targets_io_and_the_draft_rows():
+    target = tiny_target("llama")
+    head = tiny_head(target, draft_vocab_size=16)
+    head.set_draft_vocab(range(40, 56))
+    assert head.has_target
+    assert head.target_input_embeddings() is target.get_input_embeddings()
+    assert head.target_lm_head() is target.get_output_embeddings()
+    weight, bias = head.draft_lm_head()
+    assert weight.shape == (16, target.config.hidden_size)
+    torch.testing.assert_close(weight, target.get_output_embeddings().weight[40:56])  # same rows, same dtype
+    assert bias is None  # Llama's LM head has no bias
+    detached = type(head)(head.config)
+    assert not detached.has_target
+    with pytest.raises(ValueError, match="expected a target attached to the head"):
+        detached.target_lm_head()

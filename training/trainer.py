@@ -356,7 +356,7 @@ def distillation_terms(model, batch: dict, features: torch.Tensor, final: torch.
     ).view(b * n, d, -1)  # (B*n, D, H): the target's state predicting each slot's token
     # the target's logits over the head's draft vocabulary: with a reduced vocabulary its softmax restricted to the
     # draft tokens (renormalised by the loss's log-softmax), so the head learns to rank exactly what it can draft
-    weight, bias = head._draft_lm_head()
+    weight, bias = head.draft_lm_head()
     teacher = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()  # (B*n, D, V_draft)
     extra = {"last_context_index": batch["last_context_index"]} if head.config.last_context_input else {}
     output = model(
@@ -521,7 +521,7 @@ class JetSpecTrainer(Trainer):
             if prediction_loss_only:
                 return loss.detach(), None, None
             head = unwrap_head(self.model)
-            _, lm_head = head._io()
+            lm_head = head.target_lm_head()
             # agreement with the target's argmax over the full vocabulary: a token outside the draft vocabulary
             # counts as a miss, as it does when decoding
             target_top = lm_head(teacher_hidden.to(lm_head.weight.dtype)).argmax(-1)  # (B*n, D)
