@@ -17,7 +17,7 @@ import torch
 
 from jetspec.targets import apply_chat_template, load_target, resolve_dtype
 from modeling_jetspec.configuration_jetspec import default_target_layer_ids
-from training.regen import _generate_shard, compact_ids, read_prompts
+from training.answers import _generate_shard, compact_ids, read_prompts
 
 
 def main(argv=None) -> None:

@@ -96,7 +96,7 @@ def test_regeneration_captures_the_same_features_as_a_forward(tmp_path):
     finished rows, position by position; the last position of a row, never fed to the target, is zero."""
     from test_regenerate import RUN, tiny_model, tiny_tokenizer, write_prompts
     from training.feature_store import StoreWriter, store_settings
-    from training.regen import read_prompts, regenerate
+    from training.answers import read_prompts, regenerate
     from training.rows import load_regenerated
 
     model, tokenizer = tiny_model(), tiny_tokenizer()

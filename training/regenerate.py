@@ -1,4 +1,4 @@
-"""Regenerates training data with the target's own answers (see `training/regen.py`).
+"""Regenerates training data with the target's own answers (see `training/answers.py`).
 
 Example:
 
@@ -20,7 +20,7 @@ from jetspec.targets import load_target, resolve_dtype
 from modeling_jetspec.configuration_jetspec import default_target_layer_ids
 
 from .feature_store import StoreWriter, store_settings
-from .regen import read_prompts, regenerate, save_compact
+from .answers import read_prompts, regenerate, save_compact
 from .rows import compact_ids
 
 

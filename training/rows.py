@@ -52,7 +52,7 @@ def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
 
     Args:
         out_dir (`str` or `os.PathLike`):
-            The output folder of [`training.regen.regenerate`].
+            The output folder of [`training.answers.regenerate`].
 
     Returns:
         `datasets.Dataset`: columns `id` (`str`), `prompt` (`str`), `input_ids` (`list[int]`, prompt then
@@ -87,7 +87,7 @@ def compact_ids(path: Union[str, os.PathLike]) -> tuple[set[str], dict]:
 
 def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
     """
-    Loads a compact file (written by [`training.regen.save_compact`]) as a dataset with columns `id`, `input_ids`
+    Loads a compact file (written by [`training.answers.save_compact`]) as a dataset with columns `id`, `input_ids`
     and `prompt_length` (what training reads), in the original row order.
     """
     path = Path(path)
