@@ -63,6 +63,7 @@ from modeling_jetspec.generation_jetspec import draft, logits_to_keep, verifier_
 from modeling_jetspec.timing import clock, median_seconds
 
 from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, LosslessError, Verdict, check_lossless, strict_for
+from .host import host_kind
 from .prompts import check_suites, load_prompts
 from .report import markdown, write_plots
 from .targets import apply_chat_template
@@ -455,6 +456,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "host_kind": host_kind().name,  # e.g. "AVX-512 + AMX": which kernels this CPU runs (jetspec.host)
         "python": sys.version.split()[0],
     }
 

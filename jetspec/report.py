@@ -36,7 +36,8 @@ def _settings_lines(results: dict) -> list[str]:
         "",
         f"Command: `{results['command']}`  ",
         f"Started {results['started_at']}, {results['wall_seconds']:.0f} s; machine: {machine['platform']}, "
-        f"{machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads)"
+        f"{machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), host kind "
+        f"{machine.get('host_kind', 'not recorded')}"
         + (f", {machine['cuda']}" if machine["cuda"] else "") + "  ",
         f"torch {versions['torch']}, transformers {versions['transformers']}, "
         f"jetspec {versions['jetspec']} ({versions['git_commit'] or 'no git commit'})  ",

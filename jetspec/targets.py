@@ -21,6 +21,8 @@ from typing import Optional, Union
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .host import host_kind
+
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -110,8 +112,9 @@ def resolve_dtype(name: str) -> tuple[torch.dtype, str]:
     """
     The dtype to run the target in, and why.
 
-    `"auto"` picks bfloat16 where the hardware runs it natively (a CUDA device, or a CPU that torch reports
-    native bf16 support for: AVX-512 BF16) and float32 otherwise.
+    `"auto"` picks bfloat16 on a CUDA device; on a CPU it follows [`jetspec.host.host_kind`]: bfloat16 only where a
+    timed probe finds bf16 matmuls faster than float32 and the environment does not hold ATen at AVX2 (the
+    decision is cached per host).
 
     Args:
         name (`str`): one of `"auto"`, `"float32"`, `"bfloat16"`.
@@ -122,9 +125,8 @@ def resolve_dtype(name: str) -> tuple[torch.dtype, str]:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.bfloat16, "auto: a CUDA device"
-        if torch.cpu._is_avx512_bf16_supported():
-            return torch.bfloat16, "auto: CPU with native bf16 (avx512_bf16)"
-        return torch.float32, "auto: no native bf16 on this CPU"
+        host = host_kind()
+        return host.torch_dtype, f"{host.reason}; host kind {host.name}"
     if name not in DTYPES:
         raise ValueError(f"expected --dtype in {', '.join(DTYPE_CHOICES)}, got {name!r}")
     return DTYPES[name], "requested"

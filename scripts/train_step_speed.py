@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from jetspec.host import host_kind
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.timing import clock
 from training.trainer import JetSpecCollator, distillation_terms
@@ -148,6 +149,7 @@ def main(argv=None) -> dict:
             losses[mode] = steps[mode]()
             seconds[mode].append(clock() - started)
 
+    host = host_kind()
     positions = args.batch_size * args.max_length
     fp32 = statistics.median(seconds["fp32"]) if "fp32" in seconds else None
     results = {
@@ -162,7 +164,8 @@ def main(argv=None) -> dict:
     lines = [f"{args.steps} timed steps per mode after {args.warmup} warm-up steps; {args.batch_size} rows x "
              f"{args.max_length} tokens, {args.anchors} blocks of {args.block_size} per row, "
              f"hidden {args.hidden_size}, "
-             f"draft vocabulary {args.draft_vocab_size}, {torch.get_num_threads()} threads",
+             f"draft vocabulary {args.draft_vocab_size}, {torch.get_num_threads()} threads; host kind {host.name} "
+             f"(--dtype auto: {host.dtype}, {host.reason})",
              "", "| mode | s/step (median) | min | max | sequence positions/s | vs fp32 | last loss |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, r in results.items():
@@ -171,7 +174,8 @@ def main(argv=None) -> dict:
                      f"{r['positions_per_s']:.0f} | {speedup} | {r['last_loss']:.4f} |")
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "results": results}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"settings": vars(args), "host_kind": host.name, "host_dtype": host.dtype,
+                                               "host_reason": host.reason, "results": results}, indent=1) + "\n")
     return results
 
 
