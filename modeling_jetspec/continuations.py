@@ -1,0 +1,100 @@
+"""A multi-branch model-free drafter: every earlier continuation of the row's last n tokens, counted, as a tree.
+
+Prompt lookup ([`tree.lookup_match`]) drafts one chain, the continuation of the *most recent* earlier occurrence of
+the row's last 3, 2 or 1 tokens. Repetitive text often has several: a loop that ended differently each time, a list
+whose items share a prefix. The continuation trie keeps all of them (as SuffixDecoding keeps suffix trees over the
+prompt and the output, scored by count ratios), and [`merge_children`] lays them into the head's best-first tree, so
+one verify forward checks the head's branches and every earlier continuation.
+
+Scores: a trie child's conditional log-prob is the measured survival ratio of a lookup chain of that order at that
+depth (the head's `tree_lookup_prior`, as for the single chain) times the child's share of its parent's count.
+With a single earlier occurrence this is exactly the single chain's score.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from .tree import LOOKUP_MAX_NGRAM, ChildrenFn, lookup_logprobs
+
+MAX_OCCURRENCES = 64  # earlier occurrences read per round (most recent first), bounding the trie's work
+
+
+def continuation_trie(sequence: list, length: int, max_ngram: int = LOOKUP_MAX_NGRAM,
+                      max_occurrences: int = MAX_OCCURRENCES) -> tuple[dict, int]:
+    """Counts of every earlier continuation of the sequence's last n tokens (n = `max_ngram` down to 1; the first n
+    with a match), up to `length` tokens each: `({path: Counter(next token)}, n)`, `({}, 0)` without a match.
+
+    Args:
+        sequence (`list[int]`): the committed tokens, prompt included, ending with the anchor.
+        length (`int`): the longest continuation read.
+        max_ngram (`int`, *optional*, defaults to 3): the longest suffix matched.
+        max_occurrences (`int`, *optional*, defaults to 64): the most recent occurrences read.
+    """
+    total = len(sequence)
+    for n in range(min(max_ngram, total - 1), 0, -1):
+        suffix = sequence[total - n :]
+        starts = [s for s in range(total - n - 1, -1, -1) if sequence[s : s + n] == suffix][:max_occurrences]
+        if not starts:
+            continue
+        trie: dict = {}
+        for start in starts:
+            follow = sequence[start + n : start + n + length]
+            for depth, token in enumerate(follow):
+                trie.setdefault(tuple(follow[:depth]), Counter())[token] += 1
+        return trie, n
+    return {}, 0
+
+
+def trie_children(trie: dict, prior, order: int) -> ChildrenFn:
+    """Children of a [`continuation_trie`]: tokens sorted by score, `(log-probs, tokens, 0.0)`, `None` off the trie.
+
+    Args:
+        prior (`list[list[float]]`, *optional*): the head's `tree_lookup_prior`; without it a continuation's
+            first-ranked child scores log-prob 0 (it enters the tree first, as the unscored lookup chain does).
+        order (`int`): the match's n-gram order.
+    """
+    depth_logps = {}
+
+    def depth_logp(depth: int) -> float:
+        if prior is None:
+            return 0.0
+        if depth not in depth_logps:
+            depth_logps[depth] = lookup_logprobs(prior, order, depth + 1)[depth]
+        return depth_logps[depth]
+
+    def children(path):
+        counts = trie.get(tuple(path))
+        if not counts:
+            return None
+        total = sum(counts.values())
+        ranked = counts.most_common()
+        base = depth_logp(len(path))
+        top = ranked[0][1]
+        # without a prior the most frequent child keeps log-prob 0 (first), the others their share relative to it
+        scale = total if prior is not None else top
+        return [base + math.log(c / scale) for _, c in ranked], [t for t, _ in ranked], 0.0
+
+    return children
+
+
+def merge_children(head: ChildrenFn, extra: ChildrenFn) -> ChildrenFn:
+    """The union of two drafters' children at every path: a token both propose keeps the higher log-prob, and the
+    list stays sorted by log-prob (best-first expansion reads it in order). The head's entropy is kept."""
+
+    def merged(path):
+        mine, theirs = head(path), extra(path)
+        if theirs is None:
+            return mine
+        if mine is None:
+            return theirs
+        best: dict = {}
+        for lp, token in zip(*theirs[:2]):
+            best[int(token)] = float(lp)
+        for lp, token in zip(*mine[:2]):
+            best[int(token)] = max(best.get(int(token), -math.inf), float(lp))
+        order = sorted(best.items(), key=lambda item: -item[1])  # stable: ties keep the extra drafter's order
+        return [lp for _, lp in order], [t for t, _ in order], mine[2]
+
+    return merged
