@@ -119,7 +119,7 @@ def test_losses_match_hand_computed_values():
 
 
 def test_unknown_loss_name_is_refused_with_the_valid_names():
-    with pytest.raises(ValueError, match=r"expected loss in \('fkl', 'sft', 'rkl'\).*got 'mse'"):
+    with pytest.raises(ValueError, match=r"expected loss in \('fkl', 'sft', 'rkl', 'kl_tv', 'topk_rank'\).*got 'mse'"):
         JetSpecTrainingArguments(output_dir="unused", loss="mse")
     with pytest.raises(ValueError, match="fkl"):
         block_loss(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long),

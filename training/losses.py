@@ -3,9 +3,21 @@
 Every MASK slot k = 1..D of a block is a separate prediction of the token at depth k. The paper trains with
 soft labels, forward KL(p_target || q_draft): a tree ranks whole distributions, so the draft must cover the
 target's mass, not only its mode. Hard-label cross-entropy ("sft") is about as good; reverse KL ("rkl",
-mode seeking) is 36-46% worse and is kept as the ablation. An optional position decay
-w_k ~ exp(-(k - 1) / gamma) weights shallow depths more (the bidirectional DFlash head needs it; the causal head
-is insensitive to it).
+mode seeking) is 36-46% worse and is kept as the ablation. Two acceptance-aware losses add a term to forward KL:
+
+- `"kl_tv"`: plus the total variation TV(p, q) = 1/2 sum_v |p_v - q_v|. Under speculative sampling a draft token is
+  accepted with probability sum_v min(p_v, q_v) = 1 - TV(p, q), so this term is the rejection rate itself, as in the
+  LK losses.
+- `"topk_rank"`: plus a ranking loss on the target's top-K tokens t_1..t_K (HASS's top-K distillation): the
+  Plackett-Luce log-likelihood of the draft ranking them in the target's order,
+  `-1/K sum_j log(exp(z_{t_j}) / sum_{v not in t_1..t_{j-1}} exp(z_v))`, with z the draft's logits. A tree keeps a
+  slot's top-ranked tokens, so their order matters more than the tail's mass.
+
+With a reduced draft vocabulary every soft loss compares the draft with the target's softmax restricted to the draft
+tokens (the caller passes the target's logits over those rows), and the hard label is the target token's draft id.
+
+An optional position decay w_k ~ exp(-(k - 1) / gamma) weights shallow depths more (the bidirectional DFlash head
+needs it; the causal head is insensitive to it).
 
 The loss of a batch is a mean over its counted slots (MASK slots inside the sequence) of w_k times the slot's loss.
 The decay weights are scaled to mean 1 over the depths, so gamma moves weight between depths without changing the
@@ -18,13 +30,43 @@ import math
 import torch
 import torch.nn.functional as F
 
-LOSS_KINDS = ("fkl", "sft", "rkl")
+LOSS_KINDS = ("fkl", "sft", "rkl", "kl_tv", "topk_rank")
+RANK_TOP_K = 8  # tokens of the target's top-K that `"topk_rank"` orders (a tree's width per slot is at most this)
 
 
 def check_loss_kind(kind: str) -> None:
     """Raise a `ValueError` naming the valid loss kinds when `kind` is not one of them."""
     if kind not in LOSS_KINDS:
-        raise ValueError(f"expected loss in {LOSS_KINDS} (forward KL, hard-label CE, reverse KL), got {kind!r}")
+        raise ValueError(f"expected loss in {LOSS_KINDS} (forward KL, hard-label CE, reverse KL, forward KL + total "
+                         f"variation, forward KL + top-K ranking), got {kind!r}")
+
+
+def total_variation(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """`TV(p, q) = 1/2 sum_v |p_v - q_v|` over the last dimension: 1 minus the acceptance probability of a token
+    drawn from q under speculative sampling against p."""
+    return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def topk_rank_loss(log_p: torch.Tensor, student_logits: torch.Tensor, k: int = RANK_TOP_K) -> torch.Tensor:
+    """Plackett-Luce negative log-likelihood, averaged over the K ranks, of the draft ordering the target's top-K
+    tokens in the target's order (see the module docstring). Rank j's denominator holds every token but the j - 1
+    ranked before it: the tokens outside the top-K and t_j..t_K.
+
+    Args:
+        log_p (`torch.Tensor` of shape `(..., V)`): the target's log-probabilities.
+        student_logits (`torch.Tensor` of shape `(..., V)`): the draft's logits, float32.
+        k (`int`, *optional*, defaults to `RANK_TOP_K`): ranks scored, at most V.
+
+    Returns:
+        `torch.Tensor` of shape `(...)`.
+    """
+    k = min(k, log_p.shape[-1])
+    top = log_p.topk(k, dim=-1).indices  # (..., K), the target's order
+    z_top = student_logits.gather(-1, top)  # (..., K)
+    outside = student_logits.scatter(-1, top, float("-inf")).logsumexp(-1, keepdim=True)  # (..., 1)
+    # log sum_{i >= j} exp(z_{t_i}), for every rank j: a reversed cumulative logsumexp
+    tail = z_top.flip(-1).logcumsumexp(-1).flip(-1)  # (..., K)
+    return (torch.logaddexp(outside, tail) - z_top).mean(-1)
 
 
 def depth_weights(depth: int, gamma: float | None = None, device=None) -> torch.Tensor:
@@ -56,7 +98,8 @@ def slot_losses(
             tokens (position a + k - 1 for slot k of the block anchored at a). Unused by `"sft"`.
         labels (`torch.LongTensor` of shape `(N, D)`): the real tokens at those depths (any value where masked out).
         kind (`str`, *optional*, defaults to `"fkl"`): `"fkl"` = KL(p || q), `"sft"` = -log q(label),
-            `"rkl"` = KL(q || p), with p the target's and q the draft's softmax.
+            `"rkl"` = KL(q || p), `"kl_tv"` = KL(p || q) + TV(p, q), `"topk_rank"` = KL(p || q) + the top-K ranking
+            loss, with p the target's and q the draft's softmax.
 
     Returns:
         `torch.Tensor` of shape `(N, D)`, float32.
@@ -74,9 +117,14 @@ def slot_losses(
             f"got {tuple(teacher_logits.shape)}"
         )
     log_p = F.log_softmax(teacher_logits.float(), dim=-1)  # (N, D, V)
-    if kind == "fkl":
-        return (log_p.exp() * (log_p - log_q)).sum(-1)
-    return (log_q.exp() * (log_q - log_p)).sum(-1)
+    if kind == "rkl":
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+    forward = (log_p.exp() * (log_p - log_q)).sum(-1)  # (N, D)
+    if kind == "kl_tv":
+        return forward + total_variation(log_p, log_q)
+    if kind == "topk_rank":
+        return forward + topk_rank_loss(log_p, student_logits.float())
+    return forward
 
 
 def block_loss(
@@ -99,7 +147,7 @@ def block_loss(
         labels (`torch.LongTensor` of shape `(N, D)`): see [`slot_losses`].
         loss_mask (`torch.BoolTensor` of shape `(N, D)`): True for MASK slots inside the sequence; False for
             revealed slots and slots past the end.
-        kind (`str`, *optional*, defaults to `"fkl"`): one of `"fkl"`, `"sft"`, `"rkl"`.
+        kind (`str`, *optional*, defaults to `"fkl"`): one of [`LOSS_KINDS`], see [`slot_losses`].
         gamma (`float`, *optional*): position decay; none by default (the paper's causal head).
 
     Returns:

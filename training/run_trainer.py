@@ -55,6 +55,8 @@ LOSS_NAMES = {
     "fkl": "forward KL(p_target || q_draft) on every MASK slot (soft labels)",
     "sft": "cross-entropy on the target's tokens (hard labels)",
     "rkl": "reverse KL(q_draft || p_target) on every MASK slot",
+    "kl_tv": "forward KL plus total variation TV(p_target, q_draft) = 1 - acceptance, on every MASK slot",
+    "topk_rank": "forward KL plus a ranking loss on the target's top-8 tokens (HASS), on every MASK slot",
 }
 
 

@@ -44,7 +44,9 @@ class JetSpecTrainingArguments(TrainingArguments):
     )
     loss: str = field(
         default="fkl",
-        metadata={"help": f"Distillation loss, one of {LOSS_KINDS}: forward KL (paper), hard-label CE, reverse KL."},
+        metadata={"help": f"Distillation loss, one of {LOSS_KINDS}: forward KL (paper), hard-label CE on the target's "
+                          "greedy token, reverse KL, forward KL + total variation (1 - acceptance, as the LK losses), "
+                          "forward KL + a ranking loss on the target's top-8 tokens (HASS)."},
     )
     gamma: float | None = field(
         default=None,

@@ -1,0 +1,108 @@
+"""The distillation losses (training/losses.py): hand-computed values, where each is minimal, that gradients reach
+the draft's logits, and that a few training steps with each one move every parameter of a reduced-vocabulary head."""
+
+import math
+
+import datasets
+import pytest
+import torch
+
+from test_training import regenerated_rows, sharp_target, training_args
+from tiny import tiny_head
+from training.losses import LOSS_KINDS, block_loss, slot_losses, topk_rank_loss, total_variation
+from training.trainer import JetSpecTrainer
+
+SOFT = ("fkl", "rkl", "kl_tv")  # zero exactly where the draft equals the target
+
+
+def one_slot(probabilities):
+    """Log-probabilities of shape `(1, 1, V)`, usable as logits."""
+    return torch.tensor(probabilities).log().view(1, 1, -1)
+
+
+def test_total_variation_and_reverse_kl_match_hand_computed_values():
+    # target p = (0.5, 0.3, 0.2), draft q uniform over 3 tokens
+    p, q = [0.5, 0.3, 0.2], [1 / 3] * 3
+    teacher, student = one_slot(p), torch.zeros(1, 1, 3)
+    label = torch.zeros(1, 1, dtype=torch.long)
+    tv = 0.5 * (abs(0.5 - 1 / 3) + abs(0.3 - 1 / 3) + abs(0.2 - 1 / 3))  # = 1/6
+    fkl = sum(a * math.log(a / b) for a, b in zip(p, q))
+    rkl = sum(b * math.log(b / a) for a, b in zip(p, q))
+    # the acceptance probability of a draft token is sum min(p, q) = 1 - TV
+    assert sum(min(a, b) for a, b in zip(p, q)) == pytest.approx(1 - tv)
+    # (tolerances: the defaults for float32, which the fp32 logs and exps meet)
+    torch.testing.assert_close(total_variation(teacher.log_softmax(-1), student.log_softmax(-1)),
+                               torch.tensor([[tv]]))
+    torch.testing.assert_close(slot_losses(student, teacher, label, "kl_tv"), torch.tensor([[fkl + tv]]))
+    torch.testing.assert_close(slot_losses(student, teacher, label, "rkl"), torch.tensor([[rkl]]))
+
+
+def test_topk_rank_matches_the_plackett_luce_likelihood_by_hand():
+    # the target ranks tokens 0 > 1 > 2; the draft's logits z = (0, 1, 2) rank them the other way round
+    log_p = one_slot([0.5, 0.3, 0.2])
+    z = torch.tensor([0.0, 1.0, 2.0]).view(1, 1, 3)
+
+    def lse(*values):
+        return math.log(sum(math.exp(v) for v in values))
+
+    # rank j's denominator: every token but those ranked before it
+    ranks = [lse(0, 1, 2) - 0, lse(1, 2) - 1, 2 - 2]
+    torch.testing.assert_close(topk_rank_loss(log_p, z, k=3), torch.tensor([[sum(ranks) / 3]]))
+    torch.testing.assert_close(topk_rank_loss(log_p, z, k=2), torch.tensor([[sum(ranks[:2]) / 2]]))
+    # a K above the (draft) vocabulary is capped at it
+    torch.testing.assert_close(topk_rank_loss(log_p, z, k=8), topk_rank_loss(log_p, z, k=3))
+
+
+@pytest.mark.parametrize("kind", SOFT)
+def test_soft_losses_are_zero_where_the_draft_equals_the_target_and_positive_elsewhere(kind):
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(3, 4, 16, generator=g) * 3
+    labels = torch.zeros(3, 4, dtype=torch.long)
+    # (atol: a KL of equal fp32 distributions sums ~1e-7 roundings per token)
+    torch.testing.assert_close(slot_losses(teacher, teacher, labels, kind), torch.zeros(3, 4), atol=1e-5, rtol=0)
+    student = teacher + torch.randn(3, 4, 16, generator=g)
+    assert (slot_losses(student, teacher, labels, kind) > 1e-3).all()
+
+
+def test_topk_rank_prefers_the_targets_order_and_sft_the_targets_token():
+    teacher = one_slot([0.4, 0.3, 0.2, 0.1])
+    label = torch.zeros(1, 1, dtype=torch.long)
+    in_order = torch.tensor([3.0, 2.0, 1.0, 0.0]).view(1, 1, 4)
+    swapped = torch.tensor([2.0, 3.0, 1.0, 0.0]).view(1, 1, 4)  # the target's first two tokens swapped
+    assert slot_losses(in_order, teacher, label, "topk_rank") < slot_losses(swapped, teacher, label, "topk_rank")
+    # the ranking term alone goes to zero as the draft's order becomes certain
+    assert topk_rank_loss(teacher.log_softmax(-1), in_order * 30) < 1e-6 < topk_rank_loss(teacher.log_softmax(-1),
+                                                                                          in_order)
+    # hard labels: zero as the draft becomes certain of the label, positive before
+    sure = torch.tensor([30.0, 0.0, 0.0, 0.0]).view(1, 1, 4)
+    assert slot_losses(sure, None, label, "sft") < 1e-6 < slot_losses(in_order, None, label, "sft")
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_gradients_reach_every_logit_of_a_counted_slot(kind):
+    g = torch.Generator().manual_seed(1)
+    student = torch.randn(2, 3, 10, generator=g).requires_grad_()
+    teacher = torch.randn(2, 3, 10, generator=g)
+    labels = torch.randint(0, 10, (2, 3), generator=g)
+    counted = torch.tensor([[True, True, False], [True, False, False]])
+    block_loss(student, teacher, labels, counted, kind, gamma=4.0).backward()
+    grad = student.grad
+    assert torch.isfinite(grad).all()
+    assert (grad[counted].abs().sum(-1) > 0).all() and (grad[~counted] == 0).all()
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_a_few_steps_with_each_loss_move_every_parameter_of_a_reduced_vocabulary_head(kind, tmp_path):
+    # a 64-token draft vocabulary (every other id): soft losses compare with the target's softmax over those rows,
+    # sft scores the target token's draft id and leaves out slots whose token is not drafted
+    target = sharp_target()
+    head = tiny_head(target, draft_vocab_size=64, last_context_input=True).train()
+    head.set_draft_vocab(torch.arange(0, 128, 2))
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    rows = datasets.Dataset.from_list(regenerated_rows(target, count=8))
+    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
+                             args=training_args(tmp_path, max_steps=3, num_blocks_per_sequence=3, loss=kind))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
+    assert [n for n, p in head.named_parameters() if torch.equal(before[n], p)] == []
