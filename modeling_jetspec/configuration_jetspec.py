@@ -9,6 +9,16 @@ from .tree import check_lookup_prior, check_tree_shape
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
 MASK_SOURCES = ("head", "target")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# field kinds checked by name before anything is derived from them (`check_field_types`)
+POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "target_num_hidden_layers", "block_size",
+)
+OPTIONAL_POSITIVE_INTS = ("head_dim", "max_position_embeddings", "target_hidden_size", "draft_vocab_size", "sliding_window")
+OPTIONAL_INTS = ("mask_token_id", "dflash_mask_token_id", "tree_depth")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+BOOLS = ("path_conditioning", "last_context_input")
+OPTIONAL_STRING_LISTS = ("layer_types", "layer_block_attention")
 
 logger = logging.get_logger(__name__)
 
@@ -28,6 +38,49 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
         return sorted({round(i * step) for i in range(count)})
     step = (last - first) / (num_features - 1)
     return [round(first + i * step) for i in range(num_features)]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_field_types(fields: dict):
+    """Raise a `ValueError` naming the first field of `fields` (config field name -> value) of the wrong type or out
+    of its range; checks that relate several fields come later (`JetSpecConfig._validate`)."""
+
+    def refuse(name, expected):
+        raise ValueError(f"expected {name} to be {expected}, got {fields[name]!r}")
+
+    for name in POSITIVE_INTS:
+        if not (_is_int(fields[name]) and fields[name] >= 1):
+            refuse(name, "a positive int")
+    for name in OPTIONAL_POSITIVE_INTS:
+        if fields[name] is not None and not (_is_int(fields[name]) and fields[name] >= 1):
+            refuse(name, "a positive int or None")
+    for name in OPTIONAL_INTS:
+        if fields[name] is not None and not _is_int(fields[name]):
+            refuse(name, "an int or None")
+    for name in POSITIVE_NUMBERS:
+        if not (_is_number(fields[name]) and fields[name] > 0):
+            refuse(name, "a positive number")
+    if not (_is_number(fields["initializer_range"]) and fields["initializer_range"] >= 0):
+        refuse("initializer_range", "a number >= 0")
+    for name in BOOLS:
+        if not isinstance(fields[name], bool):
+            refuse(name, "a bool (true or false)")
+    if fields["rope_parameters"] is not None and not isinstance(fields["rope_parameters"], dict):
+        refuse("rope_parameters", "a dict or None")
+    ids = fields["target_layer_ids"]
+    if ids is not None and not (isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids)):
+        refuse("target_layer_ids", "a list of ints or None")
+    for name in OPTIONAL_STRING_LISTS:
+        value = fields[name]
+        if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+            refuse(name, "a list of strings or None")
 
 
 @strict
@@ -69,7 +122,8 @@ class JetSpecConfig(PretrainedConfig):
         target_hidden_size (`int`, *optional*):
             Hidden size of the target, defaults to `hidden_size`.
         target_num_hidden_layers (`int`, *optional*, defaults to 36):
-            Number of layers of the target the head was built for.
+            Number of layers of the target the head was built for. Always written to `config.json`, and required
+            there: a saved config without it is refused when loaded.
         target_layer_ids (`list[int]`, *optional*):
             Target layers whose outputs feed the head, defaults to [`default_target_layer_ids`].
         block_size (`int`, *optional*, defaults to 16):
@@ -159,6 +213,20 @@ class JetSpecConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         **kwargs,
     ):
+        check_field_types(
+            dict(
+                vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                num_key_value_heads=num_key_value_heads, head_dim=head_dim, rms_norm_eps=rms_norm_eps,
+                rope_theta=rope_theta, rope_parameters=rope_parameters, max_position_embeddings=max_position_embeddings,
+                target_hidden_size=target_hidden_size, target_num_hidden_layers=target_num_hidden_layers,
+                target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id,
+                dflash_mask_token_id=dflash_mask_token_id, tree_depth=tree_depth, path_conditioning=path_conditioning,
+                draft_vocab_size=draft_vocab_size, last_context_input=last_context_input, layer_types=layer_types,
+                sliding_window=sliding_window, layer_block_attention=layer_block_attention,
+                initializer_range=initializer_range,
+            )
+        )
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -187,6 +255,22 @@ class JetSpecConfig(PretrainedConfig):
         # set after transformers' own checks ran in `super().__init__`: see `validate_token_ids`
         self.mask_token_id = mask_token_id if mask_token_id is not None or mask_source == "target" else vocab_size
         self._validate()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' loading from a `config.json` dict, refusing one without `target_num_hidden_layers`: the
+        default (36) would silently describe another target."""
+        if "target_num_hidden_layers" not in config_dict and "target_num_hidden_layers" not in kwargs:
+            raise ValueError(
+                "expected target_num_hidden_layers (the number of layers of the head's target) in the config, got a "
+                f"config without it (fields {sorted(config_dict)})"
+            )
+        return super().from_dict(config_dict, **kwargs)
+
+    def to_diff_dict(self) -> dict:
+        """transformers' `config.json` content (fields that differ from the defaults), always with
+        `target_num_hidden_layers`, which loading requires."""
+        return {**super().to_diff_dict(), "target_num_hidden_layers": self.target_num_hidden_layers}
 
     def _set_layers(self, block_attention: str, layer_types, sliding_window, layer_block_attention):
         self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * self.num_hidden_layers

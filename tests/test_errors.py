@@ -1,5 +1,7 @@
 """Bad input gets a ValueError naming what was expected and what came."""
 
+import json
+
 import pytest
 import torch
 from transformers import AttentionInterface, T5Config, T5ForConditionalGeneration
@@ -208,3 +210,51 @@ def test_auto_budget_with_path_conditioning_is_rejected(pair):
     with pytest.raises(ValueError, match="fixed tree_budget with path_conditioning=True"):
         JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
                       tree_budget="auto", path_conditioning=True)
+
+
+# ---------------------------------------------------------------------------------------- head config fields
+TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   target_num_hidden_layers=4)
+
+
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        # a) wrong types that used to fail deep inside with TypeError / AttributeError
+        ("hidden_size", "64", "a positive int"),
+        ("block_size", 8.0, "a positive int"),
+        ("target_layer_ids", "1,2", "a list of ints or None"),
+        ("rope_parameters", ["default"], "a dict or None"),
+        ("layer_types", "full_attention", "a list of strings or None"),
+        ("mask_token_id", "x", "an int or None"),
+        ("path_conditioning", "no", "a bool"),  # a non-empty string would have switched it on
+        ("last_context_input", 1, "a bool"),
+        # b) non-positive sizes that used to divide by zero or build empty layers
+        ("num_attention_heads", 0, "a positive int"),
+        ("num_key_value_heads", 0, "a positive int"),
+        ("num_hidden_layers", 0, "a positive int"),
+        ("intermediate_size", -3, "a positive int"),
+        ("head_dim", 0, "a positive int or None"),
+        ("vocab_size", None, "a positive int"),
+        ("target_num_hidden_layers", True, "a positive int"),  # a bool is not a size
+        ("rms_norm_eps", -1e-6, "a positive number"),
+        ("initializer_range", -0.02, "a number >= 0"),
+    ],
+)
+def test_every_config_field_is_checked_by_name(field, value, expected):
+    with pytest.raises(ValueError, match=rf"expected {field} to be {expected}.*got {value!r}".replace("[", r"\[")):
+        JetSpecConfig(**{**TINY_CONFIG, field: value})
+
+
+def test_a_saved_config_without_the_targets_depth_is_refused_and_always_written(tmp_path):
+    config = JetSpecConfig(**{**TINY_CONFIG, "target_num_hidden_layers": 36, "target_layer_ids": [1, 9]})
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["target_num_hidden_layers"] == 36  # written although it equals the default
+    assert JetSpecConfig.from_pretrained(tmp_path).target_num_hidden_layers == 36
+    del saved["target_num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="expected target_num_hidden_layers .* got a config without it"):
+        JetSpecConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="expected target_num_hidden_layers"):
+        JetSpecDraftModel.from_pretrained(tmp_path)
