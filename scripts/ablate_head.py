@@ -12,8 +12,15 @@ there; the probe times its steady steps, after the first few; the table gives th
 
     python -m scripts.ablate_head --store cache/smollm2-135m-fp32 --data training/data/smollm2-135m-mix-fp32.npz \
         --minutes 8 --out results/ablation-wallclock --variants baseline layers2 layers3 init_target block16 warm
+
+The loss and block-attention axes (the baseline is forward KL, a causal block, gamma 4):
+
+    python -m scripts.ablate_head --store cache/smollm2-135m-fp32 --data training/data/smollm2-135m-mix-fp32.npz \
+        --minutes 8 --out results/ablation-losses --variants baseline kl_tv topk_rank sft reverse_kl gamma0 \
+        bidir_gamma4 bidir_gamma0
  Results: OUT/ablation.json and OUT/ablation.md; each variant's run (its head, logs
-and curve) in RUNS/<variant>. Run from the repository root, as a module (`training/` is not an installed package).
+and curve) in RUNS/<variant>; the results name the host kind (jetspec.host). Run from the repository root, as a
+module (`training/` is not an installed package).
 """
 
 import argparse
@@ -21,8 +28,10 @@ import json
 import time
 from pathlib import Path
 
+import yaml
 from transformers import TrainerCallback
 
+from jetspec.host import host_kind
 from training import run_trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +54,17 @@ VARIANTS = {
     "warm": ["--init_head", "jetspec/heads/smollm2-135m"],
     # the committed head as shipped, for reference: one step at learning rate 0 (Adam moves nothing), then evaluated
     "committed": ["--init_head", "jetspec/heads/smollm2-135m", "--learning_rate", "0"],
+    # the loss (training/losses.py): acceptance-aware additions to forward KL, and the paper's hard-label and reverse KL
+    "kl_tv": ["--loss", "kl_tv"],
+    "topk_rank": ["--loss", "topk_rank"],
+    "sft": ["--loss", "sft"],
+    "reverse_kl": ["--loss", "rkl"],
+    # the block attention at gamma 4 (the config's) and without position decay ("gamma 0": the config's gamma removed)
+    "gamma0": [],
+    "bidir_gamma4": ["--block_attention", "bidirectional"],
+    "bidir_gamma0": ["--block_attention", "bidirectional"],
 }
+UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a variant removes (no flag says None)
 PROBE_STEPS = 12  # the probe times its steps after the first PROBE_SKIP, which carry one-off costs
 PROBE_SKIP = 3
 
@@ -84,9 +103,22 @@ def main(argv=None) -> dict:
     if args.minutes is not None and args.minutes <= 0:
         raise ValueError(f"expected --minutes > 0, got {args.minutes}")
     budget = {"minutes": args.minutes} if args.minutes is not None else {"steps": args.steps}
+    host = host_kind()
+
+    def config_of(name: str, run: str) -> str:
+        """The config file of a variant: the given one, or a copy without the keys the variant removes."""
+        if name not in UNSET:
+            return args.config
+        values = yaml.safe_load(Path(args.config).read_text())
+        for key in UNSET[name]:
+            values.pop(key, None)
+        path = Path(args.runs) / f"{run}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(values, sort_keys=False))
+        return str(path)
 
     def arguments(name: str, steps: int, run: str) -> list[str]:
-        common = [args.config, "--feature_store", args.store, "--cache_features", "false", "--max_steps",
+        common = [config_of(name, run), "--feature_store", args.store, "--cache_features", "false", "--max_steps",
                   str(steps), "--eval_steps", str(steps), "--save_strategy", "no",
                   "--max_train_minutes", "1000", "--measure_tau_prompts", "0", "--warmup_steps",
                   str(max(1, steps // 20)), "--output_dir", str(Path(args.runs) / run)]
@@ -111,7 +143,9 @@ def main(argv=None) -> dict:
         metrics = run_trainer.main(arguments(name, steps, name))
         depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
         summary[name] = {
-            "change": " ".join(VARIANTS[name]) or "(committed config)",
+            "change": " ".join(VARIANTS[name] + [f"(no {key})" for key in UNSET.get(name, ())])
+                      or "(committed config)",
+            "host_kind": host.name,
             **budget,
             "steps": steps,
             "seconds_per_step": metrics["train_runtime"] / steps,
@@ -129,8 +163,9 @@ def main(argv=None) -> dict:
         lines.append(f"| {name} | `{row['change']}` | {budget_of_row} | {row['steps']} | {row['seconds_per_step']:.2f} | "
                      f"{row['seconds_per_step'] * row['steps'] / 60:.1f} | {row['eval_loss']:.3f} | "
                      f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |")
+    kinds = sorted({row.get("host_kind", "not recorded") for row in summary.values()})
     header = (f"Store {args.store}, data {args.data or 'of the config'}; each variant trained for its budget "
-              "(wall-clock minutes, or steps)\n\n")
+              f"(wall-clock minutes, or steps); host kind {', '.join(kinds)}\n\n")
     (out / "ablation.md").write_text(header + "\n".join(lines) + "\n")
     print("\n".join(lines))
     return summary

@@ -93,6 +93,38 @@ def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
     assert ablate_head.main([*argv[:5], "0.1", *argv[6:]])["baseline"]["minutes"] == 0.1  # another budget: rerun
 
 
+def test_ablate_head_loss_and_block_attention_variants_reach_the_runs(tmp_path):
+    """A smoke run of the loss and block-attention variants: each run's card names its loss and its gamma, and its
+    head its block attention; the gamma-0 variants train from a copy of the config without `gamma`."""
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    rows = regenerated_rows(target)
+    data = write_shards(tmp_path / "regen", rows)
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store", progress=False)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"target: {target_dir}\ndata: [{data}]\nblock_size: 6\nnum_hidden_layers: 1\neval_fraction: 0.25\n"
+        "num_blocks_per_sequence: 2\nper_device_train_batch_size: 4\nlearning_rate: 3.0e-3\nuse_cpu: true\n"
+        "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\ngamma: 4.0\n"
+    )
+    ablate_head = load_script("ablate_head")
+    variants = ["kl_tv", "topk_rank", "reverse_kl", "gamma0", "bidir_gamma4", "bidir_gamma0"]
+    summary = ablate_head.main(["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "1",
+                                "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
+                                "--variants", *variants])
+    assert list(summary) == variants
+    runs = tmp_path / "runs"
+    cards = {name: (runs / name / "README.md").read_text() for name in variants}
+    assert "total variation" in cards["kl_tv"] and "ranking loss" in cards["topk_rank"]
+    assert "reverse KL" in cards["reverse_kl"]
+    decayed = {name for name, card in cards.items() if "position decay gamma=4.0" in card}
+    assert decayed == {"kl_tv", "topk_rank", "reverse_kl", "bidir_gamma4"}
+    attention = {name: json.loads((runs / name / "config.json").read_text())["block_attention"] for name in variants}
+    assert {name for name, kind in attention.items() if kind == "bidirectional"} == {"bidir_gamma4", "bidir_gamma0"}
+    assert summary["gamma0"]["change"] == "(no gamma)" and summary["gamma0"]["host_kind"]
+    assert "host kind" in (tmp_path / "out" / "ablation.md").read_text()
+
+
 def test_ablate_decoding_decodes_held_out_prompts_like_plain_greedy(tmp_path):
     """Every setting decodes the held-out prompts exactly as plain greedy does (float32), and its tau is reported."""
     target = sharp_target()
@@ -142,7 +174,8 @@ def test_train_step_speed_trains_every_mode_from_the_same_start(tmp_path):
     # one step from the same head on the same batch: the reported losses are those of the first forward
     torch.testing.assert_close(torch.tensor(results["bf16"]["last_loss"]), torch.tensor(results["fp32"]["last_loss"]),
                                rtol=2e-2, atol=0.0)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
-    assert json.loads(out.read_text())["settings"]["modes"] == "fp32,bf16"
+    written = json.loads(out.read_text())
+    assert written["settings"]["modes"] == "fp32,bf16" and written["host_kind"] and written["host_dtype"]
 
 
 def test_training_entry_points_run_from_the_repository_root():
