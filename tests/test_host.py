@@ -115,3 +115,11 @@ def test_corrupt_cache_raises(tmp_path):
     path.write_text("[]")
     with pytest.raises(ValueError, match="expected a JSON object of host keys"):
         host_kind(path, probe_returning(0.1, 0.5)[0])
+
+
+def test_training_target_dtype_accepts_auto():
+    from training.run_trainer import HeadArguments
+
+    assert HeadArguments(target_dtype="auto").target_dtype == "auto"  # resolved by resolve_dtype when the run starts
+    with pytest.raises(ValueError, match=r"expected target_dtype 'auto', 'float32' or 'bfloat16', got 'half'"):
+        HeadArguments(target_dtype="half")

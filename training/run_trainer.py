@@ -40,7 +40,7 @@ import yaml  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
-from jetspec.targets import load_target  # noqa: E402
+from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
@@ -71,8 +71,9 @@ class HeadArguments:
     )
     target_dtype: str = field(
         default="float32",
-        metadata={"help": "Dtype of the frozen target during training: float32 or bfloat16 (features are cached "
-                          "in bfloat16 either way when cache_features is on)."},
+        metadata={"help": "Dtype of the frozen target during training: float32, bfloat16, or auto (bfloat16 where "
+                          "jetspec.host measures it faster on this host; float32 where ATen is held at AVX2). "
+                          "Features are cached in bfloat16 either way when cache_features is on."},
     )
     init_head: str | None = field(
         default=None,
@@ -113,8 +114,8 @@ class HeadArguments:
     )
 
     def __post_init__(self):
-        if self.target_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"expected target_dtype 'float32' or 'bfloat16', got {self.target_dtype!r}")
+        if self.target_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"expected target_dtype 'auto', 'float32' or 'bfloat16', got {self.target_dtype!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"expected draft_vocab_size >= 1 or None (full vocabulary), got {self.draft_vocab_size}")
 
@@ -335,7 +336,8 @@ def main(argv=None, callbacks=None) -> dict:
     args.push_to_hub = False  # Trainer's own push misses custom_generate/ and adds checkpoints: we ship ourselves
     checkpoint = resolve_checkpoint(args)
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[head_args.target_dtype]
+    dtype, reason = resolve_dtype(head_args.target_dtype)
+    print(f"jetspec: target in {dtype} ({reason})")
     target, tokenizer = load_target(head_args.target, dtype=dtype)
     set_seed(args.seed)  # a new head's initialisation is part of the run: same seed, same head on every process
     head = build_head(head_args, target, args.block_size, checkpoint)
