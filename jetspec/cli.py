@@ -69,6 +69,19 @@ def parse_suites(text: str) -> list[str]:
     return check_suites(parse_list(text))
 
 
+def check_target_name(target: str):
+    """Raise a `ValueError` for a `--target` that names a local folder which does not exist: an absolute or relative
+    path (`/x`, `./x`, `~/x`, `a/b/c`) cannot be an alias or a Hub id (`org/name`)."""
+    if target in DEFAULT_HEADS or Path(target).expanduser().is_dir():
+        return
+    if target.startswith(("/", ".", "~")) or target.count("/") > 1 or os.sep != "/" and os.sep in target:
+        found = "a file, not a folder" if Path(target).expanduser().exists() else "no such folder"
+        raise ValueError(
+            f"expected --target to be the alias {DEFAULT_TARGET}, a saved model folder or a Hub id (org/name), got "
+            f"{target!r}: {found}"
+        )
+
+
 def resolve_head_path(head: Optional[str], target: str) -> Path:
     """The head folder to load: `--head`, else the head committed for `target`; it must hold a saved head."""
     if head is None:
@@ -181,21 +194,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(f"jetspec: target dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})", file=sys.stderr)
-    target, tokenizer = load_target(args.target, dtype=dtype)
-    try:
+    try:  # a Hub id that does not resolve, a head built for another target: one line, no traceback
+        target, tokenizer = load_target(args.target, dtype=dtype)
         head = load_head(head_path, target)
         if args.draft_vocab_size is not None:
             head.restrict_draft_vocab(args.draft_vocab_size)
-    except ValueError as error:
-        parser.error(str(error))
+    except (ValueError, OSError) as error:
+        parser.error(" ".join(str(error).split()))
     # float32 is held to bitwise equality; a half precision's ties are judged against float32 logits, from the
     # checkpoint reloaded in float32 only if an output ever diverges
     float32_logits = None
     if dtype != torch.float32:
         float32_logits = float32_logits_fn(lambda: load_target(args.target, dtype=torch.float32)[0])
-    if args.command == "generate":
-        return _generate(args, target, tokenizer, head, float32_logits)
-    return _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason)
+    try:
+        if args.command == "generate":
+            return _generate(args, target, tokenizer, head, float32_logits)
+        return _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason)
+    except ValueError as error:  # refused arguments (e.g. a budget the head cannot draft)
+        parser.error(" ".join(str(error).split()))
 
 
 def _check_inputs(args):
@@ -203,6 +219,7 @@ def _check_inputs(args):
     from .targets import resolve_dtype
 
     dtype, dtype_reason = resolve_dtype(args.dtype)
+    check_target_name(args.target)
     if args.command == "bench":
         suites, budgets = parse_suites(args.suite), parse_budgets(args.budgets)
     head_path = resolve_head_path(args.head, args.target)

@@ -124,3 +124,26 @@ def test_cli_bench_end_to_end(capsys, tmp_path, saved_target, saved_head):
     assert str(tmp_path) not in text
     printed = capsys.readouterr().out
     assert "| tree-4 |" in printed and f"wrote {out / 'results.json'}" in printed
+
+
+def test_cli_rejects_a_missing_target_folder_in_one_line(capsys, tmp_path, saved_head):
+    missing = tmp_path / "no-target"
+    for command in (["generate", "hi"], ["bench", "--suite", "gsm8k"]):
+        err = cli_error(capsys, [*command, "--target", str(missing), "--head", str(saved_head)])
+        assert f"got {str(missing)!r}: no such folder" in err
+    (tmp_path / "file").write_text("")
+    err = cli_error(capsys, ["generate", "hi", "--target", str(tmp_path / "file"), "--head", str(saved_head)])
+    assert "a file, not a folder" in err
+
+
+def test_cli_reports_a_target_that_cannot_load_in_one_line(capsys, tmp_path, saved_head, monkeypatch):
+    # a Hub id that cannot be fetched (offline here) or a folder without weights: transformers' OSError, one line
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "empty").mkdir()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "hi", "--target", str(tmp_path / "empty"), "--head", str(saved_head), "--dtype", "float32"])
+    assert exit_info.value.code == 2
+    info, error = capsys.readouterr().err.strip().split("\n")  # the dtype line, then one error line
+    assert info.startswith("jetspec: target dtype") and error.startswith("jetspec: error:")
+    assert str(tmp_path / "empty") in error and "Traceback" not in error
