@@ -59,7 +59,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from modeling_jetspec import JetSpecDraftModel, JetSpecGenerateOutput, JetSpecStats, resolve_tree_shape
-from modeling_jetspec.generation_jetspec import draft, logits_to_keep, verifier_for, verify_seconds
+from modeling_jetspec.compat import attn_implementation
+from modeling_jetspec.steps import draft, logits_to_keep
+from modeling_jetspec.verifiers import verifier_for, verify_seconds
 from modeling_jetspec.timing import clock, median_seconds
 
 from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, LosslessError, Verdict, check_lossless, strict_for
@@ -316,7 +318,7 @@ def measure_costs(
 ) -> dict:
     """
     Draft cost c and verify costs t(B)/t(1) on the prefilled cache of one prompt, timing the round's own functions:
-    [`draft`] and the verifier's [`verify`] as `generate` calls them (`modeling_jetspec.generation_jetspec`).
+    [`draft`] and the verifier's [`verify`] as `generate` calls them (`modeling_jetspec/steps.py`, `verifiers.py`).
 
     Args:
         target (`PreTrainedModel`): the target, with sdpa or eager attention.
@@ -587,7 +589,7 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
         "target_dtype": str(target.dtype),
         "dtype_reason": dtype_reason,
         "equality": "bitwise (float32)" if strict else f"tie-aware, tolerance {config.tie_tolerance} float32 logits",
-        "attn_implementation": target.config._attn_implementation,
+        "attn_implementation": attn_implementation(target),
         "head": portable_name(head.name_or_path),
         "head_config": {k: getattr(head.config, k) for k in RECORDED_HEAD_CONFIG},
         "suites": config.suites,

@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModel
 
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
-from .generation_jetspec import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
+from .state import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
 from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput
 from .tree import Tree, ancestor_mask, build_tree, marginal_children
 

@@ -3,7 +3,7 @@
 
 Expected tokens per second at budget b is `tau(b) / (t(b) + t_draft)`, with `t(b)` the target's verify forward over
 b + 1 tokens at the current batch size, measured once per (target, batch size) by
-`generation_jetspec.measure_verify_seconds` (it times the round's own `draft` trees and `verify`), and `tau(b)` the
+`verifiers.measure_verify_seconds` (it times the round's own `draft` trees and `verify`), and `tau(b)` the
 mean committed tokens per round. Best-first trees are nested (the tree of budget b is the first b nodes of any larger
 tree), so a round verified at budget B tells exactly how many tokens every budget b <= B would have committed: the
 accepted path's nodes are numbered in pop order, and under budget b only the path's nodes numbered <= b survive.

@@ -27,18 +27,26 @@ Lossless: every committed token is the target's choice after exactly the committ
 verified, and the state a row keeps is the state after exactly its committed tokens minus the anchor.
 """
 
+import functools
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
-from transformers.cache_utils import (
+from transformers.cache_utils import DynamicCache
+
+from .compat import (
     DummyLayer,
-    DynamicCache,
     DynamicLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
+    fill_linear_state,
+    kv_layer_entries,
+    linear_state,
+    linear_state_count,
+    set_linear_state,
+    stop_past_recording,
 )
-
+from .state import Acceptance, DraftTrees, RoundState
+from .steps import compact, keep_accepted_entries, prefill
 from .tree import verification_mask
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # keys/values; windows are applied by the mask
@@ -108,21 +116,15 @@ def read_states(cache: DynamicCache) -> dict:
     states = {}
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            for s in range(layer.number_of_states):
-                conv = layer.conv_states[s] if layer.is_conv_states_initialized[s] else None
-                rec = layer.recurrent_states[s] if layer.is_recurrent_states_initialized[s] else None
-                states[index, s] = LinearState(conv, rec).map(torch.clone)
+            for s in range(linear_state_count(layer)):
+                states[index, s] = LinearState(*linear_state(layer, s)).map(torch.clone)
     return states
 
 
 def write_states(cache: DynamicCache, states: dict):
     """Make the linear-attention layers of a filled cache hold `states` (rows already matching)."""
     for (index, s), state in states.items():
-        layer = cache.layers[index]
-        if state.conv is not None:
-            layer.conv_states[s] = state.conv
-        if state.recurrent is not None:
-            layer.recurrent_states[s] = state.recurrent
+        set_linear_state(cache.layers[index], s, state.conv, state.recurrent)
 
 
 def filled_cache(types: list, attention: dict, states: dict) -> HybridCache:
@@ -132,16 +134,12 @@ def filled_cache(types: list, attention: dict, states: dict) -> HybridCache:
     for index, (keys, values) in attention.items():
         cache.layers[index].update(keys, values)
     for (index, s), state in states.items():
-        layer = cache.layers[index]
-        if state.conv is not None:
-            layer.update_conv_state(state.conv, state_idx=s, conv_kernel_size=state.conv.shape[-1])
-        if state.recurrent is not None:
-            layer.update_recurrent_state(state.recurrent, state_idx=s)
+        fill_linear_state(cache.layers[index], s, state.conv, state.recurrent)
     return cache
 
 
-def best_path(trees):
-    """The tree's best root-to-leaf path as a chain of the same type: from the root, the first child (best-first
+def best_path(trees: DraftTrees) -> DraftTrees:
+    """The tree's best root-to-leaf path as a chain: from the root, the first child (best-first
     order: the highest-scored) at every depth. Rows whose paths are shorter repeat their last token (still checked
     against the target, so lossless; their acceptance simply stops or goes on like any node's).
 
@@ -161,18 +159,19 @@ def best_path(trees):
     parents = torch.arange(k, device=nodes.device).expand(a, k)
     depths = torch.arange(k + 1, device=nodes.device).expand(a, k + 1)
     ancestors = torch.ones(k + 1, k + 1, dtype=torch.bool, device=nodes.device).tril().expand(a, -1, -1)
-    return type(trees)(trees.tokens.gather(1, nodes - 1), parents, depths, ancestors, trees.budget)
+    return DraftTrees(trees.tokens.gather(1, nodes - 1), parents, depths, ancestors, trees.budget)
 
 
 class HybridVerifier:
     """Verifies a round of a hybrid target by its best path ("chain") or its whole tree ("tree"); see the module.
 
-    Same methods as `generation_jetspec.TreeVerifier`: `prefill`, `verify`, `compact`, `discard`. Between `verify`
-    and `compact` it keeps the round's pending linear states.
+    A `state.Verifier`, like `verifiers.TreeVerifier`: `prefill`, `verify`, `compact`, `discard`, and
+    `target_forwards`, which counts every forward: the prefill, the chain's verify and its replays, each depth of the
+    tree scan. Between `verify` and `compact` it keeps the round's pending linear states.
 
     Args:
         mode (`str`): `tree_verify` of the call, "auto" (= "chain"), "chain" or "tree".
-        windows (`dict`, *optional*): sliding windows per layer type, from `generation_jetspec.verify_windows`.
+        windows (`dict`, *optional*): sliding windows per layer type, from `verifiers.verify_windows`.
     """
 
     def __init__(self, target, head, mode: str, windows: dict | None):
@@ -186,13 +185,14 @@ class HybridVerifier:
         # chain: the linear states before the round; tree: every node's, {(layer, s): LinearState (A, n + 1, ...)}
         self.pending = None
         self.added = 0  # entries the last verify added to the attention layers
+        self.target_forwards = 0
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-        from .generation_jetspec import prefill
-
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
+        """`steps.prefill` into a new [`HybridCache`]."""
+        self.target_forwards += 1
         return prefill(self.head, self.target, input_ids, attention_mask, HybridCache(self.types))
 
-    def verify(self, state, trees):
+    def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """Verify the round's trees (`DraftTrees`, n nodes per row) after `state`'s cache.
 
         Returns:
@@ -209,7 +209,8 @@ class HybridVerifier:
             tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
             self.added = tokens.shape[1]
             out = self._forward(state.cache, tokens, state.anchor_pos[:, None] + chain.depths,
-                                self._masks(state.valid, state.positions, chain, state.anchor_pos))
+                                self._masks(state.valid, state.positions, chain.depths, chain.ancestors,
+                                            state.anchor_pos))
             return chain, out.logits.float(), self.head.target_features(out.hidden_states)
         logits, features, tree_kv, self.pending = self._scan(state, trees)
         self.added = trees.depths.shape[1]
@@ -217,11 +218,10 @@ class HybridVerifier:
             state.cache.layers[index].update(keys, values)
         return trees, logits, features
 
-    def compact(self, state, trees, acc, features, keep):
-        """`generation_jetspec.compact` for the attention layers; each surviving row's linear states become those
-        after its accepted nodes."""
-        from .generation_jetspec import compact, keep_accepted_entries
-
+    def compact(self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
+                keep: torch.Tensor) -> RoundState:
+        """`steps.compact` for the attention layers; each surviving row's linear states become those after its
+        accepted nodes."""
         if self.mode == "chain":
             states = self._chain_states(state, trees, acc.count)
         else:  # the deepest accepted node's states
@@ -229,15 +229,12 @@ class HybridVerifier:
             rows = torch.arange(last.shape[0], device=last.device)
             states = {key: s.map(lambda t: t[rows, last]) for key, s in self.pending.items()}
         self.pending = None
-
-        def keep_entries(cache, past, nodes):
-            keep_accepted_entries(SimpleNamespace(layers=[cache.layers[i] for i in self.attention]), past, nodes)
-
+        keep_entries = functools.partial(keep_accepted_entries, layers=self.attention)
         state = compact(self.head, state, trees, acc, features, keep, keep_entries=keep_entries)
         write_states(state.cache, {key: s.map(lambda t: t[keep]) for key, s in states.items()})
         return state
 
-    def discard(self, state, trees):
+    def discard(self, state: RoundState, trees: DraftTrees):
         """Undo a `verify` without compacting (timing repeats)."""
         for index in self.attention:
             state.cache.layers[index].crop(-self.added)  # the chain's or the tree's entries
@@ -248,28 +245,31 @@ class HybridVerifier:
 
     # -------------------------------------------------------------------------------------------- pieces
     def _forward(self, cache, tokens, positions, masks):
+        """One target forward (counted in `target_forwards`)."""
+        self.target_forwards += 1
         return self.target(
             input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=cache, use_cache=True,
             output_hidden_states=True,
         )
 
-    def _masks(self, valid, past_positions, trees, anchor_pos) -> dict:
-        """`{layer type: mask}`: the tree-causal verify mask `(A, 1, n + 1, S + n + 1)` for attention layer types (with
-        their sliding windows), None (no padding among the new tokens) for linear ones."""
-        positions = anchor_pos[:, None] + trees.depths
+    def _masks(self, valid, past_positions, depths, ancestors, anchor_pos) -> dict:
+        """`{layer type: mask}`: the tree-causal verify mask `(A, 1, n + 1, S + n + 1)` of nodes at `depths`
+        `(A, n + 1)` seeing `ancestors` `(A, n + 1, n + 1)`, for attention layer types (with their sliding windows),
+        None (no padding among the new tokens) for linear ones."""
+        positions = anchor_pos[:, None] + depths
         dtype = self.target.dtype if self.target.dtype.is_floating_point else torch.float32
         masks = {}
         for t in set(self.types):
             window = None if self.windows is None else self.windows.get(t, self.windows.get(None))
             masks[t] = None if t in STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES else verification_mask(
-                valid, trees.ancestors, dtype, window, past_positions, positions
+                valid, ancestors, dtype, window, past_positions, positions
             )
         return masks
 
     def _stop_recording(self, cache):
         for layer in cache.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
-                layer.record_past = False  # as `generate` ends a recording (`DeferredStopCheck.finish`)
+                stop_past_recording(layer)
 
     def _chain_states(self, state, chain, count: torch.Tensor) -> dict:
         """The linear states after each row's accepted nodes (`count` of shape `(A,)`, root included) of the chain.
@@ -285,8 +285,8 @@ class HybridVerifier:
             if before.conv is not None:  # recorded: (A, C, K + k + 1), the K inputs before the round first
                 size = before.conv.shape[-1]
                 window = count[:, None, None] + torch.arange(size, device=count.device)  # (A, 1, K)
-                conv = layer.conv_states[s].gather(2, window.expand(-1, before.conv.shape[1], -1))
-            rec = layer.recurrent_states[s].clone() if before.recurrent is not None else None
+                conv = linear_state(layer, s)[0].gather(2, window.expand(-1, before.conv.shape[1], -1))
+            rec = linear_state(layer, s)[1].clone() if before.recurrent is not None else None
             states[index, s] = LinearState(conv, rec)
         self._stop_recording(state.cache)
         if any(s.recurrent is not None for s in states.values()):
@@ -298,16 +298,16 @@ class HybridVerifier:
         """Rows `rows` accepted `v` nodes of their chain: run them again from the states before the round, and put
         the recurrent states that come out into `states`."""
         past = state.valid.shape[1]
-        attention = {i: (state.cache.layers[i].keys[rows, :, :past], state.cache.layers[i].values[rows, :, :past])
+        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i]))
                      for i in self.attention}
         cache = filled_cache(self.types, attention, {key: s.map(lambda t: t[rows]) for key, s in self.pending.items()})
-        part = SimpleNamespace(depths=chain.depths[rows, :v], ancestors=chain.ancestors[rows, :v, :v])
+        depths, ancestors = chain.depths[rows, :v], chain.ancestors[rows, :v, :v]  # (R, v), (R, v, v)
         tokens = torch.cat([state.anchors[rows, None], chain.tokens[rows, : v - 1]], dim=1)  # (R, v)
-        masks = self._masks(state.valid[rows], state.positions[rows], part, state.anchor_pos[rows])
-        self._forward(cache, tokens, state.anchor_pos[rows, None] + part.depths, masks)
+        masks = self._masks(state.valid[rows], state.positions[rows], depths, ancestors, state.anchor_pos[rows])
+        self._forward(cache, tokens, state.anchor_pos[rows, None] + depths, masks)
         for (index, s), out in states.items():
             if out.recurrent is not None:
-                out.recurrent[rows] = cache.layers[index].recurrent_states[s]
+                out.recurrent[rows] = linear_state(cache.layers[index], s)[1]
 
     def _scan(self, state, trees):
         """The whole tree, depth by depth: one forward per depth over all its nodes (of every row), each node a
@@ -319,14 +319,14 @@ class HybridVerifier:
         """
         a, n1 = trees.depths.shape
         past, cache = state.valid.shape[1], state.cache
-        masks = self._masks(state.valid, state.positions, trees, state.anchor_pos)  # (A, 1, n + 1, S + n + 1)
+        masks = self._masks(state.valid, state.positions, trees.depths, trees.ancestors,
+                            state.anchor_pos)  # (A, 1, n + 1, S + n + 1)
         positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
         tokens = torch.cat([state.anchors[:, None], trees.tokens], dim=1)  # (A, n + 1)
         parents = torch.cat([torch.zeros_like(trees.parents[:, :1]), trees.parents], dim=1)  # (A, n + 1)
         row_states = read_states(cache)
         nodes = {key: s.map(lambda t: t.new_zeros(a, n1, *t.shape[1:])) for key, s in row_states.items()}
-        tree_kv = {i: tuple(t.new_zeros(*t.shape[:2], n1, t.shape[-1]) for t in (cache.layers[i].keys,
-                                                                                 cache.layers[i].values))
+        tree_kv = {i: tuple(t.new_zeros(*t.shape[:2], n1, t.shape[-1]) for t in kv_layer_entries(cache.layers[i]))
                    for i in self.attention}
         logits = features = None
         for d in range(int(trees.depths.max()) + 1):
@@ -334,7 +334,7 @@ class HybridVerifier:
             start = {key: s.map(lambda t: t[r]) for key, s in row_states.items()} if d == 0 else \
                 {key: s.map(lambda t: t[r, parents[r, j]]) for key, s in nodes.items()}
             attention = {i: tuple(torch.cat([c[r], t[r]], dim=2) for c, t in zip(  # (N, H, S + n + 1, D)
-                (cache.layers[i].keys, cache.layers[i].values), tree_kv[i])) for i in self.attention}
+                kv_layer_entries(cache.layers[i]), tree_kv[i])) for i in self.attention}
             step = filled_cache(self.types, attention, start)
             out = self._forward(step, tokens[r, j][:, None], positions[r, j][:, None],
                                 {t: m if m is None else _node_mask(m, r, j, past) for t, m in masks.items()})
@@ -345,12 +345,14 @@ class HybridVerifier:
             logits[r, j] = out.logits[:, -1].float()
             features[r, j] = self.head.target_features(out.hidden_states)[:, -1]
             for i, (keys, values) in tree_kv.items():
-                keys[r, :, j], values[r, :, j] = step.layers[i].keys[:, :, -1], step.layers[i].values[:, :, -1]
+                step_keys, step_values = kv_layer_entries(step.layers[i])
+                keys[r, :, j], values[r, :, j] = step_keys[:, :, -1], step_values[:, :, -1]
             for (i, s), node in nodes.items():
+                conv, recurrent = linear_state(step.layers[i], s)
                 if node.conv is not None:
-                    node.conv[r, j] = step.layers[i].conv_states[s]
+                    node.conv[r, j] = conv
                 if node.recurrent is not None:
-                    node.recurrent[r, j] = step.layers[i].recurrent_states[s]
+                    node.recurrent[r, j] = recurrent
         return logits, features, tree_kv, nodes
 
 

@@ -28,7 +28,7 @@ from .checkpoint_formats import (
     read_checkpoint_config,
 )
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
-from .generation_jetspec import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
+from .integration import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
 
 
 class JetSpecRotary(nn.Module):

@@ -4,9 +4,10 @@ import torch
 
 import pytest
 
-import modeling_jetspec.generation_jetspec as generation
+import modeling_jetspec.verifiers as verifiers
 from modeling_jetspec.budget import BudgetController, choose_budget, committed_under_budgets
-from modeling_jetspec.generation_jetspec import measure_verify_seconds, resolve_tree_shape
+from modeling_jetspec.state import resolve_tree_shape
+from modeling_jetspec.verifiers import measure_verify_seconds
 from modeling_jetspec.tree import build_tree, entropy, marginal_children
 from tiny import oracle_head, prompts, tiny_head, tiny_target
 
@@ -79,13 +80,13 @@ def test_verify_costs_time_the_round_s_own_verify_over_the_head_s_trees(monkeypa
     target = tiny_target("llama")
     head = tiny_head(target, tree_depth=4, tree_width=3)
     verified = []
-    verify = generation.verify
+    verify = verifiers.verify
 
     def spy(target, head, state, trees, windows=None):
         verified.append((tuple(trees.tokens.shape), state.valid.shape))
         return verify(target, head, state, trees, windows)
 
-    monkeypatch.setattr(generation, "verify", spy)
+    monkeypatch.setattr(verifiers, "verify", spy)
     shape = resolve_tree_shape(head.config)
     seconds = measure_verify_seconds(target, head, shape, [4, 12], batch_size=2, context_length=16, repeats=1)
     assert sorted(seconds) == [4, 12]
@@ -131,13 +132,13 @@ def test_bench_costs_time_the_round_s_own_draft_and_verify(monkeypatch):
     target = tiny_target("llama")
     head = tiny_head(target, tree_depth=4, tree_width=3)
     verified = []
-    verify = generation.verify
+    verify = verifiers.verify
 
     def spy(target, head, state, trees, windows=None):
         verified.append(tuple(trees.tokens.shape))
         return verify(target, head, state, trees, windows)
 
-    monkeypatch.setattr(generation, "verify", spy)
+    monkeypatch.setattr(verifiers, "verify", spy)
     ids, _ = prompts(1)
     costs = bench.measure_costs(target, head, ids, [4, 12], chain_depth=3, repeats=1)
     # per budget and for the chain: 2 untimed and 1 timed forward over one tree of exactly that many nodes

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_bench import char_tokenizer, tiny_pair
 
-import modeling_jetspec.generation_jetspec as generation
+import modeling_jetspec.decode as decode
 from jetspec.bench import BenchConfig, run_benchmark
 from jetspec.equality import DEFAULT_TIE_TOLERANCE, LosslessError, check_lossless, classify_outputs, float32_logits_fn
 
@@ -92,7 +92,7 @@ def test_check_lossless_lets_half_precision_ties_pass_and_fails_the_rest():  # (
 
 def broken_accept(monkeypatch):
     """Once, the round commits the target's least likely token after the accepted path instead of its choice."""
-    original = generation.accept
+    original = decode.accept
     state = {"broken": False}
 
     def accept(logits, *args, **kwargs):  # logits of shape (A, n + 1, V): every node's next-token scores
@@ -104,7 +104,7 @@ def broken_accept(monkeypatch):
             state["broken"] = True
         return acc
 
-    monkeypatch.setattr(generation, "accept", accept)
+    monkeypatch.setattr(decode, "accept", accept)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -85,6 +85,26 @@ def test_sometimes_right_drafter_matches_greedy(family, mode, batch):  # (c)
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_stats_count_every_target_forward(family, mode):
+    # (c) sometimes right, at batch 3: chains are cut short, so rows with recurrent states (Qwen3.5) are replayed;
+    # the tree scan runs a forward per depth. The statistics count the forwards the target really ran.
+    target = hybrid_target(family)
+    ids, mask = prompts(3, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
+    count = ForwardCount(target)
+    out = greedy(target, ids, mask, max_new_tokens=24, assistant_model=head, tree_verify=mode,
+                 return_dict_in_generate=True)
+    count.handle.remove()
+    assert torch.equal(out.sequences, plain)
+    stats = out.jetspec_stats
+    assert stats.target_forwards == count.calls
+    if mode == "tree" or family == "qwen3_5_text":  # scan steps or replays: more forwards than prefill + rounds
+        assert count.calls > 1 + stats.rounds
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_lookup_branch_is_verified(mode):
     # a prompt that repeats itself: the prompt-lookup chain leads the tree (no prior: chain first), so the chain
     # verifier's best path is the lookup branch; rows whose lookup chain differs in length are padded

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-import modeling_jetspec.generation_jetspec as generation
+import modeling_jetspec.decode as decode
+import modeling_jetspec.integration as integration
 from modeling_jetspec import JetSpecGenerateOutput
 from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
@@ -84,14 +85,14 @@ def test_sometimes_right_drafter_accepts_non_contiguous_nodes(arch, batch, monke
     plain = greedy(target, ids, mask, max_new_tokens=30)
     head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
     paths = []
-    accept = generation.accept
+    accept = decode.accept
 
     def recording_accept(*args, **kwargs):
         acc = accept(*args, **kwargs)
         paths.extend(acc.paths())
         return acc
 
-    monkeypatch.setattr(generation, "accept", recording_accept)
+    monkeypatch.setattr(decode, "accept", recording_accept)
     tree = greedy(target, ids, mask, max_new_tokens=30, assistant_model=head)
     assert torch.equal(tree, plain)
     # paths through later siblings were accepted: some accepted path is not the first nodes 1, 2, ... of its tree
@@ -216,7 +217,7 @@ def test_plain_generate_is_untouched_by_the_hook(monkeypatch):
     drafted = []
     assistant.register_forward_hook(lambda *args: drafted.append(1))
     entered = []
-    monkeypatch.setattr(generation, "_decode", lambda *args, **kwargs: entered.append(1))
+    monkeypatch.setattr(integration, "_decode", lambda *args, **kwargs: entered.append(1))
     plain = greedy(target, ids, mask, max_new_tokens=10)
     assisted = greedy(target, ids, mask, max_new_tokens=10, assistant_model=assistant, return_dict_in_generate=True)
     assert torch.equal(assisted.sequences, plain)

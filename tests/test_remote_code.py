@@ -15,6 +15,12 @@ from safetensors.torch import load_file
 
 from tiny import prompts, tiny_head, tiny_target
 
+# the package's files a saved head needs: the head, its config and formats, and every file of the round
+CODE_FILES = {
+    "modeling_jetspec.py", "configuration_jetspec.py", "checkpoint_formats.py", "integration.py", "decode.py",
+    "verifiers.py", "hybrid.py", "steps.py", "state.py", "compat.py", "tree.py", "budget.py", "timing.py",
+}
+
 FRESH_PROCESS = textwrap.dedent(
     """
     import json, sys, torch
@@ -52,8 +58,7 @@ def test_save_reload_in_a_fresh_process_decodes_identically(tmp_path):
 
     folder = tmp_path / "head"
     files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    assert {"config.json", "model.safetensors", "custom_generate/generate.py", "modeling_jetspec.py",
-            "configuration_jetspec.py", "generation_jetspec.py", "tree.py"} <= files
+    assert {"config.json", "model.safetensors", "custom_generate/generate.py"} | CODE_FILES <= files
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_jetspec.JetSpecDraftModel"
     weights = load_file(folder / "model.safetensors")
@@ -125,8 +130,7 @@ def test_push_to_hub_uploads_the_jetspec_layout(tmp_path, monkeypatch):
     local = {p.relative_to(tmp_path / "head").as_posix() for p in (tmp_path / "head").rglob("*") if p.is_file()}
     assert api.created == [("org/head", True)] and api.commit_message == "first head"
     assert set(api.uploaded) == local | {"README.md"}
-    assert {"config.json", "model.safetensors", "custom_generate/generate.py", "modeling_jetspec.py",
-            "configuration_jetspec.py", "generation_jetspec.py", "tree.py", "checkpoint_formats.py"} <= local
+    assert {"config.json", "model.safetensors", "custom_generate/generate.py"} | CODE_FILES <= local
     assert json.loads(api.uploaded["config.json"])["auto_map"]["AutoModel"] == "modeling_jetspec.JetSpecDraftModel"
     for name in local:  # the uploaded bytes are the saved ones
         assert api.uploaded[name] == (tmp_path / "head" / name).read_bytes(), name

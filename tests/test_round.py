@@ -10,7 +10,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-import modeling_jetspec.generation_jetspec as generation
+import modeling_jetspec.decode as decode
+import modeling_jetspec.steps as steps
+import modeling_jetspec.verifiers as verifiers
 from modeling_jetspec import JetSpecGenerateOutput
 from tiny import oracle_head, prompts, tiny_head, tiny_target
 
@@ -28,7 +30,7 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monke
     # (d) sometimes right: accepted nodes are non-contiguous, so compaction has to pick them out of the tree
     head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=20)
     snapshots, calls = [], []
-    commit, compact = generation.commit, generation.compact
+    commit, compact = decode.commit, verifiers.compact
 
     def recording_commit(call, *args, **kwargs):
         calls.append(call)
@@ -47,8 +49,8 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monke
             ))
         return state
 
-    monkeypatch.setattr(generation, "commit", recording_commit)
-    monkeypatch.setattr(generation, "compact", recording_compact)
+    monkeypatch.setattr(decode, "commit", recording_commit)
+    monkeypatch.setattr(verifiers, "compact", recording_compact)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head, **settings), plain)
     assert len(snapshots) >= 4
     pads = (mask == 0).sum(-1).tolist()
@@ -140,7 +142,7 @@ def test_compaction_moves_only_the_accepted_entries_behind_the_past():
     layer = cache.layers[0]
     storage = layer.keys.data_ptr(), layer.values.data_ptr()
     nodes = torch.tensor([[0, 2, 3], [0, 1, 0]])  # row 0 accepted root, 2, 3; row 1 root, 1 (then a hole)
-    generation.keep_accepted_entries(cache, past, nodes)
+    steps.keep_accepted_entries(cache, past, nodes)
     assert (layer.keys.data_ptr(), layer.values.data_ptr()) == storage  # nothing was copied to a new tensor
     assert layer.keys.shape == (2, 3, past + 3, 6) and layer.values.shape == (2, 3, past + 3, 2)
     assert torch.equal(layer.keys[:, :, :past], keys[:, :, :past])

@@ -488,7 +488,7 @@ def test_push_uploads_exactly_the_head_files(tmp_path):
     api = FakeApi()
     push_folder(folder, "org/head", api=api)
     code = {p.name for p in folder.glob("*.py")}  # the flat code files save_pretrained copied
-    assert {"configuration_jetspec.py", "modeling_jetspec.py", "generation_jetspec.py", "tree.py"} <= code
+    assert {"configuration_jetspec.py", "modeling_jetspec.py", "steps.py", "tree.py"} <= code
     assert api.created == ["org/head"]
     assert api.uploaded[0] == "org/head"
     assert api.uploaded[1] == code | {"config.json", "model.safetensors", "custom_generate/generate.py", "README.md"}

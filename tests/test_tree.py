@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from modeling_jetspec.generation_jetspec import DraftTrees, accept
+from modeling_jetspec.state import DraftTrees
+from modeling_jetspec.steps import accept
 from modeling_jetspec.tree import (
     ancestor_mask,
     GAP_FANOUT_NATS,
@@ -306,7 +307,7 @@ def test_a_scored_lookup_chain_takes_only_the_nodes_it_earns():
 
 def test_the_lookup_prior_comes_from_the_head_unless_the_call_sets_it():
     from modeling_jetspec import JetSpecConfig
-    from modeling_jetspec.generation_jetspec import resolve_tree_shape
+    from modeling_jetspec.state import resolve_tree_shape
 
     prior = [[0.2], [0.5], [0.9]]
     config = JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,

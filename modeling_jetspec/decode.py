@@ -1,0 +1,171 @@
+"""The decoding loop: one `generate` call as a prefill and rounds (arXiv 2606.18394, sections 3.2-3.4;
+`docs/design.md`, "§2 The round").
+
+[`_decode`] is the decoding method `generate` runs for a JetSpec head (handed to it as a callable
+`custom_generate` by `integration.tree_generate`): it checks the call, prefills through the call's verifier, commits
+each row's first token, then runs [`_round`] (draft, verify, accept, commit, compact; `steps.py`) until every row
+has finished, and returns the sequences (and, with `return_dict_in_generate`, scores, logits and statistics) as
+plain `generate` does. A `tree_budget="auto"` call picks each round's budget from measured costs (`budget.py`).
+"""
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from .budget import DEFAULT_CANDIDATES, BudgetController
+from .compat import pad_token_tensor
+from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
+from .steps import accept, choose_token, commit, draft, pick_token, processors_per_row, select_rows
+from .timing import clock
+from .tree import max_tree_nodes
+from .verifiers import measure_verify_seconds
+
+
+def _decode(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    jetspec_head=None,
+    jetspec_shape=None,
+    jetspec_streamer=None,
+    jetspec_verifier=None,
+    **model_kwargs,
+):
+    """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
+    head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
+    _check_call(input_ids, generation_config, streamer)
+    if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
+        streamer.put(input_ids.cpu())
+    call = _start_call(input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config,
+                       streamer)
+    # a lookup chain may be accepted past the head's depths
+    stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
+    started = clock()
+    before = call.verifier.target_forwards
+    state, logits = call.verifier.prefill(input_ids, model_kwargs.get("attention_mask"))
+    stats.target_forwards += call.verifier.target_forwards - before
+    state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
+    controller = None
+    if shape.budget == "auto" and state.rows.numel():
+        controller = _budget_controller(head, model, shape, state.rows.shape[0])
+    while state.rows.numel():
+        state = _round(head, call, state, stats, controller)
+    stats.total_seconds = clock() - started
+    return _finish(head, call, stats, generation_config, input_ids.shape[1])
+
+
+def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller) -> RoundState:
+    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round")."""
+    t0 = clock()
+    before = call.verifier.target_forwards
+    budget = controller.next_budget() if controller is not None else call.shape.budget
+    histories = call.histories(state.rows) if call.shape.lookup else None
+    trees = draft(head, state, call.shape, budget, histories)
+    t1 = clock()
+    trees, logits, features = call.verifier.verify(state, trees)
+    t2 = clock()
+    acc = accept(logits, trees, state.rows, call.choose)
+    if controller is not None:
+        controller.update(acc.paths(), budget, t1 - t0)
+    active = state.rows.shape[0]
+    committed, keep = commit(call, state.rows, acc, logits)
+    state = call.verifier.compact(state, trees, acc, features, keep)
+    stats.add_round(budget, active, acc.count, committed, clock() - t2 + t1 - t0, t2 - t1,
+                    forwards=call.verifier.target_forwards - before)
+    return state
+
+
+def _check_call(input_ids, generation_config, streamer):
+    batch, prompt_length = input_ids.shape
+    if generation_config.num_beams > 1:
+        raise ValueError(f"expected num_beams == 1 for tree speculative decoding, got {generation_config.num_beams}")
+    if prompt_length == 0:
+        raise ValueError("expected a non-empty prompt, got input_ids with 0 tokens")
+    if streamer is not None and batch > 1:
+        raise ValueError(f"expected batch size 1 with a streamer (as in transformers), got {batch}")
+
+
+def _start_call(input_ids, shape, verifier, processors, stopping, generation_config, streamer) -> Call:
+    """The call's settings and its sequences, holding the prompts and room for every new token."""
+    batch, prompt_length = input_ids.shape
+    pad = pad_token_tensor(generation_config)
+    sequences = torch.full(
+        (batch, generation_config.max_length), int(pad) if pad is not None else 0, dtype=torch.long,
+        device=input_ids.device,
+    )
+    sequences[:, :prompt_length] = input_ids
+    wants_records = generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    )
+    call = Call(
+        shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
+        streamer=streamer, records=[[] for _ in range(batch)] if wants_records else None,
+    )
+    if generation_config.do_sample or len(processors):
+        per_row = processors_per_row(processors, batch)
+        call.choose = functools.partial(choose_token, per_row, generation_config.do_sample, call)
+    return call
+
+
+def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool, stats: JetSpecStats) -> RoundState:
+    """Commit each row's first token, picked from the prefill's processed `scores` `(B, V)` (every row has the same
+    length here, so the processors run on the whole batch, as in plain decoding); it becomes the row's anchor."""
+    first = pick_token(scores, do_sample)  # (B,)
+    acc = Acceptance(  # the prefill as a round whose tree is its root alone
+        nodes=torch.zeros_like(first)[:, None], tokens=first[:, None], count=torch.ones_like(first),
+        scores=[[row] for row in scores],
+    )
+    committed, keep = commit(call, state.rows, acc, logits[:, None])
+    stats.new_tokens += committed
+    state = replace(state, anchors=first)
+    return select_rows(state, keep) if keep.numel() < first.shape[0] else state
+
+
+def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_length: int):
+    if call.streamer is not None:
+        call.streamer.end()
+    longest = max(call.lengths)
+    if pad_token_tensor(generation_config) is None and min(call.lengths) != longest:
+        raise ValueError("expected a pad_token_id to pad rows that finish early, got none")
+    sequences = call.sequences[:, :longest]  # (B, longest); past each row's length: padding, never written
+    head.last_stats = stats
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    steps = longest - prompt_length
+    return JetSpecGenerateOutput(
+        sequences=sequences,
+        scores=_per_step(call.records, 0, steps) if generation_config.output_scores else None,
+        logits=_per_step(call.records, 1, steps) if generation_config.output_logits else None,
+        jetspec_stats=stats,
+    )
+
+
+def _budget_controller(head, target, shape: TreeShape, batch: int) -> BudgetController:
+    """Verify costs are measured once per (target, device, dtype, batch size) and kept on the head.
+
+    `head.verify_cost_cache` is keyed by the target object itself (weakly), never by `id(target)`: an id is reused
+    once a target is freed.
+    """
+    largest = max_tree_nodes(shape.depth, shape.width)
+    candidates = sorted({min(b, largest) for b in DEFAULT_CANDIDATES})
+    per_target = head.verify_cost_cache.setdefault(target, {})
+    key = (str(target.device), target.dtype, batch, tuple(candidates))
+    if key not in per_target:
+        per_target[key] = measure_verify_seconds(target, head, shape, candidates, batch_size=batch)
+    return BudgetController(candidates, per_target[key])
+
+
+
+def _per_step(records: list, which: int, steps: int) -> tuple:
+    """Per generated step, `(B, V)` scores (`which=0`) or logits (`which=1`); finished rows get zeros."""
+    zeros = torch.zeros_like(next(entry[which] for row in records for entry in row))  # (V,), on its device
+    return tuple(
+        torch.stack([rec[step][which] if step < len(rec) else zeros for rec in records]) for step in range(steps)
+    )
+
+
+# Written as `custom_generate/generate.py` next to a saved head, so that

@@ -1,0 +1,179 @@
+"""The integration with transformers: `target.generate(..., assistant_model=head)` runs tree decoding
+(arXiv 2606.18394, section 3; `docs/design.md`, "§2 The round").
+
+[`install_generate_hook`] wraps `GenerationMixin.generate` once so that a call with a JetSpec head as
+`assistant_model` goes to [`tree_generate`]; [`tree_generate`] resolves the call's tree shape, refuses `generate`
+arguments the tree loop would drop ([`check_generate_kwargs`]), picks the call's verifier, switches flash attention to
+sdpa for the tree mask, and re-enters `generate` with the loop (`decode._decode`) as its callable
+`custom_generate`, so that transformers prepares the generation config, logits processors and stopping criteria as
+for plain decoding. [`CUSTOM_GENERATE_SOURCE`] is the `custom_generate/generate.py` written next to a saved head.
+"""
+
+import functools
+import inspect
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+
+from .compat import attn_implementation
+from .decode import _decode
+from .state import resolve_tree_shape
+from .verifiers import verifier_for
+
+TREE_ARGUMENTS = (
+    "tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior",
+)
+MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
+# model kwargs the tree loop reads; any other model kwarg (pixel_values, token_type_ids, past_key_values, ...) raises
+SUPPORTED_MODEL_KWARGS = ("input_ids", "inputs", "attention_mask")
+# `generate` arguments that are not model kwargs, honoured as in plain `generate` (the loop re-enters it)
+GENERATE_HONOURED = (
+    "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "tokenizer",
+    "trust_remote_code",
+)
+# generation-config fields the tree loop would otherwise ignore without a word: value that is supported
+UNSUPPORTED_GENERATION = {
+    "cache_implementation": None,
+    "prompt_lookup_num_tokens": None,
+    "assistant_early_exit": None,
+    "dola_layers": None,
+    "penalty_alpha": None,
+    "output_attentions": False,
+    "output_hidden_states": False,
+}
+# `generate` parameters the tree loop cannot honour: value that is supported
+UNSUPPORTED_GENERATE = {
+    "synced_gpus": (None, False),
+    "negative_prompt_ids": (None,),
+    "negative_prompt_attention_mask": (None,),
+    "custom_generate": (None,),
+    "assistant_tokenizer": (None,),
+}
+
+
+def check_generate_kwargs(kwargs: dict):
+    """Raise a `ValueError` naming every argument of a `generate` call (`kwargs`, tree arguments and streamer
+    removed) the tree loop would otherwise drop.
+
+    Model kwargs other than `attention_mask` (`pixel_values`, `token_type_ids`, a user `past_key_values`,
+    `inputs_embeds`, `position_ids`, ...) change what the target computes, and the tree loop runs its own forwards:
+    passing them on silently would return another answer than plain `generate`. So do the generation settings in
+    `UNSUPPORTED_GENERATION`, given directly or inside a `generation_config`.
+    """
+    for name, allowed in UNSUPPORTED_GENERATE.items():
+        if kwargs.get(name) not in allowed:
+            raise ValueError(f"expected no `{name}` with tree speculative decoding (not supported), got one")
+    fields = GenerationConfig()  # a name it does not have is a model kwarg, as in `generate`
+    skip = (*UNSUPPORTED_GENERATE, *GENERATE_HONOURED, *SUPPORTED_MODEL_KWARGS)
+    unknown = sorted(k for k in kwargs if k not in skip and not hasattr(fields, k))
+    if unknown:
+        raise ValueError(
+            f"expected only {', '.join(SUPPORTED_MODEL_KWARGS)} as model inputs with tree speculative decoding, got "
+            f"also {', '.join(unknown)}: the tree loop runs its own target forwards and cannot pass them on"
+        )
+    config = kwargs.get("generation_config")
+    given = config.to_dict() if config is not None else {}
+    for name, default in UNSUPPORTED_GENERATION.items():
+        value = kwargs.get(name, given.get(name, default))
+        if value not in (default, None):
+            raise ValueError(
+                f"expected {name}={default!r} with tree speculative decoding (not supported), got {value!r}"
+            )
+
+
+def tree_generate(head, target, *args, **kwargs):
+    """Route `target.generate(..., assistant_model=head)` to tree decoding; see `JetSpecDraftModel.tree_generate`."""
+    kwargs.pop("assistant_model", None)
+    given = {name: kwargs.pop(name, None) for name in TREE_ARGUMENTS}
+    shape = resolve_tree_shape(head.config, **given)
+    streamer = kwargs.pop("streamer", None)
+    tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
+    check_generate_kwargs(kwargs)
+    max_new_tokens = kwargs.get("max_new_tokens")
+    if max_new_tokens is not None and max_new_tokens <= 0:
+        raise ValueError(f"expected max_new_tokens >= 1, got {max_new_tokens}")
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
+        raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
+    head.attach_target(target)
+    verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
+    impl = attn_implementation(target)
+    switch = impl not in MASKABLE_ATTENTION
+    if switch and not (impl.startswith("flash") or impl == "flex_attention"):
+        raise ValueError(
+            f"expected a target attention implementation that takes a 4D tree mask ({', '.join(MASKABLE_ATTENTION)}; "
+            f"flash and flex attention are switched to sdpa for the call), got {impl!r}"
+        )
+    if switch:  # flash-attn cannot take a tree mask: verify with sdpa, restore afterwards
+        target.set_attn_implementation("sdpa")
+    try:
+        return target.generate(
+            *args, custom_generate=_decode, jetspec_head=head, jetspec_shape=shape, jetspec_streamer=streamer,
+            jetspec_verifier=verifier, **kwargs,
+        )
+    finally:
+        if switch:
+            target.set_attn_implementation(impl)
+
+
+_HOOK_MARK = "_jetspec_routes_heads"
+
+
+def install_generate_hook():
+    """Make `target.generate(..., assistant_model=<JetSpec head>)` run tree decoding.
+
+    transformers' assisted decoding verifies a linear chain at batch size 1 and has no public hook for a tree,
+    so `GenerationMixin.generate` is wrapped once: when `assistant_model` is a JetSpec head (its config's
+    `model_type` is "jetspec") the call goes to the head's `tree_generate`; every other call is untouched.
+    """
+    if getattr(GenerationMixin.generate, _HOOK_MARK, False):
+        return
+    original = GenerationMixin.generate
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs)
+        assistant = bound.arguments.get("assistant_model")
+        if assistant is None or getattr(assistant.config, "model_type", None) != "jetspec":
+            return original(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        arguments.pop("assistant_model")
+        arguments.update(arguments.pop("kwargs", {}))
+        return assistant.tree_generate(self, **arguments)
+
+    setattr(generate, _HOOK_MARK, True)
+    GenerationMixin.generate = generate
+
+
+# Written as `custom_generate/generate.py` next to a saved head, so that
+# `target.generate(..., custom_generate=<head folder or repo>, jetspec_head=<the same>, trust_remote_code=True)`
+# decodes with that head.
+CUSTOM_GENERATE_SOURCE = '''"""JetSpec tree speculative decoding as a `custom_generate` recipe.
+
+    target.generate(**inputs, custom_generate="<this repo>", jetspec_head="<this repo>", trust_remote_code=True,
+                    max_new_tokens=256)
+
+`jetspec_head` is the head to decode with: a repo id or folder (loaded once per process with
+`AutoModel.from_pretrained(..., trust_remote_code=True)`), or a head you already hold. transformers does not tell a
+recipe which repo it was loaded from, so the head is named explicitly.
+"""
+
+from transformers import AutoModel
+
+_HEADS = {}
+
+
+def generate(model, *args, jetspec_head=None, **kwargs):
+    if jetspec_head is None:
+        raise ValueError(
+            "expected jetspec_head=<this repo or folder, or a loaded JetSpec head> with this recipe, got none"
+        )
+    head = jetspec_head
+    if isinstance(head, str):
+        if head not in _HEADS:
+            _HEADS[head] = AutoModel.from_pretrained(head, trust_remote_code=True)
+        head = _HEADS[head].to(device=model.device, dtype=model.dtype)
+    return head.tree_generate(model, *args, **kwargs)
+'''

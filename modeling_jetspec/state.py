@@ -1,0 +1,222 @@
+"""What a `generate` call and a round of tree decoding hold, and the statistics they report (arXiv 2606.18394,
+sections 3.2-3.4; `docs/design.md`, "§2 The round").
+
+[`TreeShape`] is the tree a call drafts, [`Call`] what one call fixes at its start and the tokens it has committed,
+[`RoundState`] the tensors a round replaces, [`DraftTrees`] and [`Acceptance`] what a round's steps hand each other
+(`steps.py`), [`JetSpecStats`] what a call reports. [`Verifier`] is the interface through which a round reaches the
+target: `verifiers.TreeVerifier` for attention targets, `hybrid.HybridVerifier` for targets with recurrent or
+convolution layers.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import StoppingCriteriaList
+from transformers.cache_utils import Cache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .tree import check_lookup_prior, check_tree_shape
+
+
+@dataclass
+class TreeShape:
+    depth: int  # N, maximum depth of a draft node
+    width: int  # W, candidates per node
+    budget: int | str  # B, draft nodes per tree (root excluded), or "auto" (chosen per round, see `budget.py`)
+    scoring: str  # best-first key, see `tree.tree_key`
+    path_conditioning: bool  # second draft pass with MASK probes under the tree's real tokens
+    lookup: int = 0  # tokens of the prompt-lookup branch in every tree (0: none); may exceed `depth`
+    lookup_prior: list | None = None  # acceptance odds of lookup chains per match order; None: the chain goes first
+
+
+@dataclass
+class JetSpecStats:
+    """Statistics of one `generate` call. tau counts committed tokens per verify forward and row, bonus included."""
+
+    target_forwards: int = 0  # every target forward: the prefill, verifies, scan steps, replays
+    rounds: int = 0  # verify rounds
+    row_rounds: int = 0  # sum over rounds of the rows in the batch
+    new_tokens: int = 0  # committed tokens, all rows
+    round_tokens: int = 0  # committed tokens produced by verify rounds
+    accepted_at_depth: list = field(default_factory=list)  # (N,) row-rounds whose accepted path reached depth d
+    budgets: list = field(default_factory=list)  # budget verified in each round
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.round_tokens / max(self.row_rounds, 1)
+
+    @property
+    def acceptance_per_depth(self) -> list:
+        return [count / max(self.row_rounds, 1) for count in self.accepted_at_depth]
+
+    def add_round(self, budget: int, rows: int, count: torch.Tensor, committed: int, draft_s: float, verify_s: float,
+                  forwards: int):
+        """Record one verify round over `rows` rows; `count` of shape `(rows,)` holds each row's accepted nodes
+        (root included), `committed` the tokens the stopping criteria let through, `forwards` the target forwards
+        the round's verifier ran (one for a tree verify; a scan or a replay runs more)."""
+        self.target_forwards += forwards
+        self.rounds += 1
+        self.row_rounds += rows
+        self.new_tokens += committed
+        self.round_tokens += committed
+        self.budgets.append(budget)
+        self.draft_seconds += draft_s
+        self.verify_seconds += verify_s
+        for reached in (count - 1).clamp(max=len(self.accepted_at_depth)).tolist():
+            for depth in range(reached):
+                self.accepted_at_depth[depth] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "target_forwards": self.target_forwards,
+            "rounds": self.rounds,
+            "new_tokens": self.new_tokens,
+            "tau": self.tau,
+            "acceptance_per_depth": self.acceptance_per_depth,
+            "budgets": self.budgets,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+        }
+
+
+@dataclass
+class JetSpecGenerateOutput(GenerateDecoderOnlyOutput):
+    """[`GenerateDecoderOnlyOutput`] of a tree-decoding call (`return_dict_in_generate=True`), with its statistics.
+
+    `scores` / `logits` hold, per generated step, a `(batch, vocab)` tensor; a row that has already finished holds
+    zeros there (plain `generate` keeps computing a finished row on padding; the tree loop does not).
+    """
+
+    jetspec_stats: JetSpecStats | None = None
+
+
+def resolve_tree_shape(config, **given) -> TreeShape:
+    """Tree shape from per-call values, falling back to the head's config; validated by [`tree.check_tree_shape`]."""
+
+    def pick(name, default):
+        return given[name] if given.get(name) is not None else default
+
+    shape = TreeShape(
+        depth=pick("tree_depth", config.tree_depth),
+        width=pick("tree_width", config.tree_width),
+        budget=pick("tree_budget", config.tree_budget),
+        scoring=pick("tree_scoring", config.tree_scoring),
+        path_conditioning=pick("path_conditioning", config.path_conditioning),
+        lookup=pick("tree_lookup", getattr(config, "tree_lookup", 0)),
+        # False switches the head's prior off for this call (the whole chain first)
+        lookup_prior=None if given.get("tree_lookup_prior") is False
+        else pick("tree_lookup_prior", getattr(config, "tree_lookup_prior", None)),
+    )
+    check_lookup_prior(shape.lookup_prior)
+    check_tree_shape(shape.depth, shape.width, shape.budget, shape.scoring, config.block_size, shape.path_conditioning,
+                     shape.lookup)
+    return shape
+
+
+# ------------------------------------------------------------------------------------------------ one round: data
+@dataclass
+class RoundState:
+    """The tensors a round reads and replaces. B rows were asked for; the A rows still decoding are `rows`.
+
+    Invariant between rounds: for active row i, the target cache holds the committed sequence of row `rows[i]` except
+    its last token (the anchor), and the head's context holds the target features of the same positions.
+    """
+
+    rows: torch.Tensor  # (A,) long, batch row of each active row
+    cache: Cache  # target cache of the A active rows: keys (A, H_kv, S, D_k) and values (A, H_kv, S, D_v) per layer
+    # (D_k != D_v under multi-head latent attention)
+    valid: torch.Tensor  # (A, S) bool, False for padding and for the holes left by rejected nodes
+    positions: torch.Tensor  # (A, S) long, position id of every target cache entry
+    context: object  # JetSpecContext of the A active rows (head keys/values per layer, (A, H_kv, S', D))
+    anchors: torch.Tensor  # (A,) long, last committed token of each row, not yet read by the target
+    anchor_pos: torch.Tensor  # (A,) long, its position id
+
+
+@dataclass
+class DraftTrees:
+    """One candidate tree per active row (node 0 is the root, the anchor). Trees of a round have the same size."""
+
+    tokens: torch.Tensor  # (A, n) long, target token of nodes 1..n
+    parents: torch.Tensor  # (A, n) long, parent of nodes 1..n (0 is the root)
+    depths: torch.Tensor  # (A, n + 1) long, depth of nodes 0..n
+    ancestors: torch.Tensor  # (A, n + 1, n + 1) bool, node i sees node j (from `tree.ancestor_mask`)
+    budget: int  # budget the trees were built for
+
+
+@dataclass
+class Acceptance:
+    """What a round commits per active row: the target's token after each accepted node, root first."""
+
+    nodes: torch.Tensor  # (A, K) long, accepted nodes root first; padded with 0 past `count`
+    tokens: torch.Tensor  # (A, K) long, tokens[i, k] is the target's choice after node nodes[i, k]: the path, then
+    # the bonus
+    count: torch.Tensor  # (A,) long, accepted nodes (root included) == tokens committed by the round
+    scores: list | None = None  # (A,) per row, the processed scores (V,) each token was chosen from; None: the
+    # scores are the logits (greedy without processors)
+
+    def paths(self) -> list:
+        """Accepted node indices of each row, root first (what `BudgetController.update` reads)."""
+        return _paths(self.nodes, self.count)
+
+
+class Verifier(Protocol):
+    """How a round reaches the target: it prefills, verifies a round's trees and compacts the cache after
+    acceptance. The round's steps (`steps.py`) never call the target otherwise.
+
+    Every target forward a verifier runs (prefill, verify, and any scan or replay forward of a state-keeping target)
+    is counted in `target_forwards`, which the call's [`JetSpecStats`] reports.
+    """
+
+    target_forwards: int  # target forwards run so far, all methods
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
+        """The target reads the prompts `(B, L)`; returns the first round's state and the logits `(B, V)` after each
+        prompt (see `steps.prefill`)."""
+
+    def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
+        """The target reads the round's trees after `state`'s cache; returns the trees verified (all of them, or a
+        part such as one path), the target's logits after each of their nodes `(A, n + 1, V)` in fp32 and the head's
+        features of each node `(A, n + 1, k * H)`."""
+
+    def compact(self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
+                keep: torch.Tensor) -> RoundState:
+        """The state of the rows `keep` `(A',)` after their accepted nodes (see `steps.compact`)."""
+
+    def discard(self, state: RoundState, trees: DraftTrees):
+        """Undo a `verify` without compacting (timing repeats)."""
+
+
+@dataclass
+class Call:
+    """What one `generate` call fixes at its start, and the tokens it has committed so far.
+
+    Nothing is ever written into `sequences` past a row's length: tokens become real one at a time, through the
+    stopping criteria ([`commit`]).
+    """
+
+    shape: TreeShape
+    verifier: Verifier  # how the target verifies and compacts (see `verifiers.verifier_for`)
+    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L = max_length, where the
+    # MaxLengthCriteria that `generate` always adds stops every row
+    lengths: list  # (B,) committed length of each row
+    stopping: StoppingCriteriaList  # checked after every committed token
+    streamer: object | None = None  # a `BaseStreamer` receiving each row's committed tokens (batch 1)
+    records: list | None = None  # (B,) per row, `(scores (V,), logits (V,))` of every committed token; None: not kept
+    choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
+    # greedy without processors (vectorized acceptance)
+
+    def histories(self, rows: torch.Tensor) -> list:
+        """The committed tokens of each row in `rows` `(A,)`, as lists (what prompt lookup matches)."""
+        return [self.sequences[row, : self.lengths[row]].tolist() for row in rows.tolist()]
+
+
+
+def _paths(nodes: torch.Tensor, count: torch.Tensor) -> list:
+    """Rows of `nodes` `(A, K)` cut at `count` `(A,)`, as lists."""
+    return [row[:c] for row, c in zip(nodes.tolist(), count.tolist())]

@@ -1,0 +1,472 @@
+"""The round's steps over explicit tensors (arXiv 2606.18394, sections 3.2-3.4; `docs/design.md`, "§2 The round").
+
+A round is five functions; `generate` (`decode.py`), the benchmark and the measured budget call the same ones:
+
+- [`draft`]: one head forward over `[anchor, MASK x N]` per row, a best-first tree of `budget` nodes per row;
+- [`verify`]: one target forward over root + tree nodes under the tree-causal mask (position = past length + depth);
+- [`accept`]: the deepest node whose whole path equals the target's own choices, plus the target's next token
+  (the bonus);
+- [`commit`]: each row's tokens enter its sequence one at a time, through the stopping criteria and the streamer;
+- [`compact`]: finished rows leave; the target cache keeps its past in place and moves only the accepted nodes'
+  entries behind it; the head's context grows by their target features; the bonus token becomes the next anchor.
+
+Also here: [`prefill`], the tree assembly behind [`draft`] (lookup branch, path conditioning) and the call's logits
+processors as they act on one row (what [`accept`] asks through `Call.choose`).
+
+Lossless: every committed token is the target's own choice (argmax, or a sample of the processed distribution)
+given exactly the committed tokens before it, whatever the head drafts.
+
+Rows of a batch keep their own lengths: the caches are rectangular with holes, and a `(A, S)` validity mask plus
+explicit position ids make the holes invisible. Finished rows leave the batch.
+"""
+
+import functools
+import inspect
+from dataclasses import replace
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import Cache
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from .compat import ROW_WISE_PROCESSORS, kv_layer_entries, repetition_penalty_for_row
+from .state import Acceptance, Call, DraftTrees, RoundState, TreeShape
+from .tree import (
+    ENTROPY_SCORINGS,
+    LOOKUP_MAX_NGRAM,
+    Tree,
+    ancestor_mask,
+    build_tree,
+    entropy,
+    lookup_logprobs,
+    lookup_match,
+    marginal_children,
+    verification_mask,
+    with_lookup,
+)
+
+
+def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[RoundState, torch.Tensor]:
+    """The target reads the prompts into `cache`; the head's context starts from their features.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(B, L)`): left-padded prompts.
+        attention_mask (`torch.LongTensor` of shape `(B, L)`, *optional*): 0 on padding.
+        cache (`Cache`): an empty cache, filled in place.
+
+    Returns:
+        `(state, logits)`: every row active, its anchor the target's greedy next token (`generate` replaces it with
+        its processed choice), and the target's logits after each prompt, `(B, V)` in fp32.
+    """
+    valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+    out = target(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        **logits_to_keep(target, 1),
+    )
+    logits = out.logits[:, -1].float()  # (B, V)
+    state = RoundState(
+        rows=torch.arange(input_ids.shape[0], device=input_ids.device),
+        cache=cache,
+        valid=valid,
+        positions=positions,
+        context=head.extend_context(None, head.target_features(out.hidden_states), positions, valid),
+        anchors=logits.argmax(-1),
+        anchor_pos=valid.long().sum(-1),
+    )
+    return state, logits
+
+
+def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None) -> DraftTrees:
+    """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
+
+    The head's logits at block slot d are its distribution of the token at depth d, `(A, N, V_draft)`; their top-W
+    become the candidates of every depth-(d - 1) branch (`tree.marginal_children`). With `path_conditioning`, a
+    second forward rescores the tree from what the head predicts under each branch's real tokens. With `lookup`,
+    each tree also holds the row's prompt-lookup continuation (`tree.lookup_match`): first, or, with the head's
+    `tree_lookup_prior`, scored by how often such chains are accepted against the head's own nodes.
+
+    Args:
+        shape (`TreeShape`): depth, width, scoring, path conditioning and lookup of the trees.
+        budget (`int`): draft nodes per tree.
+        histories (`list`, *optional*): per active row, its committed tokens ([`Call.histories`]); needed when
+            `shape.lookup` is set.
+    """
+    if shape.lookup and histories is None:
+        raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
+    a, device = state.anchors.shape[0], state.anchors.device
+    length = shape.depth + 1 if head.config.block_attention == "causal" else head.config.block_size
+    block = torch.full((a, length), head.config.mask_token_id, dtype=torch.long, device=device)
+    block[:, 0] = state.anchors
+    out = head(block, state.anchor_pos[:, None] + torch.arange(length, device=device), context=state.context)
+    logp = torch.log_softmax(out.logits[:, 1 : shape.depth + 1], dim=-1)  # (A, N, V_draft)
+    top_lp, top_tok = logp.topk(shape.width, dim=-1)  # (A, N, W)
+    top_tok = head.draft_to_target(top_tok)  # (A, N, W) target ids
+    ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, N)
+    children = [marginal_children(top_lp[i], top_tok[i], ent[i]) for i in range(a)]
+    if shape.lookup:
+        children = [_with_lookup_branch(fn, history, shape) for fn, history in zip(children, histories)]
+    deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
+    trees = [build_tree(children[i], budget, deepest, shape.scoring) for i in range(a)]
+    if shape.path_conditioning:
+        trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
+    return _stack_trees(trees, budget, device)
+
+
+def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None):
+    """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
+
+    Args:
+        windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
+
+    Returns:
+        `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in fp32, and the head's input
+        features of every node, `(A, n + 1, k * H)`. The cache grows by the n + 1 entries; [`compact`] keeps the
+        accepted ones.
+    """
+    positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
+
+    def mask(window):  # (A, 1, n + 1, S + n + 1)
+        return verification_mask(state.valid, trees.ancestors, float_dtype(target), window, state.positions, positions)
+
+    if windows is None:
+        attention_mask = mask(None)
+    elif None in windows:  # every layer slides (Mistral): one mask
+        attention_mask = mask(windows[None])
+    else:  # one mask per layer type; the model hands each layer its own
+        attention_mask = {layer_type: mask(window) for layer_type, window in windows.items()}
+    out = target(
+        input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
+        attention_mask=attention_mask,
+        position_ids=positions,
+        past_key_values=state.cache,
+        use_cache=True,
+        output_hidden_states=True,
+        **logits_to_keep(target, 0),
+    )
+    return out.logits.float(), head.target_features(out.hidden_states)
+
+
+def accept(logits: torch.Tensor, trees: DraftTrees, rows: torch.Tensor, choose=None) -> Acceptance:
+    """The deepest node whose path equals the target's own choices, and the target's token after it (the bonus).
+
+    Greedy without logits processors (`choose is None`) is vectorized over rows and nodes: the target's argmax
+    after every node, a node matches when its token is its parent's argmax, a node survives when it and all its
+    ancestors match, the deepest survivor ends the path. Otherwise (sampling, processors) each row walks its tree
+    from the root: `choose(row, node_logits, path)` is the target's token after `path` (processors see exactly the
+    committed tokens plus the path), and the walk moves to the child holding it (sample-then-match).
+
+    Args:
+        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`].
+        trees (`DraftTrees`): the trees verified.
+        rows (`torch.LongTensor` of shape `(A,)`): the batch row of each tree (what `choose` is told).
+        choose (`Callable`, *optional*): `(row, logits (V,), path tokens) -> (token, scores (V,))`.
+    """
+    if choose is None:
+        return _accept_greedy(logits, trees)
+    walks = [_walk(logits[i], trees.tokens[i].tolist(), trees.parents[i].tolist(), row, choose)
+             for i, row in enumerate(rows.tolist())]
+    a, width = len(walks), max(len(nodes) for nodes, _, _ in walks)
+    padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
+    for i, (nodes, path, _) in enumerate(walks):
+        padded[0, i, : len(nodes)], padded[1, i, : len(path)] = torch.tensor(nodes), torch.tensor(path)
+    count = torch.tensor([len(nodes) for nodes, _, _ in walks], device=logits.device)
+    return Acceptance(padded[0].to(logits.device), padded[1].to(logits.device), count, [s for _, _, s in walks])
+
+
+def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
+    a, n1 = logits.shape[:2]
+    device = logits.device
+    choice = logits.argmax(-1)  # (A, n + 1)
+    matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
+        [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
+    )
+    alive = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # (A, n + 1): the whole path matches
+    deepest = torch.where(alive, trees.depths, -1).argmax(-1)  # (A,)
+    on_path = trees.ancestors[torch.arange(a, device=device), deepest]  # (A, n + 1)
+    count = on_path.sum(-1)  # (A,)
+    order = torch.where(on_path, torch.arange(n1, device=device), n1).sort(-1).values  # accepted nodes first
+    nodes = order[:, : int(count.max())]
+    nodes = nodes.masked_fill(nodes == n1, 0)  # (A, K)
+    return Acceptance(nodes, choice.gather(1, nodes), count)
+
+
+def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -> tuple[list, list, list]:
+    """One row's walk down its tree (`logits` of shape `(n + 1, V)`). Returns its accepted nodes, committed tokens
+    and the scores each token was chosen from."""
+    kids = [{} for _ in range(len(tokens) + 1)]  # node -> {token: child}; the first child holding a token wins
+    for child, (token, parent) in enumerate(zip(tokens, parents), start=1):
+        kids[parent].setdefault(token, child)
+    node, nodes, path, scores = 0, [0], [], []
+    while True:
+        token, processed = choose(row, logits[node], path)
+        path.append(token)
+        scores.append(processed)
+        node = kids[node].get(token)
+        if node is None:
+            return nodes, path, scores
+        nodes.append(node)
+
+
+def commit(call: Call, rows: torch.Tensor, acc: Acceptance, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Append each row's accepted tokens to its sequence one at a time, through the stopping criteria, so a row stops
+    exactly where plain decoding would, even inside an accepted path; the streamer gets what was committed.
+
+    Args:
+        rows (`torch.LongTensor` of shape `(A,)`): the batch row of each acceptance row.
+        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`] (kept with `output_logits`).
+
+    Returns:
+        `(committed, keep)`: tokens committed, all rows, and the indices `(A',)` of the rows that go on.
+    """
+    keep, committed = [], 0
+    for i, row in enumerate(rows.tolist()):
+        count = int(acc.count[i])
+        records = None
+        if call.records is not None:
+            nodes = acc.nodes[i, :count].tolist()
+            scores = acc.scores[i] if acc.scores is not None else [logits[i, node] for node in nodes]
+            records = [(s, logits[i, node]) for s, node in zip(scores, nodes)]
+        added, done = _commit_row(call, row, acc.tokens[i, :count].tolist(), records)
+        committed += added
+        keep += [] if done else [i]
+    return committed, torch.tensor(keep, dtype=torch.long, device=rows.device)
+
+
+def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> tuple[int, bool]:
+    """Append `tokens` to `row` one at a time; stop as soon as the stopping criteria say so.
+
+    Returns:
+        `(added, done)`: tokens committed and whether the row finished.
+    """
+    start, batch = call.lengths[row], call.sequences.shape[0]
+    for added, token in enumerate(tokens, start=1):
+        call.sequences[row, call.lengths[row]] = token
+        call.lengths[row] += 1
+        if records is not None:
+            call.records[row].append(records[added - 1])
+        # the row in a batch of the caller's size, so criteria holding per-row state see plain decoding's layout
+        ids = call.sequences[row : row + 1, : call.lengths[row]].expand(batch, -1)
+        done = bool(call.stopping(ids, None)[row])
+        if done:
+            break
+    if call.streamer is not None:
+        call.streamer.put(call.sequences[row, start : call.lengths[row]].cpu())
+    return call.lengths[row] - start, done
+
+
+def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: list | None = None):
+    """Make a key/value cache hold its first `past` entries, then the accepted nodes' entries, root first.
+
+    After a verify forward every layer holds `past` entries and then the n + 1 entries of the tree's nodes. The past
+    stays where it is: only the accepted nodes' entries (`nodes` of shape `(A, K)`, from [`Acceptance`]) move, into
+    slots `past .. past + K - 1`, and the layer is cropped to `past + K`. Keys and values are moved each by its own
+    shape: their head sizes differ under multi-head latent attention (DeepSeek-V3, Kimi K2).
+
+    Args:
+        layers (`list`, *optional*): indices of the key/value layers to compact (a hybrid target's attention
+            layers); defaults to every layer.
+    """
+    k = nodes.shape[1]
+    for layer in cache.layers if layers is None else [cache.layers[i] for i in layers]:
+        entries = kv_layer_entries(layer)
+        if entries is None:  # a layer that reads another layer's keys/values holds none of its own
+            continue
+        keys, values = entries
+        tail = keys.shape[-2] - past  # n + 1
+        keys[:, :, past : past + k] = _gather_nodes(keys[:, :, past:], nodes)
+        values[:, :, past : past + k] = _gather_nodes(values[:, :, past:], nodes)
+        layer.crop(k - tail)  # a negative count: the entries to drop from the end
+
+
+def _gather_nodes(tail: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """Entries `nodes` `(A, K)` of a layer's tree entries `tail` `(A, H, n + 1, D)`: `(A, H, K, D)`."""
+    return tail.gather(2, nodes[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[-1]))
+
+
+def compact(head, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor, keep: torch.Tensor,
+            keep_entries=keep_accepted_entries) -> RoundState:
+    """Finished rows leave; the target cache keeps its past and the accepted nodes; the head's context grows by their
+    target features; the bonus token becomes the next anchor.
+
+    Args:
+        features (`torch.Tensor` of shape `(A, n + 1, k * H)`): from [`verify`].
+        keep (`torch.LongTensor` of shape `(A',)`): the rows that go on, from [`commit`].
+        keep_entries (`Callable`, *optional*, defaults to [`keep_accepted_entries`]): `(cache, past, nodes)`, leaves
+            the target cache holding its `past` entries then the accepted nodes' `(A', K)`, root first. A verifier
+            for layers that keep another state than keys/values passes its own.
+
+    Returns:
+        `RoundState`: the A' rows that go on.
+    """
+    depths = trees.depths
+    if keep.numel() < state.rows.shape[0]:  # finished rows leave before anything moves
+        state = select_rows(state, keep)
+        width = int(acc.count[keep].max()) if keep.numel() else 0  # the survivors' longest path
+        acc = Acceptance(acc.nodes[keep, :width], acc.tokens[keep, :width], acc.count[keep])
+        features, depths = features[keep], depths[keep]
+    if not keep.numel():
+        return state
+    keep_entries(state.cache, state.valid.shape[1], acc.nodes)
+    kept = torch.arange(acc.nodes.shape[1], device=keep.device) < acc.count[:, None]  # (A', K), False: a hole
+    positions = state.anchor_pos[:, None] + depths.gather(1, acc.nodes)  # (A', K)
+    accepted = features.gather(1, acc.nodes[..., None].expand(-1, -1, features.shape[-1]))  # (A', K, kH)
+    return replace(
+        state,
+        context=head.extend_context(state.context, accepted, positions, kept),
+        valid=torch.cat([state.valid, kept], dim=1),  # (A', S + K)
+        positions=torch.cat([state.positions, positions], dim=1),  # (A', S + K)
+        anchors=acc.tokens.gather(1, (acc.count - 1)[:, None])[:, 0],  # the bonus token
+        anchor_pos=state.anchor_pos + acc.count,
+    )
+
+
+def select_rows(state: RoundState, keep: torch.Tensor) -> RoundState:
+    """The rows `keep` `(A',)` of a round state; the target cache keeps only them, in place."""
+    state.cache.batch_select_indices(keep)
+    return replace(
+        state, rows=state.rows[keep], valid=state.valid[keep], positions=state.positions[keep],
+        context=state.context.select_rows(keep), anchors=state.anchors[keep], anchor_pos=state.anchor_pos[keep],
+    )
+
+
+
+# ------------------------------------------------------------------------------------------------ tree assembly
+def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
+    """One batch of trees. A tree short of the others' size (a row whose lookup chain added fewer nodes, or none) is
+    padded with copies of its last node: same token, parent and position, so the same keys and logits, and acceptance
+    takes the first of equal nodes; the copies only cost verify width."""
+    size = max(len(t.tokens) for t in trees)
+    if any(not t.tokens for t in trees):
+        raise ValueError(f"expected at least one draft node per tree, got sizes {[len(t.tokens) for t in trees]}")
+
+    def padded(t: Tree) -> Tree:
+        extra = size - len(t.tokens)
+        return Tree(t.tokens + t.tokens[-1:] * extra, t.parents + t.parents[-1:] * extra,
+                    t.depths + t.depths[-1:] * extra, t.scores + t.scores[-1:] * extra)
+
+    trees = [padded(t) for t in trees]
+    parents = torch.tensor([t.parents for t in trees], dtype=torch.long, device=device)  # (A, n)
+    return DraftTrees(
+        tokens=torch.tensor([t.tokens for t in trees], dtype=torch.long, device=device),
+        parents=parents,
+        depths=torch.tensor([[0] + t.depths for t in trees], dtype=torch.long, device=device),
+        ancestors=ancestor_mask(parents),
+        budget=budget,
+    )
+
+
+def _with_lookup_branch(children, history: list, shape: TreeShape):
+    """A row's children with its prompt-lookup chain: scored by `shape.lookup_prior`, else first."""
+    prior = shape.lookup_prior
+    chain, order = lookup_match(history, shape.lookup, max_ngram=len(prior) if prior else LOOKUP_MAX_NGRAM)
+    logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
+    return with_lookup(children, chain, logprobs)
+
+
+def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginals: list, shape, budget) -> list:
+    """Second draft pass (`docs/design.md`, "§3 Trees and masks"): real tokens at the tree's nodes plus one MASK probe
+    under every node.
+
+    Probe j sits at depth(j) + 1 and sees the context, the anchor, node j's ancestors and node j: its output is
+    q(child | the branch's actual tokens). The tree is rebuilt best-first from these conditionals (branches without
+    a probe fall back to the first pass's marginals, `marginals[i]`).
+    """
+    a, n = trees.tokens.shape
+    device = trees.tokens.device
+    probes = torch.full((a, n), head.config.mask_token_id, dtype=torch.long, device=device)
+    inputs = torch.cat([state.anchors[:, None], trees.tokens, probes], dim=1)  # (A, 1 + 2n)
+    depths = trees.depths[:, 1:]  # (A, n)
+    positions = state.anchor_pos[:, None] + torch.cat([trees.depths, depths + 1], dim=1)  # (A, 1 + 2n)
+    t = 1 + 2 * n
+    inner = torch.zeros(a, t, t, dtype=torch.bool, device=device)
+    inner[:, : n + 1, : n + 1] = trees.ancestors
+    inner[:, n + 1 :, : n + 1] = trees.ancestors[:, 1:]  # probe j sees what node j sees, node j included
+    inner[:, n + 1 :, n + 1 :] = torch.eye(n, dtype=torch.bool, device=device)
+    mask = torch.cat([state.context.valid[:, None, :].expand(a, t, -1), inner], dim=-1)[:, None]  # (A, 1, t, S+t)
+    out = head(inputs, positions, attention_mask=mask, context=state.context)
+    logp = torch.log_softmax(out.logits[:, n + 1 :], dim=-1)  # (A, n, V_draft)
+    probe_lp, probe_tok = logp.topk(shape.width, dim=-1)  # (A, n, W)
+    probe_tok = head.draft_to_target(probe_tok)  # (A, n, W) target ids
+    probe_ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, n)
+    rebuilt = []
+    for i in range(a):
+        paths, probed = [()], {}
+        for j, (token, parent) in enumerate(zip(trees.tokens[i].tolist(), trees.parents[i].tolist())):
+            paths.append(paths[parent] + (token,))
+            probed[paths[-1]] = (probe_lp[i, j].tolist(), probe_tok[i, j].tolist(), float(probe_ent[i, j]))
+        children = functools.partial(_probed_or_marginal, probed, marginals[i])
+        rebuilt.append(build_tree(children, budget, shape.depth, shape.scoring))
+    return rebuilt
+
+
+def _probed_or_marginal(probed: dict, marginal, path: tuple):
+    return probed.get(path) or marginal(path)
+
+
+# ------------------------------------------------------------------------------------------------ processors
+def choose_token(row_processors: list, do_sample: bool, call: Call, row: int, logits: torch.Tensor, path: list):
+    """The target's token after row `row`'s committed tokens plus `path`, as plain `generate` would pick it.
+
+    Returns:
+        `(token, scores)`: the token and the processed scores it was picked from, `(V,)`.
+    """
+    ids = call.sequences[row : row + 1, : call.lengths[row]]
+    if path:
+        ids = torch.cat([ids, torch.tensor([path], dtype=torch.long, device=ids.device)], dim=1)  # (1, L + len)
+    scores = row_processors[row](ids, logits[None].clone())  # (1, V); a copy: processors may write in place
+    return int(pick_token(scores, do_sample)[0]), scores[0]
+
+
+def processors_per_row(processors, batch: int) -> list:
+    """Per batch row, the call's logits processors as they act on that row alone: `(1, L)` tokens, `(1, V)` scores.
+
+    Rows advance by different amounts per round, so each node is processed on its own row. A processor of
+    `compat.ROW_WISE_PROCESSORS` runs on the row as it is (cost V per node); a repetition penalty that skips each
+    row's left padding gets that row's padding length; any other processor (`prefix_allowed_tokens_fn`'s batch id,
+    per-row state of a user's processor) sees the row repeated to the caller's batch size, its layout in plain decoding,
+    and row `row` is read back (cost B x V per node: exact for any processor).
+    """
+    return [LogitsProcessorList([_for_row(p, row, batch) for p in processors]) for row in range(batch)]
+
+
+def _for_row(processor, row: int, batch: int):
+    if isinstance(processor, ROW_WISE_PROCESSORS):
+        return processor
+    if type(processor) is RepetitionPenaltyLogitsProcessor:
+        return repetition_penalty_for_row(processor, row) or processor
+    return _InBatchLayout(processor, row, batch)
+
+
+class _InBatchLayout(LogitsProcessor):
+    """A processor called on one row `(1, L)` / `(1, V)` repeated to the batch size; row `row` of its output."""
+
+    def __init__(self, processor, row: int, batch: int):
+        self.processor, self.row, self.batch = processor, row, batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = self.processor(input_ids.expand(self.batch, -1), scores.repeat(self.batch, 1))  # (B, V)
+        return out[self.row : self.row + 1]
+
+
+def pick_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """`(B,)` tokens from processed scores `(B, V)`: a sample of their softmax, or their argmax."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0]
+    return scores.argmax(-1)
+
+
+def float_dtype(model) -> torch.dtype:
+    """The floating dtype of a model's activations (float32 for a quantized, integer-typed one)."""
+    return model.dtype if model.dtype.is_floating_point else torch.float32
+
+
+def logits_to_keep(target, count: int) -> dict:
+    """`logits_to_keep=count` for a target that takes it (0: every position), else nothing."""
+    return {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
