@@ -21,6 +21,7 @@ from transformers import AutoModel, PreTrainedTokenizerFast, TrainingArguments
 from tiny import tiny_head, tiny_target
 from training import run_trainer
 from training.losses import block_loss, chain_accept_length, depth_weights
+from training.feature_store import FeatureStore
 from training.rows import split_train_eval
 from training.run_trainer import DataArguments, HeadArguments
 from training.shipping import push_folder, render_card, write_card
@@ -311,9 +312,12 @@ def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
         "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--measure_tau_prompts", "2",
         "--measure_tau_new_tokens", "12",
     ])
-    assert metrics["train_target_tokens_per_second"] > 0 and "eval_tau_chain" in metrics
+    assert metrics["train_tokens_per_second"] > 0 and "eval_tau_chain" in metrics
     log = json.loads((out / "training_log.json").read_text())
     assert len(losses_of(log)) == 6
+    # the Trainer counts the rows' real tokens the target read: 4 rows of at least 3 tokens per step
+    seen = [entry["num_input_tokens_seen"] for entry in log if "loss" in entry]
+    assert seen[0] >= 4 * 3 and all(b > a for a, b in zip(seen, seen[1:])) and seen[-1] == metrics["num_input_tokens_seen"]
     card = (out / "README.md").read_text()
     assert "base_model: " + str(target_dir) in card and "{{" not in card and "| tau, tree decoding" in card
 
@@ -644,3 +648,75 @@ def test_eval_split_is_stable_as_the_data_grows():
     assert len(one) == 1  # at least one row
     with pytest.raises(ValueError, match="leaves training rows"):
         split_train_eval(rows.select(range(1)), 0.5, seed=0)
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        # a) a 0-byte file (numpy would raise EOFError), b) bytes that are not an archive, c) a truncated archive,
+        # d) a shard line that is not JSON, e) a shard row without the training fields
+        ("rows.npz", b"", r"got .*rows\.npz, an empty file"),
+        ("rows.npz", b"not an archive" * 8, r"got .*rows\.npz, which cannot be read \("),
+        ("rows.npz", "truncated", r"got .*rows\.npz, which cannot be read \(BadZipFile"),
+        ("regen/shard-00000.jsonl", b'{"id": "a", "input_ids": [1, 2]\n', r"expected a JSON row at .*shard-00000\.jsonl line 1"),
+        ("regen/shard-00000.jsonl", b'{"id": "a"}\n', r"expected a row with fields .* at .*shard-00000\.jsonl line 1"),
+    ],
+)
+def test_an_empty_or_corrupt_data_file_is_one_line_naming_it(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    if content == "truncated":
+        committed = (REPO / "training" / "data" / "smollm2-135m-mix.npz").read_bytes()
+        content = committed[: len(committed) // 2]
+    path.write_bytes(content)
+    source = str(path if path.suffix == ".npz" else path.parent)
+    with pytest.raises(ValueError, match=message) as raised:
+        run_trainer.load_data(DataArguments(data=[source]), seed=0)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_corrupt_feature_store_is_named(tmp_path):
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "store.json").write_text('{"target_layer_ids": [0, 1]')
+    with pytest.raises(ValueError, match=r"expected a feature store index .* in .*store\.json"):
+        FeatureStore(tmp_path / "store")
+    (tmp_path / "store" / "store.json").write_text(
+        json.dumps({"target_layer_ids": [0, 1], "hidden_size": 4, "rows": {"7": [0, 2]}, "total": 2})
+    )
+    (tmp_path / "store" / "features.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"expected 2 rows of 12 bfloat16 values \(48 bytes\) in .*features\.bin"):
+        FeatureStore(tmp_path / "store")
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num_hidden_layers", "0"], "expected num_hidden_layers >= 1, got 0"),
+        (["--block_attention", "sideways"], "expected block_attention in .*got 'sideways'"),
+        (["--target_layer_ids", "-1"], r"expected target_layer_ids of layers >= 0, got \[-1\]"),
+        (["--loss", "mse"], "mse"),
+        (["--data", "missing.npz"], r"got missing\.npz which does not exist"),
+    ],
+)
+def test_training_arguments_are_checked_before_the_target_loads(tmp_path, monkeypatch, flags, message):
+    def load_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before the arguments were checked")
+
+    monkeypatch.setattr(run_trainer, "load_target", load_target)
+    data = write_shards(tmp_path / "regen", [{"id": "a", "prompt": "", "input_ids": [1, 2, 3], "prompt_length": 1,
+                                              "answer": ""}])
+    with pytest.raises(ValueError, match=message):
+        run_trainer.main(["--data", str(data), "--output_dir", str(tmp_path / "out"), "--use_cpu",
+                          "--report_to", "none", *flags])
+
+
+def test_a_config_file_is_overridden_by_the_flags_after_it(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num_hidden_layers: 2\nmax_steps: 7\nlearning_rate: 1.0e-3\ndata: [a.npz]\nuse_cpu: true\n"
+                      "output_dir: out\n")
+    head_args, data_args, args = run_trainer.parse_args([str(config), "--max_steps", "3", "--data", "b.npz", "c"])
+    assert (head_args.num_hidden_layers, args.max_steps, args.learning_rate) == (2, 3, 1.0e-3)
+    assert data_args.data == ["b.npz", "c"] and args.use_cpu
+    config.write_text("num_hidden_layerz: 2\n")
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['num_hidden_layerz'\]"):
+        run_trainer.parse_args([str(config)])

@@ -49,15 +49,22 @@ class FeatureStore:
         meta_path = self.path / META_NAME
         if not meta_path.is_file():
             raise ValueError(f"expected a feature store folder holding {META_NAME}, got {self.path}")
-        self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        self.layer_ids = list(self.meta["target_layer_ids"])
-        self.hidden_size = int(self.meta["hidden_size"])
+        try:
+            self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            self.layer_ids = list(self.meta["target_layer_ids"])
+            self.hidden_size = int(self.meta["hidden_size"])
+            self.rows = {int(k): (int(s), int(n)) for k, (s, n) in self.meta["rows"].items()}
+            total = int(self.meta["total"])
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"expected a feature store index (target_layer_ids, hidden_size, rows, total) in "
+                             f"{meta_path}, got an unreadable one ({type(error).__name__}: {error})") from None
         self.width = (len(self.layer_ids) + 1) * self.hidden_size
-        self.rows = {int(k): (int(s), int(n)) for k, (s, n) in self.meta["rows"].items()}
-        total = self.meta["total"]
-        self._data = (
-            np.memmap(self.path / DATA_NAME, dtype=np.uint16, mode="r", shape=(total, self.width)) if total else None
-        )
+        data_path = self.path / DATA_NAME
+        size = data_path.stat().st_size if data_path.is_file() else 0
+        if size < total * self.width * 2:  # bfloat16 rows
+            raise ValueError(f"expected {total} rows of {self.width} bfloat16 values ({total * self.width * 2} bytes) "
+                             f"in {data_path} (as {META_NAME} says), got {size} bytes")
+        self._data = np.memmap(data_path, dtype=np.uint16, mode="r", shape=(total, self.width)) if total else None
 
     def __len__(self) -> int:
         return len(self.rows)

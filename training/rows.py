@@ -16,6 +16,8 @@ it.
 
 import json
 import os
+import pickle
+import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Union
@@ -27,6 +29,9 @@ MANIFEST_NAME = "progress.json"
 SHARD_GLOB = "shard-*.jsonl"
 COMPACT_SUFFIX = ".npz"
 TRAINING_COLUMNS = ["id", "input_ids", "prompt_length"]
+COMPACT_ARRAYS = ("tokens", "offsets", "prompt_length", "id")
+# what numpy raises for an empty, truncated or foreign file
+UNREADABLE = (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError)
 
 
 def row_key(row_id) -> int:
@@ -41,9 +46,21 @@ def shard_files(out_dir: Union[str, os.PathLike]) -> list[Path]:
 
 
 def read_shard(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
-    """The rows of one shard file."""
+    """The rows of one shard file; a `ValueError` naming the file and line for a line that is not a row."""
+    rows = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"expected a JSON row at {path} line {number}, got {error.msg}: {line[:80]!r}") from None
+            if not isinstance(row, dict) or not set(TRAINING_COLUMNS) <= set(row):
+                raise ValueError(f"expected a row with fields {TRAINING_COLUMNS} at {path} line {number}, got "
+                                 f"{sorted(row) if isinstance(row, dict) else type(row).__name__}")
+            rows.append(row)
+    return rows
 
 
 def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
@@ -81,8 +98,29 @@ def compact_ids(path: Union[str, os.PathLike]) -> tuple[set[str], dict]:
     path = Path(path)
     if not path.is_file():
         return set(), {}
-    with np.load(path) as data:
-        return {str(i) for i in data["id"]}, json.loads(str(data["settings"]))
+    arrays = read_compact_arrays(path, ("id", "settings"))
+    return {str(i) for i in arrays["id"]}, json.loads(str(arrays["settings"]))
+
+
+def read_compact_arrays(path: Path, names) -> dict[str, np.ndarray]:
+    """The arrays `names` of a compact file, read whole; a one-line `ValueError` naming the file when it is empty,
+    not a readable `.npz`, or lacks one of them."""
+    if path.stat().st_size == 0:
+        raise ValueError(f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path}, an empty file")
+    try:
+        data = np.load(path)
+        files, arrays = set(), {}
+        if isinstance(data, np.lib.npyio.NpzFile):  # not a plain .npy array saved under the name
+            with data:
+                files = set(data.files)
+                arrays = {name: data[name] for name in names if name in files}
+    except UNREADABLE as error:
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        raise ValueError(f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path}, which cannot be "
+                         f"read ({reason})") from None
+    if len(arrays) < len(names):
+        raise ValueError(f"expected arrays {', '.join(names)} in {path}, got {sorted(files)}")
+    return arrays
 
 
 def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
@@ -95,18 +133,23 @@ def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
         raise ValueError(
             f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path} which does not exist"
         )
-    with np.load(path) as data:
-        missing = {"tokens", "offsets", "prompt_length", "id"} - set(data.files)
-        if missing:
-            raise ValueError(
-                f"expected arrays tokens, offsets, prompt_length and id in {path}, got {sorted(data.files)}"
-            )
-        tokens, offsets = data["tokens"].astype(np.int64), data["offsets"]
-        rows = {
-            "id": [str(i) for i in data["id"]],
-            "input_ids": [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)],
-            "prompt_length": data["prompt_length"].astype(np.int64).tolist(),
-        }
+    data = read_compact_arrays(path, COMPACT_ARRAYS)
+    tokens, offsets = data["tokens"].astype(np.int64), data["offsets"].astype(np.int64)
+    n = len(data["id"])
+    if (
+        offsets.ndim != 1 or len(offsets) != n + 1 or len(data["prompt_length"]) != n
+        or (n and (offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any()))
+    ):
+        raise ValueError(
+            f"expected {n} rows in {path} (ids) with {n + 1} increasing offsets from 0 to {len(tokens)} (tokens) and "
+            f"{n} prompt lengths, got {len(offsets)} offsets ({offsets[:1].tolist()} .. {offsets[-1:].tolist()}) and "
+            f"{len(data['prompt_length'])} prompt lengths"
+        )
+    rows = {
+        "id": [str(i) for i in data["id"]],
+        "input_ids": [tokens[offsets[i] : offsets[i + 1]].tolist() for i in range(n)],
+        "prompt_length": data["prompt_length"].astype(np.int64).tolist(),
+    }
     features = datasets.Features(
         {
             "id": datasets.Value("string"),

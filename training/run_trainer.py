@@ -27,7 +27,6 @@ after its last collective (the final evaluation); only then does the main proces
 
 import dataclasses
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
+from modeling_jetspec.configuration_jetspec import BLOCK_ATTENTIONS  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
@@ -114,10 +114,22 @@ class HeadArguments:
     )
 
     def __post_init__(self):
+        """Checks what needs no target, so that a bad value fails before the target loads."""
         if self.target_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"expected target_dtype 'auto', 'float32' or 'bfloat16', got {self.target_dtype!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"expected draft_vocab_size >= 1 or None (full vocabulary), got {self.draft_vocab_size}")
+        for name in ("num_hidden_layers", "intermediate_size", "tree_depth", "tree_width", "tree_budget", "lora_r",
+                     "lora_alpha"):
+            value = getattr(self, name)
+            if value is not None and not value >= 1:
+                raise ValueError(f"expected {name} >= 1, got {value}")
+        if self.block_attention is not None and self.block_attention not in BLOCK_ATTENTIONS:
+            raise ValueError(f"expected block_attention in {BLOCK_ATTENTIONS}, got {self.block_attention!r}")
+        if self.target_layer_ids is not None and (not self.target_layer_ids or min(self.target_layer_ids) < 0):
+            raise ValueError(f"expected target_layer_ids of layers >= 0, got {self.target_layer_ids}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"expected lora_dropout in [0, 1), got {self.lora_dropout}")
 
     def head_overrides(self, block_size: int | None = None) -> dict:
         """Config fields given for a new head (None means the `from_target` default), with the trained block size."""
@@ -160,27 +172,35 @@ class DataArguments:
 
 
 ARGUMENTS = (HeadArguments, DataArguments, JetSpecTrainingArguments)
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def parse_args(argv=None) -> tuple[HeadArguments, DataArguments, JetSpecTrainingArguments]:
-    """The three argument dataclasses from a config file (a leading `.yaml` / `.yml` / `.json`) and/or flags."""
+    """The three argument dataclasses from flags, or from a config file (a leading `.yaml` / `.yml` / `.json`) and
+    the flags after it, which override the file's values (e.g. `--max_steps 10`).
+
+    With a file, the flags actually given are told apart from defaults, and the dataclasses are built
+    once from the file's values updated by them, by `HfArgumentParser.parse_dict` (what its `parse_yaml_file` and
+    `parse_json_file` run), which refuses names no dataclass has.
+    """
     parser = HfArgumentParser(ARGUMENTS)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0].endswith((".yaml", ".yml", ".json")):
-        # the file's values become the defaults; flags after it override them (e.g. `--max_steps 10`)
-        path = Path(argv.pop(0))
-        if not path.is_file():
-            raise ValueError(f"expected a config file, got {path} which does not exist")
-        values = yaml.safe_load(path.read_text()) if path.suffix != ".json" else json.loads(path.read_text())
-        if not isinstance(values, dict):
-            raise ValueError(f"expected a mapping of argument names to values in {path}, got {type(values).__name__}")
-        known = {f.name for kind in ARGUMENTS for f in dataclasses.fields(kind) if f.init}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"expected fields of {', '.join(kind.__name__ for kind in ARGUMENTS)} in {path}, got "
-                             f"unknown {unknown}")
-        parser.set_defaults(**values)
-    return parser.parse_args_into_dataclasses(argv)
+    if not (argv and argv[0].endswith(CONFIG_SUFFIXES)):
+        return parser.parse_args_into_dataclasses(argv)
+    path = Path(argv.pop(0))
+    if not path.is_file():
+        raise ValueError(f"expected a config file, got {path} which does not exist")
+    text = path.read_text(encoding="utf-8")
+    values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(values, dict):
+        raise ValueError(f"expected a mapping of argument names to values in {path}, got {type(values).__name__}")
+    not_given = object()  # every default, so that the flags given are those parsed to another value
+    parser.set_defaults(**{f.name: not_given for kind in ARGUMENTS for f in dataclasses.fields(kind) if f.init})
+    flags, rest = parser.parse_known_args(argv)
+    if rest:
+        raise ValueError(f"expected only flags of {', '.join(kind.__name__ for kind in ARGUMENTS)}, got {rest}")
+    given = {name: value for name, value in vars(flags).items() if value is not not_given}
+    return parser.parse_dict({**values, **given})
 
 
 def resolve_checkpoint(args: JetSpecTrainingArguments) -> str | None:
@@ -335,6 +355,9 @@ def main(argv=None, callbacks=None) -> dict:
         raise ValueError("expected --hub_model_id org/name with --push_to_hub, got none")
     args.push_to_hub = False  # Trainer's own push misses custom_generate/ and adds checkpoints: we ship ourselves
     checkpoint = resolve_checkpoint(args)
+    # everything that needs no target is read and checked before the target loads (minutes for a large one)
+    train_set, eval_set = load_data(data_args, args.seed)
+    store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
 
     dtype, reason = resolve_dtype(head_args.target_dtype)
     print(f"jetspec: target in {dtype} ({reason})")
@@ -342,14 +365,12 @@ def main(argv=None, callbacks=None) -> dict:
     set_seed(args.seed)  # a new head's initialisation is part of the run: same seed, same head on every process
     head = build_head(head_args, target, args.block_size, checkpoint)
     head.to(torch.float32)  # the head trains in float32 whatever the target's dtype
-    train_set, eval_set = load_data(data_args, args.seed)
     coverage = None
     if head_args.draft_vocab_size is not None and checkpoint is None and head_args.init_head is None:
         ids, coverage = frequent_tokens(answer_token_counts(train_set), head_args.draft_vocab_size,
                                         head.config.vocab_size)
         unwrap_head(head).set_draft_vocab(ids)
         print(f"jetspec: draft vocabulary of {len(ids)} tokens covers {coverage:.2%} of the training answers' tokens")
-    store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
     trainer = JetSpecTrainer(
         model=head, args=args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
         target=target, feature_store=store, callbacks=callbacks,
@@ -360,8 +381,11 @@ def main(argv=None, callbacks=None) -> dict:
     metrics = dict(result.metrics)
     if coverage is not None:
         metrics["draft_vocab_coverage"] = coverage
-    runtime = metrics.get("train_runtime") or math.nan
-    metrics["train_target_tokens_per_second"] = trainer._tokens_seen * trainer.accelerator.num_processes / runtime
+    # the Trainer's count of the target's input tokens: its last training log holds this session's rate
+    speeds = [entry["train_tokens_per_second"] for entry in trainer.state.log_history if "train_tokens_per_second" in entry]
+    if speeds:
+        metrics["train_tokens_per_second"] = speeds[-1]
+        metrics["num_input_tokens_seen"] = trainer.state.num_input_tokens_seen
     if eval_set is not None:
         metrics.update(trainer.evaluate())
     # The evaluation was the last collective. Every process meets the others once more and leaves the process group

@@ -87,6 +87,12 @@ class JetSpecTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Model card template written as README.md; defaults to hub_cards/jetspec-head.md."},
     )
+    include_num_input_tokens_seen: str = field(
+        default="non_padding",
+        metadata={"help": "The Trainer's count of the rows' tokens that the target read, over all processes, logged as "
+                          "`num_input_tokens_seen` and `train_tokens_per_second`: `non_padding` (`attention_mask`), "
+                          "`all` or `no`."},
+    )
     remove_unused_columns: bool = field(
         default=False,
         metadata={"help": "Must stay False: the collator reads `id` and `prompt_length`, which the head's forward "
@@ -431,8 +437,6 @@ class JetSpecTrainer(Trainer):
         if feature_store is not None:
             feature_store.check(head.config.target_layer_ids, head.config.target_hidden_size)
         self._feature_cache = {} if args.cache_features else None  # row key -> (features, final)
-        self._tokens_seen = 0
-        self._last_log = (time.perf_counter(), 0)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """Evaluation batches from the evaluation collator: the same anchors at every evaluation, nothing revealed."""
@@ -496,20 +500,7 @@ class JetSpecTrainer(Trainer):
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 count = count / self.accelerator.num_processes
         loss = total / count if count > 0 else total * 0.0
-        if model.training:
-            self._tokens_seen += int(inputs["attention_mask"].sum())
         return (loss, (logits, teacher_hidden)) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: add target tokens/s since the previous one (all processes)
-            now, seen = time.perf_counter(), self._tokens_seen
-            elapsed = now - self._last_log[0]
-            if elapsed > 0:
-                logs["tokens_per_second"] = round(
-                    (seen - self._last_log[1]) * self.accelerator.num_processes / elapsed, 2
-                )
-            self._last_log = (now, seen)
-        super().log(logs, start_time)
 
     # --------------------------------------------------------------------------------------------------- eval
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
