@@ -338,6 +338,18 @@ def check_loaded_weights(info: dict, head):
         )
 
 
+def check_saved_weights(info: dict, path):
+    """Raise a `ValueError` listing the weights a saved JetSpec head lacks or has beyond those its `config.json`
+    describes (transformers would initialise the missing ones at random and drop the extra ones)."""
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        raise ValueError(
+            f"expected exactly the weights of the head described by {path}/config.json, got missing weight(s) "
+            f"{missing} and unexpected weight(s) {unexpected}; pass ignore_mismatched_sizes=True to load it anyway "
+            "(missing weights start at random)"
+        )
+
+
 def import_checkpoint(load, path, checkpoint_format: str, config: dict, kwargs: dict):
     """A head loaded from a dflash / muse_glimmer_assistant folder or repo whose `config.json` dict is `config`.
 

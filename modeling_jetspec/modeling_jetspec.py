@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput
 
 from .checkpoint_formats import (
     check_checkpoint_format,
+    check_saved_weights,
     detect_checkpoint_format,
     export_dflash,
     import_checkpoint,
@@ -600,7 +601,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Load a head saved by [`save_pretrained`], or a published DFlash / JetSpec-reference /
         `muse_glimmer_assistant` head, detected from its `config.json`: its config is converted and its weights are
-        loaded by transformers under our names (see `checkpoint_formats.py`). For a converted head, keyword
+        loaded by transformers under our names (see `checkpoint_formats.py`). Missing or extra weights are a
+        `ValueError` listing them, unless `ignore_mismatched_sizes=True`. For a converted head, keyword
         arguments besides hub and loading options (`dtype`, `device_map`, ...) set [`JetSpecConfig`] fields
         (e.g. `tree_budget=64`)."""
         if kwargs.get("config") is None and pretrained_model_name_or_path is not None:
@@ -614,7 +616,14 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
                     )
 
                 return import_checkpoint(load, pretrained_model_name_or_path, checkpoint_format, foreign, kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        if kwargs.get("ignore_mismatched_sizes"):
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return_info = kwargs.pop("output_loading_info", False)
+        head, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
+        check_saved_weights(info, pretrained_model_name_or_path)
+        return (head, info) if return_info else head
 
     def save_pretrained(self, save_directory, *args, checkpoint_format: str = "jetspec", **kwargs):
         """Save config, safetensors (head weights only), the flat code files and `custom_generate/`.

@@ -150,3 +150,28 @@ def test_public_accessors_expose_the_attached_targets_io_and_the_draft_rows():
     assert not detached.has_target
     with pytest.raises(ValueError, match="expected a target attached to the head"):
         detached.target_lm_head()
+
+
+def test_a_saved_head_with_missing_or_extra_weights_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from modeling_jetspec import JetSpecDraftModel
+
+    target = tiny_target("llama")
+    head = tiny_head(target, num_hidden_layers=2)
+    head.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    # a config declaring 2 layers with the weights of only 1, and one weight no head has
+    kept = {name: w for name, w in weights.items() if not name.startswith("layers.1.")}
+    save_file({**kept, "extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing weight\(s\) \['layers\.1\.input_layernorm\.weight', .*"
+                                         r"unexpected weight\(s\) \['extra\.weight'\]"):
+        JetSpecDraftModel.from_pretrained(tmp_path)
+    # asked for: loaded, layer 0 as saved, with transformers' loading info
+    loaded, info = JetSpecDraftModel.from_pretrained(tmp_path, ignore_mismatched_sizes=True, output_loading_info=True)
+    assert "layers.1.mlp.up_proj.weight" in info["missing_keys"] and set(info["unexpected_keys"]) == {"extra.weight"}
+    torch.testing.assert_close(loaded.layers[0].mlp.up_proj.weight, weights["layers.0.mlp.up_proj.weight"])  # exact
+    # a complete head still loads, with or without the loading info
+    head.save_pretrained(tmp_path / "whole")
+    again, info = JetSpecDraftModel.from_pretrained(tmp_path / "whole", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
