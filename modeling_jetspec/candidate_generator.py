@@ -26,6 +26,7 @@ import torch
 from transformers.generation import CandidateGenerator
 from transformers.modeling_outputs import BaseModelOutput
 
+from .compat import assisted_decoding_with
 from .tree import lookup_match
 
 
@@ -216,20 +217,3 @@ def chain_generate(model, input_ids, logits_processor, stopping_criteria, genera
         model, generator, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
         **model_kwargs,
     )
-
-
-def assisted_decoding_with(model, generator, input_ids, logits_processor, stopping_criteria, generation_config,
-                           synced_gpus=False, streamer=None, **model_kwargs):
-    """Run transformers' `_assisted_decoding` (private) with `generator` as its candidate generator.
-
-    `_assisted_decoding` builds its generator with the model's `_get_candidate_generator` (private, no public way to
-    pass one in 5.23); the instance attribute set here shadows that method for this call only.
-    """
-    model._get_candidate_generator = lambda **kwargs: generator
-    try:
-        return model._assisted_decoding(
-            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-            streamer=streamer, **model_kwargs,
-        )
-    finally:
-        del model._get_candidate_generator

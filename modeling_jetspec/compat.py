@@ -48,6 +48,7 @@ __all__ = [
     "LinearAttentionCacheLayerMixin",
     "LinearAttentionLayer",
     "ROW_WISE_PROCESSORS",
+    "assisted_decoding_with",
     "attn_implementation",
     "custom_decode_kwargs",
     "fill_linear_state",
@@ -93,10 +94,28 @@ def custom_decode_kwargs(decode) -> set:
     return set(inspect.signature(decode).parameters) - set(inspect.signature(GenerationMixin._sample).parameters)
 
 
+def assisted_decoding_with(model, generator, input_ids, logits_processor, stopping_criteria, generation_config,
+                           synced_gpus=False, streamer=None, **model_kwargs):
+    """Run transformers' `_assisted_decoding` (private) with `generator` as its candidate generator (what
+    `candidate_generator.chain_generate` runs).
+
+    `_assisted_decoding` builds its generator with the model's `_get_candidate_generator` (private, no public way to
+    pass one in 5.23); the instance attribute set here shadows that method for this call only.
+    """
+    model._get_candidate_generator = lambda **kwargs: generator
+    try:
+        return model._assisted_decoding(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+            streamer=streamer, **model_kwargs,
+        )
+    finally:
+        del model._get_candidate_generator
+
+
 # ------------------------------------------------------------------------------------------------ logits processors
 # transformers' processors whose output row depends only on that row's tokens and scores (no batch-sized state, no
 # batch index), read from their `__call__`: a node's scores are processed on its row alone. Any other processor sees
-# the row in the batch layout of the call (`steps._row_processors`). The list is kept by hand because transformers
+# the row in the batch layout of the call (`steps.processors_per_row`). The list is kept by hand because transformers
 # does not mark row-wise processors; the compat test runs each on a batch and on its rows alone.
 ROW_WISE_PROCESSORS = (
     EpsilonLogitsWarper, EtaLogitsWarper, ExponentialDecayLengthPenalty, ForcedBOSTokenLogitsProcessor,

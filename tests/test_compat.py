@@ -1,0 +1,233 @@
+"""Every private or undocumented transformers name the package touches (`modeling_jetspec/compat.py`), checked
+against the installed transformers: the attribute, signature or class exists and behaves as the tree loop assumes.
+An upgrade of transformers that moves one of them fails here, in one place.
+
+The last test keeps the list whole: an underscore attribute used anywhere in `modeling_jetspec/`, `jetspec/` or
+`training/` outside `compat.py` must be the project's own name (or a listed extension point).
+"""
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.generation import logits_process as lp
+
+from modeling_jetspec import compat
+from modeling_jetspec.decode import _decode
+from tiny import prompts, tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("modeling_jetspec", "jetspec", "training")
+# the private names compat.py reads, by where they live in transformers
+TOUCHED = {
+    PretrainedConfig: ["_attn_implementation"],
+    GenerationMixin: ["_sample", "_assisted_decoding", "_get_candidate_generator"],
+}
+# transformers' documented extension points a model class overrides or sets (not wrapped: they stay in the class)
+EXTENSION_POINTS = {"_init_weights", "_no_split_modules", "_keys_to_ignore_on_load_missing"}
+# torch's, not transformers': `Tensor._version` (the in-place version counter keying the head's cached d2t gather)
+TORCH_PRIVATE = {"_version", "_is_avx512_bf16_supported"}
+
+
+@pytest.mark.parametrize("owner,name", [(o, n) for o, names in TOUCHED.items() for n in names])
+def test_touched_private_names_exist(owner, name):
+    assert hasattr(owner, name), f"transformers {owner.__name__}.{name} is gone: update modeling_jetspec/compat.py"
+
+
+def test_extension_points_exist():
+    for name in EXTENSION_POINTS:
+        assert hasattr(PreTrainedModel, name), name
+
+
+def test_attn_implementation_reads_what_set_attn_implementation_set():
+    target = tiny_target("llama")
+    assert compat.attn_implementation(target) == "sdpa"
+    target.set_attn_implementation("eager")
+    assert compat.attn_implementation(target) == "eager"
+
+
+def _config_seen_by_decoding(target, **kwargs):
+    """The generation config `generate` hands a callable `custom_generate`."""
+    seen = {}
+
+    def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        seen["config"] = generation_config
+        return input_ids
+
+    ids, mask = prompts(2)
+    target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, custom_generate=decode, **kwargs)
+    return seen["config"]
+
+
+def test_pad_token_tensor_is_pad_else_first_eos():
+    target = tiny_target("llama")
+    config = _config_seen_by_decoding(target, pad_token_id=7, eos_token_id=[5, 6])
+    assert isinstance(compat.pad_token_tensor(config), torch.Tensor) and int(compat.pad_token_tensor(config)) == 7
+    config = _config_seen_by_decoding(target, pad_token_id=None, eos_token_id=[5, 6])
+    assert int(compat.pad_token_tensor(config)) == 5
+
+
+def test_decode_mirrors_sample_and_receives_its_own_arguments():
+    sample = list(inspect.signature(GenerationMixin._sample).parameters)
+    ours = list(inspect.signature(_decode).parameters)
+    # generate calls a decoding method as method(model, input_ids, logits_processor=, stopping_criteria=,
+    # generation_config=, ...): the first five parameters line up
+    assert sample[:5] == ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"]
+    assert ours[1:5] == sample[1:5]
+    # `model` is the callable's first positional argument (`self` in `_sample`), never passed by keyword
+    assert compat.custom_decode_kwargs(_decode) - {"model"} == {"jetspec_head", "jetspec_shape", "jetspec_streamer",
+                                                                "jetspec_verifier"}
+    # and generate really routes a callable's extra keyword to it (what custom_decode_kwargs assumes)
+    seen = {}
+
+    def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, jetspec_probe=None,
+               **model_kwargs):
+        seen["probe"] = jetspec_probe
+        return input_ids
+
+    ids, mask = prompts(1)
+    tiny_target("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, custom_generate=decode,
+                                  jetspec_probe="here")
+    assert seen["probe"] == "here"
+
+
+def test_assisted_decoding_takes_what_assisted_decoding_with_passes():
+    params = list(inspect.signature(GenerationMixin._assisted_decoding).parameters)
+    assert params[:5] == ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"]
+    assert {"synced_gpus", "streamer"} <= set(params)
+    assert "generation_config" in inspect.signature(GenerationMixin._get_candidate_generator).parameters
+
+
+L = 6  # prompt length of the processor batch (1 for ForcedBOSTokenLogitsProcessor, which acts at length 1 only)
+ROW_WISE = {  # every class of compat.ROW_WISE_PROCESSORS, built with settings that change the scores
+    lp.EpsilonLogitsWarper: lambda: lp.EpsilonLogitsWarper(epsilon=0.05),
+    lp.EtaLogitsWarper: lambda: lp.EtaLogitsWarper(epsilon=0.05),
+    lp.ExponentialDecayLengthPenalty: lambda: lp.ExponentialDecayLengthPenalty((2, 1.5), 3, 2),
+    lp.ForcedBOSTokenLogitsProcessor: lambda: lp.ForcedBOSTokenLogitsProcessor(bos_token_id=1),
+    lp.ForcedEOSTokenLogitsProcessor: lambda: lp.ForcedEOSTokenLogitsProcessor(max_length=L + 1, eos_token_id=3),
+    lp.InfNanRemoveLogitsProcessor: lambda: lp.InfNanRemoveLogitsProcessor(),
+    lp.LogitNormalization: lambda: lp.LogitNormalization(),
+    lp.MinLengthLogitsProcessor: lambda: lp.MinLengthLogitsProcessor(min_length=10, eos_token_id=3),
+    lp.MinNewTokensLengthLogitsProcessor: lambda: lp.MinNewTokensLengthLogitsProcessor(2, 10, eos_token_id=3),
+    lp.MinPLogitsWarper: lambda: lp.MinPLogitsWarper(min_p=0.1),
+    lp.NoRepeatNGramLogitsProcessor: lambda: lp.NoRepeatNGramLogitsProcessor(ngram_size=2),
+    lp.SequenceBiasLogitsProcessor: lambda: lp.SequenceBiasLogitsProcessor([[[5], 2.0], [[1, 2], -3.0]]),
+    lp.SuppressTokensAtBeginLogitsProcessor: lambda: lp.SuppressTokensAtBeginLogitsProcessor([4], begin_index=L),
+    lp.SuppressTokensLogitsProcessor: lambda: lp.SuppressTokensLogitsProcessor([4]),
+    lp.TemperatureLogitsWarper: lambda: lp.TemperatureLogitsWarper(0.7),
+    lp.TopHLogitsWarper: lambda: lp.TopHLogitsWarper(top_h=0.5),
+    lp.TopKLogitsWarper: lambda: lp.TopKLogitsWarper(top_k=3),
+    lp.TopPLogitsWarper: lambda: lp.TopPLogitsWarper(top_p=0.8),
+    lp.TypicalLogitsWarper: lambda: lp.TypicalLogitsWarper(mass=0.9),
+}
+
+
+def test_every_row_wise_processor_is_checked():
+    assert set(ROW_WISE) == set(compat.ROW_WISE_PROCESSORS)
+
+
+@pytest.mark.parametrize("cls", list(ROW_WISE), ids=lambda cls: cls.__name__)
+def test_row_wise_processors_process_a_row_alone_as_in_the_batch(cls):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[1, 2, 1, 2, 5, 1], [3, 3, 3, 4, 4, 2], [5, 1, 2, 6, 6, 6]])  # (3, L): repeats, bigrams
+    ids = ids[:, :1] if cls is lp.ForcedBOSTokenLogitsProcessor else ids
+    scores = torch.randn(3, 12, generator=g) * 3  # (3, V)
+    batch = ROW_WISE[cls]()(ids, scores.clone())
+    assert not torch.equal(batch, scores) or cls is lp.InfNanRemoveLogitsProcessor  # the setting does something
+    for row in range(3):
+        alone = ROW_WISE[cls]()(ids[row : row + 1], scores[row : row + 1].clone())
+        # exact: the same row-wise arithmetic on the same values, whatever the other rows hold
+        torch.testing.assert_close(alone[0], batch[row], rtol=0, atol=0)
+
+
+def test_repetition_penalty_for_row_skips_that_row_s_padding():
+    ids = torch.tensor([[9, 9, 1, 2], [3, 4, 5, 6]])  # row 0: two pad tokens (9) that must not be penalised
+    scores = torch.ones(2, 12)
+    batch = lp.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=torch.tensor([2, 0]))
+    expected = batch(ids, scores.clone())
+    assert expected[0, 9] == 1.0 and expected[0, 1] == 0.5  # the padding was skipped, the prompt penalised
+    for row in range(2):
+        alone = compat.repetition_penalty_for_row(batch, row)
+        torch.testing.assert_close(alone(ids[row : row + 1], scores[row : row + 1].clone())[0], expected[row],
+                                   rtol=0, atol=0)  # exact: the same arithmetic on one row
+    assert compat.repetition_penalty_for_row(lp.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=1), 0) \
+        is None
+
+
+def test_kv_layer_entries_are_the_layer_s_own_tensors():
+    layer = compat.DynamicLayer()
+    assert compat.kv_layer_entries(layer) is None  # nothing cached yet
+    keys, values = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 2)  # (B, H, S, D_k), (B, H, S, D_v)
+    layer.update(keys.clone(), values.clone())
+    k, v = compat.kv_layer_entries(layer)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    k[:, :, 1] = 0.0  # written in place (how accepted entries move), then cropped through the public API
+    layer.crop(-2)
+    k, v = compat.kv_layer_entries(layer)
+    assert k.shape[2] == 3 and torch.equal(k[:, :, 1], torch.zeros(2, 3, 4)) and torch.equal(v, values[:, :, :3])
+
+
+def test_linear_states_read_write_fill_and_record():
+    layer = compat.LinearAttentionLayer()
+    assert compat.linear_state_count(layer) == 1 and compat.linear_state(layer, 0) == (None, None)
+    conv, rec = torch.randn(2, 4, 3), torch.randn(2, 4, 5)  # (B, C, K), (B, ...)
+    compat.fill_linear_state(layer, 0, conv, rec)
+    got_conv, got_rec = compat.linear_state(layer, 0)
+    assert torch.equal(got_conv, conv) and torch.equal(got_rec, rec)
+    assert not layer.is_croppable  # a recurrent state cannot be cut back: the hybrid chain verifier replays
+    compat.set_linear_state(layer, 0, recurrent=torch.zeros(2, 4, 5))
+    assert torch.equal(compat.linear_state(layer, 0)[1], torch.zeros(2, 4, 5))
+    # past recording keeps every convolution input of a forward after the K before it; once it is stopped and the
+    # state put back to K inputs (as the hybrid verifier does), updates keep the last K again
+    layer.activate_past_recording()
+    step = torch.randn(2, 4, 2)
+    layer.update_conv_state(step, state_idx=0)
+    recorded = compat.linear_state(layer, 0)[0]
+    assert torch.equal(recorded, torch.cat([conv, step], dim=-1))  # (B, C, K + 2)
+    compat.stop_past_recording(layer)
+    compat.set_linear_state(layer, 0, conv=recorded[..., 1:4].clone())  # the K inputs ending at the first step
+    nxt = torch.randn(2, 4, 1)
+    layer.update_conv_state(nxt, state_idx=0)
+    assert torch.equal(compat.linear_state(layer, 0)[0], torch.cat([recorded[..., 2:4], nxt], dim=-1))
+    layer.reorder_cache(torch.tensor([1]))  # what HybridCache.batch_select_indices calls: rows are selected
+    assert compat.linear_state(layer, 0)[1].shape == (1, 4, 5)
+    assert not hasattr(compat.LinearAttentionLayer, "batch_select_indices")  # why HybridCache adds one
+    assert isinstance(compat.DummyLayer(), compat.DummyLayer)
+
+
+def _private_attributes(path: Path) -> set:
+    """`x._name` attribute accesses in a file's code (strings and comments excluded), `self` / `cls` excluded."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+    return names
+
+
+def _own_names() -> set:
+    """Underscore names the packages define themselves (functions, classes, attributes, variables), compat.py
+    excluded (it sets transformers' `_get_candidate_generator`)."""
+    names = set()
+    for path in (p for package in PACKAGES for p in (REPO / package).glob("*.py") if p.name != "compat.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def test_private_transformers_names_are_touched_only_in_compat():
+    used = set()
+    for package in PACKAGES:
+        for path in (REPO / package).glob("*.py"):
+            if path.name != "compat.py":
+                used |= _private_attributes(path)
+    unknown = used - _own_names() - EXTENSION_POINTS - TORCH_PRIVATE
+    assert not unknown, f"private names used outside modeling_jetspec/compat.py: {sorted(unknown)}"
