@@ -2,15 +2,18 @@
 
 from transformers import AutoConfig, AutoModel
 
+from .candidate_generator import JetSpecCandidateGenerator, chain_generate
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .state import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
 from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput
+from .integration import install_generate_hook, uninstall_generate_hook
 from .tree import Tree, ancestor_mask, build_tree, marginal_children
 
 AutoConfig.register("jetspec", JetSpecConfig, exist_ok=True)
 AutoModel.register(JetSpecConfig, JetSpecDraftModel, exist_ok=True)
 
 __all__ = [
+    "JetSpecCandidateGenerator",
     "JetSpecConfig",
     "JetSpecContext",
     "JetSpecDraftModel",
@@ -21,7 +24,10 @@ __all__ = [
     "TreeShape",
     "ancestor_mask",
     "build_tree",
+    "chain_generate",
     "default_target_layer_ids",
+    "install_generate_hook",
     "marginal_children",
     "resolve_tree_shape",
+    "uninstall_generate_hook",
 ]

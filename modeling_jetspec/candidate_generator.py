@@ -126,7 +126,7 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
     """The head's logits at depths 1..`depth` after `anchor` (`(B,)`), one forward: `(B, depth, V_draft)`."""
     b, device = anchor.shape[0], anchor.device
     length = depth + 1 if head.config.block_attention == "causal" else head.config.block_size
-    block = torch.full((b, length), head.config.mask_token_id, dtype=torch.long, device=device)
+    block = torch.full((b, length), head.config.mask_id, dtype=torch.long, device=device)
     block[:, 0] = anchor
     positions = anchor_position + torch.arange(length, device=device).expand(b, length)
     return head(block, positions, context=context).logits[:, 1 : depth + 1]

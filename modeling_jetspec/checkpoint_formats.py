@@ -241,8 +241,8 @@ def mask_fields(config: dict, vocab_size: int, has_mask_embedding: bool) -> dict
             f"expected mask_token_id inside the target vocabulary [0, {vocab_size}) (a DFlash MASK is the "
             f"target's embedding row of that id), got {mask_token_id}"
         )
-    if has_mask_embedding:  # the trained vector replaces the row: ours, keyed outside the vocabulary
-        return dict(mask_source="head", mask_token_id=vocab_size, dflash_mask_token_id=mask_token_id)
+    if has_mask_embedding:  # the trained vector replaces the row: the head embeds MASK itself (config.mask_id)
+        return dict(mask_source="head", mask_token_id=mask_token_id, dflash_mask_token_id=mask_token_id)
     return dict(mask_source="target", mask_token_id=mask_token_id)
 
 

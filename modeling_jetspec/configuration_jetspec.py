@@ -2,7 +2,6 @@
 
 from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
-from transformers.utils import logging
 
 from .tree import check_lookup_prior, check_tree_shape
 
@@ -20,7 +19,6 @@ POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
 BOOLS = ("path_conditioning", "last_context_input")
 OPTIONAL_STRING_LISTS = ("layer_types", "layer_block_attention")
 
-logger = logging.get_logger(__name__)
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -129,9 +127,12 @@ class JetSpecConfig(PretrainedConfig):
         block_size (`int`, *optional*, defaults to 16):
             Length of the draft block `[anchor, MASK x (block_size - 1)]`; the maximum tree depth is `block_size - 1`.
         mask_token_id (`int`, *optional*):
-            Id standing for a MASK slot in the head's `input_ids`, defaults to `vocab_size` (outside the target's
-            vocabulary, so it never collides with a real token). Its embedding is the head's own trained vector.
-            With `mask_source="target"` it is required and must lie inside the vocabulary.
+            In-vocabulary id that stands for a MASK slot outside the head: transformers' DFlash generator
+            (`speculation_type="dflash"`) and DFlash exports embed it. With `mask_source="head"` the head replaces that
+            embedding by its own trained vector, and inside the head a MASK is [`mask_id`], outside the vocabulary,
+            so it never collides with a real token; defaults to `dflash_mask_token_id`, else `vocab_size - 1`
+            (configs saved with the out-of-vocabulary id here read as that default). With `mask_source="target"`
+            it is required: the MASK is the target's own row of this (unused) id.
         mask_source (`str`, *optional*, defaults to `"head"`):
             Where a MASK slot's embedding comes from: `"head"`, the head's trained `mask_embedding` (ours), or
             `"target"`, the target's own embedding row of `mask_token_id`, an unused id inside the vocabulary (the
@@ -252,8 +253,9 @@ class JetSpecConfig(PretrainedConfig):
         self._set_layers(block_attention, layer_types, sliding_window, layer_block_attention)
         self.initializer_range = initializer_range
         super().__init__(**kwargs)
-        # set after transformers' own checks ran in `super().__init__`: see `validate_token_ids`
-        self.mask_token_id = mask_token_id if mask_token_id is not None or mask_source == "target" else vocab_size
+        if mask_source == "head" and (mask_token_id is None or _outside(mask_token_id, vocab_size)):
+            mask_token_id = dflash_mask_token_id if dflash_mask_token_id is not None else vocab_size - 1
+        self.mask_token_id = mask_token_id
         self._validate()
 
     @classmethod
@@ -291,21 +293,6 @@ class JetSpecConfig(PretrainedConfig):
                 f"expected max_position_embeddings (the target's) with rope_type "
                 f"{self.rope_parameters['rope_type']!r}, got none"
             )
-
-    def validate_token_ids(self):
-        """transformers' special-token check: a warning for any `*_token_id` outside `[0, vocab_size)`, except the
-        head's own MASK id (`mask_source="head"`), which lies outside the vocabulary by design (`_validate` checks
-        it). Run when the config is built and saved."""
-        if self.mask_source == "target":
-            return super().validate_token_ids()
-        for name in self:
-            value = getattr(self, name)
-            if name.endswith("_token_id") and name != "mask_token_id" and isinstance(value, int):
-                if not 0 <= value < self.vocab_size:
-                    logger.warning_once(
-                        f"Model config: {name} must be `None` or an integer within the vocabulary (between 0 and "
-                        f"{self.vocab_size - 1}), got {value}. This may result in unexpected behavior."
-                    )
 
     def check_draft_vocab_restriction(self, size: int):
         """Raise a `ValueError` unless a head of this config can draft from its `size` most frequent tokens: any size
@@ -370,17 +357,22 @@ class JetSpecConfig(PretrainedConfig):
             )
         if self.mask_source not in MASK_SOURCES:
             raise ValueError(f"expected mask_source in {MASK_SOURCES}, got {self.mask_source!r}")
-        if self.mask_source == "target":
-            if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
-                raise ValueError(
-                    f"expected mask_token_id inside the target vocabulary [0, {self.vocab_size}) since "
-                    f"mask_source='target' embeds a MASK as the target's row of that id, got {self.mask_token_id!r}"
-                )
-        elif 0 <= self.mask_token_id < self.vocab_size:
+        if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
-                f"expected mask_token_id outside the target vocabulary [0, {self.vocab_size}), got "
-                f"{self.mask_token_id}: a MASK must never collide with a real token"
+                f"expected mask_token_id inside the target vocabulary [0, {self.vocab_size}) (the id a MASK slot is "
+                f"embedded from outside the head), got {self.mask_token_id!r}"
             )
+
+    @property
+    def mask_id(self) -> int:
+        """The id of a MASK slot in the head's own `input_ids`: `vocab_size` (never a real token) when the head
+        embeds MASK with its trained vector (`mask_source="head"`), else the in-vocabulary `mask_token_id`."""
+        return self.vocab_size if self.mask_source == "head" else self.mask_token_id
+
+
+def _outside(token_id, vocab_size) -> bool:
+    """True for an int id outside `[0, vocab_size)` (the head's MASK id, as configs before `mask_id` stored it)."""
+    return isinstance(token_id, int) and isinstance(vocab_size, int) and not 0 <= token_id < vocab_size
 
 
 JetSpecConfig.register_for_auto_class()

@@ -147,6 +147,14 @@ def install_generate_hook():
     GenerationMixin.generate = generate
 
 
+def uninstall_generate_hook():
+    """Give `GenerationMixin.generate` back unwrapped: a JetSpec head passed as `assistant_model` then goes to
+    transformers' own loop (with `speculation_type="dflash"`, its DFlash generator calls the head's forward:
+    batch 1, one chain per target forward). [`install_generate_hook`] brings the tree route back."""
+    while getattr(GenerationMixin.generate, _HOOK_MARK, False):
+        GenerationMixin.generate = GenerationMixin.generate.__wrapped__
+
+
 # Written as `custom_generate/generate.py` next to a saved head, so that
 # `target.generate(..., custom_generate=<head folder or repo>, jetspec_head=<the same>, trust_remote_code=True)`
 # decodes with that head.

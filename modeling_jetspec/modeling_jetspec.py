@@ -28,6 +28,7 @@ from .checkpoint_formats import (
     import_checkpoint,
     read_checkpoint_config,
 )
+from .candidate_generator import dflash_forward
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .integration import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
 
@@ -208,6 +209,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         # target -> {(device, dtype, batch, budgets): verify seconds}, for tree_budget="auto"; weak, so an entry goes
         # with its target and a new target never inherits a freed one's costs
         self.verify_cost_cache = weakref.WeakKeyDictionary()
+        # transformers' DFlash generator's cache -> this head's context in that generation (`dflash_forward`)
+        self.dflash_contexts = weakref.WeakKeyDictionary()
         self.post_init()
 
     # ----------------------------------------------------------------------------------------------- construction
@@ -491,7 +494,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
 
     # --------------------------------------------------------------------------------------------------- forward
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
-        """Target embeddings for real tokens, the head's trained MASK vector for `mask_token_id`. `(B, T, H)`.
+        """Target embeddings for real tokens, the head's trained MASK vector for `config.mask_id`. `(B, T, H)`.
 
         With `config.mask_source == "target"` (imported DFlash heads) a MASK is the target's own row of the
         in-vocabulary `mask_token_id`, so every slot is a plain target embedding.
@@ -499,14 +502,14 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         embed = self.target_input_embeddings()
         if self.config.mask_source == "target":
             return embed(input_ids).to(self.dtype)
-        is_mask = input_ids == self.config.mask_token_id
+        is_mask = input_ids == self.config.mask_id
         real = embed(input_ids.masked_fill(is_mask, 0)).to(self.dtype)
         return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(real.dtype), real)
 
     def forward(
         self,
-        input_ids: torch.LongTensor,
-        position_ids: torch.LongTensor,
+        input_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         context: JetSpecContext | None = None,
         context_features: torch.Tensor | None = None,
@@ -514,11 +517,19 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         context_valid: torch.Tensor | None = None,
         last_context_index: torch.LongTensor | None = None,
         return_logits: bool = True,
+        inputs_embeds: torch.Tensor | None = None,
+        noise_embeds: torch.Tensor | None = None,
+        context_hidden_states: torch.Tensor | None = None,
+        past_key_values=None,
     ) -> JetSpecOutput:
         r"""
+        Called with `noise_embeds` (and `context_hidden_states`, `position_ids`, `attention_mask`,
+        `past_key_values`), this is the head answering transformers' own DFlash generator
+        ([`candidate_generator.dflash_forward`]).
+
         Args:
             input_ids (`torch.LongTensor` of shape `(B, T)`):
-                Real tokens and MASK slots (`config.mask_token_id`) in any arrangement: a block
+                Real tokens and MASK slots (`config.mask_id`) in any arrangement: a block
                 `[anchor, MASK x D]`, several packed blocks, or tree nodes with MASK probes under them.
             position_ids (`torch.LongTensor` of shape `(B, T)`):
                 Absolute positions (the anchor's position is the number of tokens before it).
@@ -541,14 +552,26 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
                 Apply the draft LM head (the target's, restricted to the draft vocabulary when
                 `config.draft_vocab_size` is smaller than the vocabulary); otherwise only the normed hidden states
                 are returned.
+            inputs_embeds (`torch.Tensor` of shape `(B, T, H)`, *optional*):
+                The slots already embedded, instead of `input_ids` (decoding with a `context` only).
         """
+        if noise_embeds is not None:
+            return dflash_forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask,
+                                  past_key_values)
+        if (input_ids is None) == (inputs_embeds is None) or position_ids is None:
+            raise ValueError(
+                "expected position_ids and exactly one of input_ids / inputs_embeds, got "
+                f"input_ids={_shape(input_ids)}, inputs_embeds={_shape(inputs_embeds)}, position_ids={_shape(position_ids)}"
+            )
+        if inputs_embeds is not None and (context is None or last_context_index is not None):
+            raise ValueError("expected inputs_embeds only with a decoding context (no last_context_index), got it without")
         fused = None
         if context is None:
             fused, context = self._training_context(input_ids, context_features, context_position_ids, context_valid)
         elif last_context_index is not None:
             raise ValueError("expected last_context_index only with context_features (training), got it with context")
         masks = self.layer_masks(attention_mask, position_ids, context)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
         if self.config.last_context_input:
             x = x + self._last_context(input_ids, context, fused, last_context_index)
         cos, sin = self.rotary(position_ids, x.dtype)
@@ -647,6 +670,10 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         (folder / "generate.py").write_text(CUSTOM_GENERATE_SOURCE)
         if push:  # into a fresh folder, so every file (custom_generate/ included) is new and uploaded
             return self.push_to_hub(repo_id, **hub)
+
+
+def _shape(tensor) -> str:
+    return "None" if tensor is None else str(tuple(tensor.shape))
 
 
 def _decoder_config(model: PreTrainedModel):

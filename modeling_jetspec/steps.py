@@ -101,7 +101,7 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: lis
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     a, device = state.anchors.shape[0], state.anchors.device
     length = shape.depth + 1 if head.config.block_attention == "causal" else head.config.block_size
-    block = torch.full((a, length), head.config.mask_token_id, dtype=torch.long, device=device)
+    block = torch.full((a, length), head.config.mask_id, dtype=torch.long, device=device)
     block[:, 0] = state.anchors
     out = head(block, state.anchor_pos[:, None] + torch.arange(length, device=device), context=state.context)
     logp = torch.log_softmax(out.logits[:, 1 : shape.depth + 1], dim=-1)  # (A, N, V_draft)
@@ -379,7 +379,7 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     """
     a, n = trees.tokens.shape
     device = trees.tokens.device
-    probes = torch.full((a, n), head.config.mask_token_id, dtype=torch.long, device=device)
+    probes = torch.full((a, n), head.config.mask_id, dtype=torch.long, device=device)
     inputs = torch.cat([state.anchors[:, None], trees.tokens, probes], dim=1)  # (A, 1 + 2n)
     depths = trees.depths[:, 1:]  # (A, n)
     positions = state.anchor_pos[:, None] + torch.cat([trees.depths, depths + 1], dim=1)  # (A, 1 + 2n)

@@ -34,7 +34,7 @@ def draft_cost(target, head, depth: int, context: int, repeats: int) -> dict:
         target(input_ids=step_ids, position_ids=torch.tensor([[context]]), past_key_values=cache, use_cache=True)
         cache.crop(-1)
 
-    block = torch.full((1, depth + 1), head.config.mask_token_id)
+    block = torch.full((1, depth + 1), head.config.mask_id)
     block[0, 0] = 5
     block_pos = context + torch.arange(depth + 1)[None]
 

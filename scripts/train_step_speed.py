@@ -67,7 +67,7 @@ def synthetic_batch(args, head: JetSpecDraftModel, generator: torch.Generator):
         for i in range(args.batch_size)
     ]
     collator = JetSpecCollator(
-        mask_token_id=head.config.mask_token_id, block_size=args.block_size, num_blocks=args.anchors,
+        mask_token_id=head.config.mask_id, block_size=args.block_size, num_blocks=args.anchors,
         max_length=args.max_length, seed=0, epoch=0,
     )
     batch = collator(rows)

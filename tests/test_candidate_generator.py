@@ -8,13 +8,20 @@ candidates really were drafted and accepted.
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
-from transformers.generation import CandidateGenerator
+from transformers import GenerationMixin, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation import CandidateGenerator, DFlashTokenCandidateGenerator
 
-from modeling_jetspec.candidate_generator import JetSpecCandidateGenerator, chain_generate
+from modeling_jetspec import (
+    JetSpecCandidateGenerator,
+    chain_generate,
+    install_generate_hook,
+    uninstall_generate_hook,
+)
 from tests.tiny import oracle_head, tiny_head, tiny_target
 
 NEW = 24
+_hooked_generate = GenerationMixin.generate  # the wrapper importing modeling_jetspec installs
+_original_generate = _hooked_generate.__wrapped__
 
 
 def _prompt(repeats: int = 1, seed: int = 0):
@@ -110,3 +117,69 @@ def test_chain_generate_needs_a_head():
     target = tiny_target("llama")
     with pytest.raises(ValueError, match="jetspec_head"):
         target.generate(_prompt(), max_new_tokens=4, custom_generate=chain_generate)
+
+
+@pytest.fixture
+def unhooked():
+    """transformers' own generate, unwrapped, for the test; the tree route comes back after it."""
+    uninstall_generate_hook()
+    try:
+        yield
+    finally:
+        install_generate_hook()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_dflash_route_unhooked_equals_greedy_and_drafts_the_heads_chain(arch, unhooked, monkeypatch):
+    """transformers' own DFlash generator calls the head's forward: lossless, and its candidates are the head's
+    own argmax chain (the same chain JetSpecCandidateGenerator proposes with the full vocabulary)."""
+    target = tiny_target(arch)
+    head = tiny_head(target)
+    ids = _prompt(repeats=2)
+    assert GenerationMixin.generate is not _hooked_generate
+    plain = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    drafted = {"dflash": [], "jetspec": []}
+
+    def recording(cls, name):
+        original = cls.get_candidates
+
+        def get_candidates(self, input_ids, *args, **kwargs):
+            candidates, logits = original(self, input_ids, *args, **kwargs)
+            drafted[name].append(candidates[0, input_ids.shape[1]:].tolist())
+            return candidates, logits
+
+        monkeypatch.setattr(cls, "get_candidates", get_candidates)
+
+    recording(DFlashTokenCandidateGenerator, "dflash")
+    recording(JetSpecCandidateGenerator, "jetspec")
+    out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=head, speculation_type="dflash")
+    assert torch.equal(out, plain)
+    ours = target.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=chain_generate,
+                           jetspec_head=head, jetspec_depth=head.config.block_size - 1, jetspec_lookup=0)
+    assert torch.equal(ours, plain)
+    # the first round of each proposes nothing (the target's prefill); the next ones draft block_size - 1 tokens
+    full = [c for c in drafted["dflash"] if len(c) == head.config.block_size - 1]
+    assert len(full) >= 3
+    assert full[:3] == drafted["jetspec"][1:4]
+
+
+def test_hook_round_trip_routes_heads():
+    """Installed, a JetSpec assistant goes to the tree loop (its stats appear); uninstalled, to transformers'."""
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    ids = _prompt()
+    head.last_stats = None
+    target.generate(ids, max_new_tokens=4, assistant_model=head)
+    assert head.last_stats is not None
+    uninstall_generate_hook()
+    try:
+        head.last_stats = None
+        target.generate(ids, max_new_tokens=4, assistant_model=head, speculation_type="dflash")
+        assert head.last_stats is None
+        uninstall_generate_hook()  # idempotent
+    finally:
+        install_generate_hook()
+    install_generate_hook()  # idempotent: wrapped once
+    assert GenerationMixin.generate.__wrapped__ is _original_generate
+    target.generate(ids, max_new_tokens=4, assistant_model=head)
+    assert head.last_stats is not None

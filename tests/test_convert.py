@@ -172,7 +172,7 @@ def head_draft_logits(head, target, prompt):
     out = target(prompt, output_hidden_states=True)
     s, b = prompt.shape[1], head.config.block_size
     anchor = int(out.logits[0, -1].argmax())
-    block = torch.tensor([[anchor] + [head.config.mask_token_id] * (b - 1)])
+    block = torch.tensor([[anchor] + [head.config.mask_id] * (b - 1)])
     drafted = head(input_ids=block, position_ids=torch.arange(s, s + b)[None],
                    context_features=head.target_features(out.hidden_states))
     return drafted.logits[0, 1:]

@@ -78,7 +78,7 @@ def test_subset_logits_are_the_full_logits_at_those_rows():  # (c)
     rows = subset(128, 32, seed=3)
     reduced.set_draft_vocab(rows)
     features = torch.randn(2, 10, full.fc.in_features)
-    block = torch.full((2, 5), full.config.mask_token_id)
+    block = torch.full((2, 5), full.config.mask_id)
     block[:, 0] = torch.tensor([7, 9])
     positions = torch.arange(10, 15).expand(2, 5)
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_last_context_input_training_forward_equals_decoding_forward():  # (d)
     features = torch.randn(1, 12, head.fc.in_features)
     # two blocks packed in one forward, anchored at 5 and 9: each sees context < anchor and itself only
     anchors, bs = [5, 9], 4
-    ids = torch.full((1, 2 * bs), head.config.mask_token_id)
+    ids = torch.full((1, 2 * bs), head.config.mask_id)
     ids[0, 0], ids[0, bs] = 11, 22
     positions = torch.tensor([[a + i for a in anchors for i in range(bs)]])
     ctx = torch.arange(12)

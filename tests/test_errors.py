@@ -42,10 +42,20 @@ def test_layer_ids_out_of_range():
                       target_layer_ids=[0, 4])
 
 
-def test_mask_token_inside_the_vocabulary():
-    with pytest.raises(ValueError, match="mask_token_id outside the target vocabulary"):
-        JetSpecConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      target_num_hidden_layers=4, mask_token_id=5)
+def test_mask_ids_inside_and_outside_the_vocabulary():
+    sizes = dict(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 target_num_hidden_layers=4)
+    # the head's own MASK: an in-vocabulary id for transformers' DFlash generator, the head's MASK id outside
+    config = JetSpecConfig(**sizes, mask_token_id=5)
+    assert (config.mask_token_id, config.mask_id) == (5, 100)
+    # a config saved before mask_id held the out-of-vocabulary id in mask_token_id: read as the default
+    legacy = JetSpecConfig(**sizes, mask_token_id=100)
+    assert (legacy.mask_token_id, legacy.mask_id) == (99, 100)
+    assert JetSpecConfig(**sizes, mask_token_id=100, dflash_mask_token_id=7).mask_token_id == 7
+    # the target's row as MASK: the id must be one of the target's
+    with pytest.raises(ValueError, match=r"mask_token_id inside the target vocabulary \[0, 100\).*got 100"):
+        JetSpecConfig(**sizes, mask_source="target", mask_token_id=100)
+    assert JetSpecConfig(**sizes, mask_source="target", mask_token_id=5).mask_id == 5
 
 
 def test_unknown_block_attention():
@@ -138,14 +148,14 @@ def test_head_without_a_target():
     config = JetSpecConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                            target_num_hidden_layers=2, intermediate_size=64)
     head = JetSpecDraftModel(config)
-    m = config.mask_token_id
+    m = config.mask_id
     with pytest.raises(ValueError, match="expected a target attached to the head"):
         head(torch.tensor([[1, m]]), torch.tensor([[3, 4]]), context_features=torch.randn(1, 3, 128))
 
 
 def test_head_mask_of_the_wrong_shape(pair):
     _, head = pair
-    m = head.config.mask_token_id
+    m = head.config.mask_id
     feats = torch.randn(1, 3, head.fc.in_features)
     with pytest.raises(ValueError, match=r"attention_mask of shape \(1, 1, 2, 5\), got \(1, 1, 2, 2\)"):
         head(torch.tensor([[1, m]]), torch.tensor([[3, 4]]), attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool),

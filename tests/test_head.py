@@ -35,7 +35,7 @@ def test_causal_block_slot_ignores_later_slots_and_bidirectional_does_not():
     feats = random_context(tiny_head(target))
     for attention, should_change in (("causal", False), ("bidirectional", True)):
         head = tiny_head(target, block_attention=attention)
-        m = head.config.mask_token_id
+        m = head.config.mask_id
         pos = torch.arange(6, 10).expand(2, 4)
         a = head(torch.tensor([[5, m, m, m]] * 2), pos, context_features=feats).logits
         b = head(torch.tensor([[5, m, 7, 9]] * 2), pos, context_features=feats).logits
@@ -53,7 +53,7 @@ def test_incremental_context_equals_one_shot_context():
     whole = head.extend_context(None, feats, pos, valid)
     first = head.extend_context(None, feats[:, :5], pos[:, :5], valid[:, :5])
     parts = head.extend_context(first, feats[:, 5:], pos[:, 5:], valid[:, 5:])
-    m = head.config.mask_token_id
+    m = head.config.mask_id
     block, bpos = torch.tensor([[3, m, m]] * 2), torch.arange(8, 11).expand(2, 3)
     # same projections of the same rows, concatenated: identical up to fp32 rounding of the matmuls (~1e-7)
     torch.testing.assert_close(head(block, bpos, context=whole).logits, head(block, bpos, context=parts).logits)
@@ -68,7 +68,7 @@ def test_mask_probes_under_tree_branches_equal_linear_blocks():
     target = tiny_target("qwen3")
     head = tiny_head(target)
     feats = random_context(head, batch=1, length=6)
-    m, anchor, start = head.config.mask_token_id, 11, 6
+    m, anchor, start = head.config.mask_id, 11, 6
     # tree: node1=20 (d1), node2=21 (d1), node3=30 under node1 (d2); probes under nodes 1, 2, 3
     tokens = torch.tensor([[anchor, 20, 21, 30, m, m, m]])
     depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
@@ -91,7 +91,7 @@ def test_config_round_trips_and_is_validated():
                            rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
                            max_position_embeddings=256)
     again = JetSpecConfig.from_dict(config.to_dict())
-    assert again.target_layer_ids == config.target_layer_ids and again.mask_token_id == 100
+    assert again.target_layer_ids == config.target_layer_ids and again.mask_token_id == 99 and again.mask_id == 100
     assert again.rope_parameters == config.rope_parameters and again.rope_theta == 500.0
     assert again.tree_width == 2 and again.tree_depth == 5
     # a saved config is checked again when it is read back: a tree deeper than the block is refused

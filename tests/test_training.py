@@ -134,7 +134,7 @@ def test_packed_blocks_equal_one_forward_per_block():
     target = sharp_target()
     head = tiny_head(target)
     rows = regenerated_rows(target, count=2)
-    collator = JetSpecCollator(mask_token_id=head.config.mask_token_id, block_size=8, num_blocks=3, max_length=64,
+    collator = JetSpecCollator(mask_token_id=head.config.mask_id, block_size=8, num_blocks=3, max_length=64,
                                answer_anchor_prob=0.5)
     batch = collator(rows)
     lengths = batch["attention_mask"].sum(-1)
@@ -150,7 +150,7 @@ def test_packed_blocks_equal_one_forward_per_block():
                 assert 1 <= a <= int(lengths[b]) - 2
                 ids = batch["block_ids"][b, j * 8 : (j + 1) * 8].unsqueeze(0)
                 assert int(ids[0, 0]) == int(batch["input_ids"][b, a])  # the anchor is the real token
-                assert (ids[0, 1:] == head.config.mask_token_id).all()
+                assert (ids[0, 1:] == head.config.mask_id).all()
                 alone = head(ids, torch.arange(a, a + 8).unsqueeze(0), context_features=features[b : b + 1, :a])
                 # same math, different key counts: only summation order differs (fp32)
                 torch.testing.assert_close(packed[b, j], alone.logits[0], atol=1e-5, rtol=1e-5)
@@ -159,7 +159,7 @@ def test_packed_blocks_equal_one_forward_per_block():
 def test_revealed_slots_carry_real_tokens_and_get_no_loss():
     target = sharp_target()
     head = tiny_head(target)
-    mask_id = head.config.mask_token_id
+    mask_id = head.config.mask_id
     rows = regenerated_rows(target, count=4)
     batch = JetSpecCollator(mask_token_id=mask_id, block_size=8, num_blocks=4, reveal_prob=0.5)(rows)
     ids = batch["block_ids"].view(4, 4, 8)[..., 1:]  # the D slots after each anchor
@@ -271,7 +271,7 @@ def test_the_trainers_item_count_is_the_number_of_slots_that_carry_loss(tmp_path
         b = batch["block_ids"].shape[0]
         ids = batch["block_ids"].view(b, 5, 8)[..., 1:]
         inside = batch["block_position_ids"].view(b, 5, 8)[..., 1:] < batch["attention_mask"].sum(-1).view(b, 1, 1)
-        slots += int(((ids == head.config.mask_token_id) & inside).sum())
+        slots += int(((ids == head.config.mask_id) & inside).sum())
     assert int(num_items) == slots and slots < 2 * 4 * 5 * 7  # some slots revealed or past the end
     with torch.no_grad():
         head.eval()

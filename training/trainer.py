@@ -418,7 +418,7 @@ class JetSpecTrainer(Trainer):
                 raise ValueError(f"expected a non-empty {name}, got an empty dataset")
         pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
         collator = JetSpecCollator(
-            mask_token_id=head.config.mask_token_id, block_size=block_size, num_blocks=args.num_blocks_per_sequence,
+            mask_token_id=head.config.mask_id, block_size=block_size, num_blocks=args.num_blocks_per_sequence,
             causal=head.config.block_attention == "causal", max_length=args.max_length, pad_token_id=pad or 0,
             seed=args.seed, answer_anchor_prob=args.answer_anchor_prob, reveal_prob=args.reveal_prob, epoch=0,
         )
