@@ -14,7 +14,8 @@ Methods:
   chain baseline. transformers' own `speculation_type="dflash"` is not run: it needs a head honouring the
   `muse_glimmer_assistant` contract (`noise_embeds`, `context_hidden_states`, ...), which the JetSpec head does not.
 - `tree-B`: the head with a best-first tree of `B` draft nodes, one method per budget.
-- `auto`: the head with `tree_budget="auto"`.
+- `auto`: the head with `tree_budget="auto"`; `auto_lookup` (`auto-lookup`): the same with the lookup branch.
+- `trie`: the tree with the trie of every earlier continuation (`tree_lookup_branches="trie"`, `tree-B-trie`).
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
   `tree-B` without it.
 - `lookup`: the tree with a prompt-lookup branch of L tokens (`tree_lookup=L`, the head's default, else the tree
@@ -75,8 +76,9 @@ __all__ = ["BenchConfig", "LosslessError", "Method", "PromptRow", "aggregate", "
 
 METHOD_KINDS = (
     "plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup", "lookup_first", "gap", "lookup_gap",
+    "trie", "auto_lookup",
 )
-DEFAULT_METHODS = METHOD_KINDS
+DEFAULT_METHODS = METHOD_KINDS[:-2]  # the trie and auto with the lookup branch are asked for by name
 PROMPT_LOOKUP_TOKENS = 10
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTES = {
@@ -173,6 +175,8 @@ def build_methods(
         "lookup_first": ("-lookup-first", {"tree_lookup": lookup_tokens, "tree_lookup_prior": False}),
         "gap": ("-gap", {"tree_lookup": 0, "tree_scoring": "gap"}),
         "lookup_gap": ("-lookup-gap", {"tree_lookup": lookup_tokens, "tree_scoring": "gap"}),
+        # every earlier continuation of the matched n-gram (continuations.py) instead of the latest one
+        "trie": ("-trie", {"tree_lookup": lookup_tokens, "tree_lookup_branches": "trie"}),
     }
     chain = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth, "tree_lookup": 0}
     single = {
@@ -180,6 +184,8 @@ def build_methods(
         "prompt_lookup": Method("prompt_lookup", "prompt_lookup", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "chain": Method("chain", "chain", chain, uses_head=True, budget=chain_depth),
         "auto": Method("auto", "auto", {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True),
+        "auto_lookup": Method("auto-lookup", "auto_lookup", {"tree_budget": "auto", "tree_lookup": lookup_tokens},
+                              uses_head=True),
         "path_conditioning": Method(
             f"tree-{default_budget}-pc", "path_conditioning",
             {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0}, uses_head=True,
@@ -608,8 +614,8 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
 
 RECORDED_HEAD_CONFIG = (
     "num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth", "tree_width",
-    "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior", "draft_vocab_size",
-    "last_context_input",
+    "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior", "tree_lookup_branches",
+    "tree_lookup_record", "draft_vocab_size", "last_context_input",
 )
 
 

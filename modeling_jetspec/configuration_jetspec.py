@@ -165,6 +165,14 @@ class JetSpecConfig(PretrainedConfig):
             target's own answers (`training/lookup_prior.py`). With it the chain's tokens are scored by these
             odds and compete with the head's nodes for the budget (a bigram or unigram match, rarely right, takes
             only the nodes it earns); without it the whole chain comes first.
+        tree_lookup_branches (`str`, *optional*, defaults to `"chain"`):
+            What the prompt-lookup branch holds: `"chain"`, the continuation of the most recent earlier occurrence
+            only; `"trie"`, every earlier continuation of that n-gram (up to 64 occurrences), counted, each branch
+            scored by the prior's survival ratio times its share of the count (`continuations.py`).
+        tree_lookup_record (`bool`, *optional*, defaults to `False`):
+            Mix `tree_lookup_prior` with the branch's record in the call: per row and match order, how often the
+            target continued along the branch at each depth in recent rounds (`continuations.LookupRecord`).
+            Needs a `tree_lookup_prior`.
         draft_vocab_size (`int`, *optional*):
             Number of target tokens the head drafts from, defaults to `vocab_size` (the full vocabulary). A smaller
             value drafts only inside a fixed subset (FR-Spec / EAGLE-3 `d2t`): the head's LM head is the target's
@@ -206,6 +214,7 @@ class JetSpecConfig(PretrainedConfig):
         dflash_mask_token_id: int | None = None,
         tree_depth: int | None = None, tree_width: int = 4, tree_budget: int = 32, tree_scoring: str = "logprob",
         path_conditioning: bool = False, tree_lookup: int = 0, tree_lookup_prior: list | None = None,
+        tree_lookup_branches: str = "chain", tree_lookup_record: bool = False,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         layer_types: list[str] | None = None,
@@ -248,6 +257,7 @@ class JetSpecConfig(PretrainedConfig):
         self.tree_width, self.tree_budget, self.tree_scoring = tree_width, tree_budget, tree_scoring
         self.path_conditioning, self.tree_lookup = path_conditioning, tree_lookup
         self.tree_lookup_prior = tree_lookup_prior
+        self.tree_lookup_branches, self.tree_lookup_record = tree_lookup_branches, tree_lookup_record
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         self.last_context_input = last_context_input
         self._set_layers(block_attention, layer_types, sliding_window, layer_block_attention)
@@ -317,9 +327,9 @@ class JetSpecConfig(PretrainedConfig):
             raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
         check_tree_shape(
             self.tree_depth, self.tree_width, self.tree_budget, self.tree_scoring, self.block_size,
-            self.path_conditioning, self.tree_lookup,
+            self.path_conditioning, self.tree_lookup, self.tree_lookup_branches, self.tree_lookup_record,
         )
-        check_lookup_prior(self.tree_lookup_prior)
+        check_lookup_prior(self.tree_lookup_prior, self.tree_lookup_record and bool(self.tree_lookup))
         if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"expected draft_vocab_size in [1, {self.vocab_size}] (the target's vocabulary size), got "

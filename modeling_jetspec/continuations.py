@@ -9,6 +9,10 @@ one verify forward checks the head's branches and every earlier continuation.
 Scores: a trie child's conditional log-prob is the measured survival ratio of a lookup chain of that order at that
 depth (the head's `tree_lookup_prior`, as for the single chain) times the child's share of its parent's count.
 With a single earlier occurrence this is exactly the single chain's score.
+
+[`LookupRecord`] (`tree_lookup_record=True`) lets the branch's record in the call move those survival ratios: per
+row and match order, how often the target continued along the branch at each depth in recent rounds, mixed with the
+prior. A row stuck in a loop, whose chain the target keeps following, thus scores its chain above the prior.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections import Counter
 from .tree import LOOKUP_MAX_NGRAM, ChildrenFn, lookup_logprobs
 
 MAX_OCCURRENCES = 64  # earlier occurrences read per round (most recent first), bounding the trie's work
+RECORD_PRIOR_WEIGHT = 4.0  # the prior counts as this many observations of each depth's ratio
+RECORD_DECAY = 0.8  # per observed round, older observations of a row's record weigh this much less
 
 
 def continuation_trie(sequence: list, length: int, max_ngram: int = LOOKUP_MAX_NGRAM,
@@ -98,3 +104,70 @@ def merge_children(head: ChildrenFn, extra: ChildrenFn) -> ChildrenFn:
         return [lp for _, lp in order], [t for t, _ in order], mine[2]
 
     return merged
+
+
+def chain_trie(chain: list) -> dict:
+    """A single chain (a [`tree.lookup_match`] continuation) as a [`continuation_trie`] of one occurrence."""
+    return {tuple(chain[:depth]): Counter({token: 1}) for depth, token in enumerate(chain)}
+
+
+class LookupRecord:
+    """Per row and match order, a decayed count of how often the target continued along the model-free branch at
+    each depth, which [`LookupRecord.prior`] mixes with the head's lookup prior.
+
+    What a round drafted from the branch (a trie, [`chain_trie`] for the chain) is compared, at the next round,
+    with the tokens the round committed (accepted path and bonus, the target's own choices). Depth d of the branch
+    is a *hit* when the first d committed tokens are a path of the branch, a *miss* when the first d - 1 are and the
+    d-th leaves it; past the committed tokens nothing is known (censored). This counts what the target would have
+    accepted along the branch whatever budget the tree gave it. The mixed conditional ratio at depth d is
+    `(w * r(d) + hits(d)) / (w + trials(d))`, `r(d)` the prior's survival ratio `s(d) / s(d - 1)`, `w` =
+    `prior_weight`; scores change, never which tokens are committed, so decoding stays lossless.
+    """
+
+    def __init__(self, prior_weight: float = RECORD_PRIOR_WEIGHT, decay: float = RECORD_DECAY):
+        self.prior_weight, self.decay = prior_weight, decay
+        self.counts = {}  # (row, order) -> [hits per depth, trials per depth]
+        self.offers = {}  # row -> (trie, order, committed length when drafted)
+
+    def observe(self, row: int, history: list):
+        """Score the row's last offer against the tokens committed since (`history`: the row's committed tokens)."""
+        offer = self.offers.pop(row, None)
+        if offer is None:
+            return
+        trie, order, length = offer
+        new = history[length:]
+        hits, trials = self.counts.setdefault((row, order), ([], []))
+        for k in range(len(hits)):
+            hits[k] *= self.decay
+            trials[k] *= self.decay
+        depth = 0
+        while depth < len(new) and trie.get(tuple(new[:depth])):
+            while len(hits) <= depth:
+                hits.append(0.0)
+                trials.append(0.0)
+            trials[depth] += 1.0
+            if new[depth] not in trie[tuple(new[:depth])]:
+                break
+            hits[depth] += 1.0
+            depth += 1
+
+    def offer(self, row: int, trie: dict, order: int, length: int):
+        """What the row's tree drew from the branch this round (`order`: its match's n-gram order; `length`: the
+        row's committed tokens when drafted)."""
+        if trie:
+            self.offers[row] = (trie, order, length)
+
+    def prior(self, row: int, prior: list, order: int, length: int) -> list:
+        """`prior` (the head's `tree_lookup_prior`) with the row's order-`order` survival mixed with its record,
+        `length` depths long; the other orders as they were."""
+        hits, trials = self.counts.get((row, order), ([], []))
+        if not trials:
+            return prior
+        survival, previous = [], 1.0
+        for depth, logp in enumerate(lookup_logprobs(prior, order, length)):
+            ratio = math.exp(logp)
+            if depth < len(trials):
+                ratio = (self.prior_weight * ratio + hits[depth]) / (self.prior_weight + trials[depth])
+            previous *= min(max(ratio, 1e-6), 1.0)
+            survival.append(previous)
+        return [survival if n == order - 1 else row_prior for n, row_prior in enumerate(prior)]

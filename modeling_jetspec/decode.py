@@ -15,6 +15,7 @@ import torch
 
 from .budget import DEFAULT_CANDIDATES, BudgetController
 from .compat import pad_token_tensor
+from .continuations import LookupRecord
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
 from .steps import accept, choose_token, commit, draft, pick_token, processors_per_row, select_rows
 from .timing import clock
@@ -64,7 +65,7 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller)
     before = call.verifier.target_forwards
     budget = controller.next_budget() if controller is not None else call.shape.budget
     histories = call.histories(state.rows) if call.shape.lookup else None
-    trees = draft(head, state, call.shape, budget, histories)
+    trees = draft(head, state, call.shape, budget, histories, call.lookup_record)
     t1 = clock()
     trees, logits, features = call.verifier.verify(state, trees)
     t2 = clock()
@@ -104,6 +105,7 @@ def _start_call(input_ids, shape, verifier, processors, stopping, generation_con
     call = Call(
         shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
         streamer=streamer, records=[[] for _ in range(batch)] if wants_records else None,
+        lookup_record=LookupRecord() if shape.lookup and shape.lookup_record else None,
     )
     if generation_config.do_sample or len(processors):
         per_row = processors_per_row(processors, batch)

@@ -22,6 +22,7 @@ from .verifiers import verifier_for
 
 TREE_ARGUMENTS = (
     "tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior",
+    "tree_lookup_branches", "tree_lookup_record",
 )
 MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
 # model kwargs the tree loop reads; any other model kwarg (pixel_values, token_type_ids, past_key_values, ...) raises

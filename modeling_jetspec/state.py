@@ -17,6 +17,7 @@ from transformers import StoppingCriteriaList
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .continuations import LookupRecord
 from .tree import check_lookup_prior, check_tree_shape
 
 
@@ -29,6 +30,8 @@ class TreeShape:
     path_conditioning: bool  # second draft pass with MASK probes under the tree's real tokens
     lookup: int = 0  # tokens of the prompt-lookup branch in every tree (0: none); may exceed `depth`
     lookup_prior: list | None = None  # acceptance odds of lookup chains per match order; None: the chain goes first
+    lookup_branches: str = "chain"  # "chain": the most recent match's continuation; "trie": every earlier one
+    lookup_record: bool = False  # mix the prior with the branch's record in this call (`continuations.LookupRecord`)
 
 
 @dataclass
@@ -112,10 +115,12 @@ def resolve_tree_shape(config, **given) -> TreeShape:
         # False switches the head's prior off for this call (the whole chain first)
         lookup_prior=None if given.get("tree_lookup_prior") is False
         else pick("tree_lookup_prior", getattr(config, "tree_lookup_prior", None)),
+        lookup_branches=pick("tree_lookup_branches", getattr(config, "tree_lookup_branches", "chain")),
+        lookup_record=pick("tree_lookup_record", getattr(config, "tree_lookup_record", False)),
     )
-    check_lookup_prior(shape.lookup_prior)
+    check_lookup_prior(shape.lookup_prior, shape.lookup_record and bool(shape.lookup))
     check_tree_shape(shape.depth, shape.width, shape.budget, shape.scoring, config.block_size, shape.path_conditioning,
-                     shape.lookup)
+                     shape.lookup, shape.lookup_branches, shape.lookup_record)
     return shape
 
 
@@ -210,6 +215,7 @@ class Call:
     records: list | None = None  # (B,) per row, `(scores (V,), logits (V,))` of every committed token; None: not kept
     choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
     # greedy without processors (vectorized acceptance)
+    lookup_record: LookupRecord | None = None  # the model-free branch's record per row (`shape.lookup_record`)
 
     def histories(self, rows: torch.Tensor) -> list:
         """The committed tokens of each row in `rows` `(A,)`, as lists (what prompt lookup matches)."""

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from .compat import ROW_WISE_PROCESSORS, kv_layer_entries, repetition_penalty_for_row
+from .continuations import LookupRecord, chain_trie, continuation_trie, merge_children, trie_children
 from .state import Acceptance, Call, DraftTrees, RoundState, TreeShape
 from .tree import (
     ENTROPY_SCORINGS,
@@ -82,7 +83,8 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
     return state, logits
 
 
-def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None) -> DraftTrees:
+def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None,
+          record: LookupRecord | None = None) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
     The head's logits at block slot d are its distribution of the token at depth d, `(A, N, V_draft)`; their top-W
@@ -96,6 +98,8 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: lis
         budget (`int`): draft nodes per tree.
         histories (`list`, *optional*): per active row, its committed tokens ([`Call.histories`]); needed when
             `shape.lookup` is set.
+        record (`LookupRecord`, *optional*): the lookup branch's record in the call (`shape.lookup_record`); it
+            reads what each row committed since its last draft and scores the branch from its prior and record.
     """
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
@@ -110,7 +114,8 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: lis
     ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, N)
     children = [marginal_children(top_lp[i], top_tok[i], ent[i]) for i in range(a)]
     if shape.lookup:
-        children = [_with_lookup_branch(fn, history, shape) for fn, history in zip(children, histories)]
+        children = [_with_lookup_branch(fn, history, shape, record, row)
+                    for fn, history, row in zip(children, histories, state.rows.tolist())]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     trees = [build_tree(children[i], budget, deepest, shape.scoring) for i in range(a)]
     if shape.path_conditioning:
@@ -361,10 +366,25 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
     )
 
 
-def _with_lookup_branch(children, history: list, shape: TreeShape):
-    """A row's children with its prompt-lookup chain: scored by `shape.lookup_prior`, else first."""
+def _with_lookup_branch(children, history: list, shape: TreeShape, record: LookupRecord | None = None,
+                        row: int = 0):
+    """A row's children with its model-free branch (`shape.lookup_branches`: the prompt-lookup chain, or the trie of
+    every earlier continuation): scored by `shape.lookup_prior` (mixed with the row's `record` when given), else
+    first."""
     prior = shape.lookup_prior
-    chain, order = lookup_match(history, shape.lookup, max_ngram=len(prior) if prior else LOOKUP_MAX_NGRAM)
+    max_ngram = len(prior) if prior else LOOKUP_MAX_NGRAM
+    if record is not None:
+        record.observe(row, history)
+    if shape.lookup_branches == "trie":
+        trie, order = continuation_trie(history, shape.lookup, max_ngram)
+    else:
+        chain, order = lookup_match(history, shape.lookup, max_ngram)
+        trie = chain_trie(chain)
+    if record is not None and trie:
+        record.offer(row, trie, order, len(history))
+        prior = record.prior(row, prior, order, shape.lookup)
+    if shape.lookup_branches == "trie":
+        return merge_children(children, trie_children(trie, prior, order)) if trie else children
     logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
     return with_lookup(children, chain, logprobs)
 

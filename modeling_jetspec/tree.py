@@ -36,10 +36,13 @@ class Tree:
 
 MAX_TREE_LOOKUP = 64  # the longest prompt-lookup chain (transformers' prompt lookup drafts 10 tokens by default)
 LOOKUP_MAX_NGRAM = 3  # prompt lookup matches the last 3, else 2, else 1 tokens; a lookup prior has a row per order
+# the model-free branch: "chain", the continuation of the most recent match (`lookup_match`); "trie", every earlier
+# continuation counted (`continuations.continuation_trie`)
+LOOKUP_BRANCHES = ("chain", "trie")
 
 
 def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False,
-                     lookup: int = 0):
+                     lookup: int = 0, lookup_branches: str = "chain", lookup_record: bool = False):
     """The one validation of tree arguments (per call and on the head's config); raises a `ValueError`.
 
     Args:
@@ -55,6 +58,9 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
             (0: none). It may run deeper than `depth`: past the head's depths the chain alone continues. Its nodes
             are placed before the head's ranks would put them, which path conditioning would rebuild away: also
             rejected together.
+        lookup_branches (`str`, *optional*, defaults to `"chain"`): one of `LOOKUP_BRANCHES`.
+        lookup_record (`bool`, *optional*, defaults to `False`): mix the lookup prior with the branch's record in
+            this call (`continuations.LookupRecord`); needs a lookup prior, see [`check_lookup_prior`].
     """
     if not isinstance(depth, int) or not 1 <= depth <= block_size - 1:
         raise ValueError(
@@ -68,6 +74,10 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
         raise ValueError(f"expected tree_scoring in {TREE_SCORINGS}, got {scoring!r}")
     if not isinstance(lookup, int) or isinstance(lookup, bool) or not 0 <= lookup <= MAX_TREE_LOOKUP:
         raise ValueError(f"expected tree_lookup in [0, {MAX_TREE_LOOKUP}] (tokens of the lookup chain), got {lookup!r}")
+    if lookup_branches not in LOOKUP_BRANCHES:
+        raise ValueError(f"expected tree_lookup_branches in {LOOKUP_BRANCHES}, got {lookup_branches!r}")
+    if not isinstance(lookup_record, bool):
+        raise ValueError(f"expected tree_lookup_record True or False, got {lookup_record!r}")
     if lookup and path_conditioning:
         raise ValueError(
             "expected tree_lookup=0 with path_conditioning=True (the second pass rebuilds the tree from the head's "
@@ -80,10 +90,14 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
         )
 
 
-def check_lookup_prior(prior):
+def check_lookup_prior(prior, record: bool = False):
     """Raise a `ValueError` unless `prior` is None or 1-3 non-empty lists (match orders 1, 2, 3) of acceptance
-    fractions in (0, 1], non-increasing along each list."""
+    fractions in (0, 1], non-increasing along each list; with `record` (`tree_lookup_record`), a prior is needed: the
+    record mixes the call's observed acceptance with it."""
     if prior is None:
+        if record:
+            raise ValueError("expected a tree_lookup_prior with tree_lookup_record=True (the record mixes what the "
+                             "call observes with the prior), got none")
         return
     expected = "None or 1-3 lists (n-gram orders 1, 2, 3) of non-increasing fractions in (0, 1]"
     if not isinstance(prior, (list, tuple)) or not 1 <= len(prior) <= LOOKUP_MAX_NGRAM:

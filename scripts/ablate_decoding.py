@@ -41,6 +41,14 @@ SETTINGS = {
     "tree-8-lookup16": {"tree_budget": 8, "tree_lookup": 16},
     "tree-8-lookup16-gap": {"tree_budget": 8, "tree_lookup": 16, "tree_scoring": "gap"},
     "tree-16-lookup16-gap": {"tree_budget": 16, "tree_lookup": 16, "tree_scoring": "gap"},
+    # the single lookup chain (the default) against the trie of every earlier continuation, and each with its record
+    "tree-8-trie16": {"tree_budget": 8, "tree_lookup": 16, "tree_lookup_branches": "trie"},
+    "tree-16-trie16": {"tree_budget": 16, "tree_lookup": 16, "tree_lookup_branches": "trie"},
+    "tree-8-lookup16-record": {"tree_budget": 8, "tree_lookup": 16, "tree_lookup_record": True},
+    "tree-8-trie16-record": {"tree_budget": 8, "tree_lookup": 16, "tree_lookup_branches": "trie",
+                             "tree_lookup_record": True},
+    "auto-lookup16": {"tree_budget": "auto", "tree_lookup": 16},
+    "auto-trie16": {"tree_budget": "auto", "tree_lookup": 16, "tree_lookup_branches": "trie"},
 }
 
 

@@ -109,15 +109,22 @@ def sample(target, prompt, **kwargs):
     return torch.cat(chunks)
 
 
-@pytest.mark.parametrize("width,budget,lookup,prior", [(8, 72, 0, None), (2, 6, 0, None), (2, 6, 2, None),
-                                                       (2, 6, 2, [[0.3, 0.2], [0.6], [0.9]])],
-                         ids=["full-tree", "partial-tree", "partial-tree-lookup", "partial-tree-scored-lookup"])
-def test_tree_sampling_matches_the_exact_reference(setup, width, budget, lookup, prior):
+SCORED = [[0.3, 0.2], [0.6], [0.9]]
+
+
+@pytest.mark.parametrize("width,budget,lookup,prior,branches", [
+    (8, 72, 0, None, {}), (2, 6, 0, None, {}), (2, 6, 2, None, {}), (2, 6, 2, SCORED, {}),
+    # the trie of every earlier continuation (the prompt's "1" is followed by 4 and by 5), alone and with the record
+    (2, 6, 2, SCORED, {"tree_lookup_branches": "trie"}),
+    (2, 6, 2, SCORED, {"tree_lookup_branches": "trie", "tree_lookup_record": True}),
+], ids=["full-tree", "partial-tree", "partial-tree-lookup", "partial-tree-scored-lookup", "partial-tree-trie",
+        "partial-tree-trie-record"])
+def test_tree_sampling_matches_the_exact_reference(setup, width, budget, lookup, prior, branches):
     target, prompt, probs = setup
     torch.manual_seed(1)
     head = MarginalHead.from_target(
         target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=width, tree_budget=budget,
-        tree_lookup=lookup, tree_lookup_prior=prior,
+        tree_lookup=lookup, tree_lookup_prior=prior, **branches,
     ).eval()
     marginals = torch.zeros(NEW, VOCAB)
     for seq, p in probs.items():
