@@ -30,6 +30,7 @@ from transformers.generation.logits_process import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
@@ -56,6 +57,7 @@ __all__ = [
     "linear_state",
     "linear_state_count",
     "pad_token_tensor",
+    "pads_finished_rows",
     "repetition_penalty_for_row",
     "set_linear_state",
     "stop_past_recording",
@@ -81,6 +83,16 @@ def pad_token_tensor(generation_config):
     `pad_token_id`) pads finished rows exactly as plain `generate` does.
     """
     return generation_config._pad_token_tensor
+
+
+def pads_finished_rows(stopping_criteria) -> bool:
+    """Whether plain decoding pads a row that a stopping criterion has finished, as `_sample` (private) decides it.
+
+    `_sample` pads finished rows only when some criterion has an `eos_token_id` attribute (`EosTokenCriteria`, from
+    the generation config's `eos_token_id`); otherwise a row that a criterion stopped keeps receiving real tokens
+    until every row has stopped, and all rows end at the same length. The tree loop mirrors both.
+    """
+    return any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
 
 
 def custom_decode_kwargs(decode) -> set:
@@ -114,15 +126,16 @@ def assisted_decoding_with(model, generator, input_ids, logits_processor, stoppi
 
 # ------------------------------------------------------------------------------------------------ logits processors
 # transformers' processors whose output row depends only on that row's tokens and scores (no batch-sized state, no
-# batch index), read from their `__call__`: a node's scores are processed on its row alone. Any other processor sees
-# the row in the batch layout of the call (`steps.processors_per_row`). The list is kept by hand because transformers
-# does not mark row-wise processors; the compat test runs each on a batch and on its rows alone.
+# batch index), read from their `__call__`: a node's scores are processed on its row alone. Matched by exact type (a
+# subclass may override `__call__`); `steps.check_processors` names which others are honoured and refuses the rest.
+# The list is kept by hand because transformers does not mark row-wise processors; the compat test runs each on a
+# batch and on its rows alone.
 ROW_WISE_PROCESSORS = (
     EpsilonLogitsWarper, EtaLogitsWarper, ExponentialDecayLengthPenalty, ForcedBOSTokenLogitsProcessor,
     ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization, MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoRepeatNGramLogitsProcessor, SequenceBiasLogitsProcessor,
-    SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopHLogitsWarper,
-    TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
+    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
 )
 
 

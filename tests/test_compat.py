@@ -113,6 +113,7 @@ ROW_WISE = {  # every class of compat.ROW_WISE_PROCESSORS, built with settings t
     lp.MinLengthLogitsProcessor: lambda: lp.MinLengthLogitsProcessor(min_length=10, eos_token_id=3),
     lp.MinNewTokensLengthLogitsProcessor: lambda: lp.MinNewTokensLengthLogitsProcessor(2, 10, eos_token_id=3),
     lp.MinPLogitsWarper: lambda: lp.MinPLogitsWarper(min_p=0.1),
+    lp.NoBadWordsLogitsProcessor: lambda: lp.NoBadWordsLogitsProcessor([[5], [1, 2]], eos_token_id=3),
     lp.NoRepeatNGramLogitsProcessor: lambda: lp.NoRepeatNGramLogitsProcessor(ngram_size=2),
     lp.SequenceBiasLogitsProcessor: lambda: lp.SequenceBiasLogitsProcessor([[[5], 2.0], [[1, 2], -3.0]]),
     lp.SuppressTokensAtBeginLogitsProcessor: lambda: lp.SuppressTokensAtBeginLogitsProcessor([4], begin_index=L),
@@ -141,6 +142,27 @@ def test_row_wise_processors_process_a_row_alone_as_in_the_batch(cls):
         alone = ROW_WISE[cls]()(ids[row : row + 1], scores[row : row + 1].clone())
         # exact: the same row-wise arithmetic on the same values, whatever the other rows hold
         torch.testing.assert_close(alone[0], batch[row], rtol=0, atol=0)
+
+
+def test_pads_finished_rows_as_sample_decides():
+    """`_sample` pads a finished row only when some criterion has an `eos_token_id` (its EOS criterion); checked on
+    what `generate` builds with and without an EOS token."""
+    from transformers import StoppingCriteriaList
+
+    target = tiny_target("llama")
+    for eos, pads in ((None, False), (5, True)):
+        seen = {}
+
+        def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+            seen["criteria"] = stopping_criteria
+            return input_ids
+
+        ids, mask = prompts(2)
+        target.generate(input_ids=ids, attention_mask=mask, custom_generate=decode, max_new_tokens=2, eos_token_id=eos)
+        assert isinstance(seen["criteria"], StoppingCriteriaList)
+        assert compat.pads_finished_rows(seen["criteria"]) is pads
+    assert "has_eos_stopping_criteria = any(hasattr(criteria, \"eos_token_id\")" in inspect.getsource(
+        GenerationMixin._sample)  # the rule mirrored, as transformers writes it
 
 
 def test_repetition_penalty_for_row_skips_that_row_s_padding():

@@ -132,18 +132,6 @@ def test_attention_that_cannot_take_a_tree_mask():
         run(target, tiny_head(target))
 
 
-def test_streamer_with_a_batch(pair):
-    target, head = pair
-    ids, mask = prompts(3)
-
-    class Sink:
-        def put(self, value): ...
-        def end(self): ...
-
-    with pytest.raises(ValueError, match="batch size 1 with a streamer .*got 3"):
-        target.generate(input_ids=ids, attention_mask=mask, assistant_model=head, streamer=Sink(), max_new_tokens=4)
-
-
 def test_head_without_a_target():
     config = JetSpecConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                            target_num_hidden_layers=2, intermediate_size=64)
@@ -178,7 +166,7 @@ def test_default_depth_deeper_than_the_block():
         (dict(position_ids=torch.arange(13)[None]), "got also position_ids"),
         (dict(inputs_embeds=torch.zeros(1, 13, 64)), "got also inputs_embeds"),
         (dict(past_key_values="a user cache"), "got also past_key_values"),
-        (dict(cache_implementation="static"), "cache_implementation=None .*got 'static'"),
+        (dict(cache_implementation="static"), "cache_implementation='dynamic' .*got 'static'"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=None .*got 3"),
         (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions=False .*got True"),
         (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states=False .*got True"),
@@ -197,7 +185,7 @@ def test_unsupported_generate_arguments_are_named(pair, kwargs, message):
 def test_unsupported_setting_inside_a_generation_config(pair):
     from transformers import GenerationConfig
 
-    with pytest.raises(ValueError, match="cache_implementation=None .*got 'static'"):
+    with pytest.raises(ValueError, match="cache_implementation='dynamic' .*got 'static'"):
         run(*pair, generation_config=GenerationConfig(max_new_tokens=4, cache_implementation="static"))
 
 

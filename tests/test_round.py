@@ -153,32 +153,36 @@ def test_compaction_moves_only_the_accepted_entries_behind_the_past():
             assert torch.equal(layer.values[row, :, past + slot], values[row, :, past + node])
 
 
-def test_row_wise_processors_see_one_row_and_others_the_batch(monkeypatch):
+def test_row_wise_processors_see_one_row_and_prefix_constraints_the_batch(monkeypatch):
     """At batch 3 a node's scores are processed on its row alone by transformers' row-wise processors (no copy of the
-    row per batch row), and in the call's batch layout by any other processor; the output is plain decoding's."""
-    from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
+    row per batch row), and in the call's batch layout by `prefix_allowed_tokens_fn`'s processor, which is told the
+    batch index; the output is plain decoding's."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+    from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 
-    seen = {"row_wise": set(), "other": set()}
+    seen = {"row_wise": set(), "prefix": set()}
 
-    class RowWise(TemperatureLogitsWarper):  # a transformers row-wise processor, spied on
-        def __call__(self, input_ids, scores):
-            seen["row_wise"].add(tuple(scores.shape))
-            return super().__call__(input_ids, scores)
+    def spy(cls, key):
+        original = cls.__call__
 
-    class Other(LogitsProcessor):  # a user's processor: may hold per-row state
-        def __call__(self, input_ids, scores):
-            seen["other"].add(tuple(scores.shape))
-            return scores - input_ids.shape[-1] * 0.01 * (scores > 0)
+        def call(self, input_ids, scores):
+            seen[key].add(tuple(scores.shape))
+            return original(self, input_ids, scores)
 
+        monkeypatch.setattr(cls, "__call__", call)  # the type stays transformers' own (processors match by type)
+
+    spy(TemperatureLogitsWarper, "row_wise")
+    spy(PrefixConstrainedLogitsProcessor, "prefix")
     target = tiny_target("llama")
     ids, mask = prompts(3)
-    processors = LogitsProcessorList([RowWise(0.9), Other()])
-    plain = greedy(target, ids, mask, max_new_tokens=16, logits_processor=processors)
-    seen = {"row_wise": set(), "other": set()}
+    kwargs = dict(max_new_tokens=16, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.9)]),
+                  prefix_allowed_tokens_fn=lambda batch_id, tokens: [t for t in range(128) if t % 3 != batch_id])
+    plain = greedy(target, ids, mask, **kwargs)
+    seen = {"row_wise": set(), "prefix": set()}
     head = oracle_head(target, plain, mask, mode="sometimes")
-    tree = greedy(target, ids, mask, max_new_tokens=16, logits_processor=processors, assistant_model=head)
+    tree = greedy(target, ids, mask, assistant_model=head, **kwargs)
     assert torch.equal(tree, plain)
     vocab = target.config.vocab_size
     # the first token is processed for the whole batch at once (every row has the same length then), every node after
-    # it on one row: by the row-wise processor as it is, by the other one repeated to the batch size
-    assert seen["row_wise"] == {(3, vocab), (1, vocab)} and seen["other"] == {(3, vocab)}
+    # it on one row: by the row-wise processor as it is, by the prefix constraint repeated to the batch size
+    assert seen["row_wise"] == {(3, vocab), (1, vocab)} and seen["prefix"] == {(3, vocab)}

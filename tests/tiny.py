@@ -140,3 +140,19 @@ def prompts(batch: int, lengths=(9, 5, 13), vocab_size: int = 128, seed: int = 0
         mask[row, longest - n :] = 1
     return ids, mask
 
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """A byte-pair tokenizer over the letters a-k and their pairs (`vocab_size` ids, id 0 `<pad>`), built in-process:
+    enough for `stop_strings` and `TextStreamer`."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    letters = "abcdefghijk"
+    vocab = {"<pad>": 0, **{a: 1 + i for i, a in enumerate(letters)}}
+    for pair in (a + b for a in letters for b in letters):
+        if len(vocab) < vocab_size:
+            vocab[pair] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[(p[0], p[1]) for p in vocab if len(p) == 2]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
