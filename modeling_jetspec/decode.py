@@ -14,10 +14,10 @@ from dataclasses import replace
 import torch
 
 from .budget import DEFAULT_CANDIDATES, BudgetController
-from .compat import pad_token_tensor
+from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
-from .steps import accept, choose_token, commit, draft, pick_token, processors_per_row, select_rows
+from .steps import accept, check_processors, choose_token, commit, draft, pick_token, processors_per_row, select_rows
 from .timing import clock
 from .tree import max_tree_nodes
 from .verifiers import measure_verify_seconds
@@ -38,7 +38,8 @@ def _decode(
 ):
     """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
     head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
-    _check_call(input_ids, generation_config, streamer)
+    attention_mask = model_kwargs.get("attention_mask")
+    _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
     if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
         streamer.put(input_ids.cpu())
     call = _start_call(input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config,
@@ -47,7 +48,7 @@ def _decode(
     stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
     started = clock()
     before = call.verifier.target_forwards
-    state, logits = call.verifier.prefill(input_ids, model_kwargs.get("attention_mask"))
+    state, logits = call.verifier.prefill(input_ids, attention_mask)
     stats.target_forwards += call.verifier.target_forwards - before
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
     controller = None
@@ -55,6 +56,7 @@ def _decode(
         controller = _budget_controller(head, model, shape, state.rows.shape[0])
     while state.rows.numel():
         state = _round(head, call, state, stats, controller)
+        _stream(call)
     stats.total_seconds = clock() - started
     return _finish(head, call, stats, generation_config, input_ids.shape[1])
 
@@ -80,31 +82,41 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller)
     return state
 
 
-def _check_call(input_ids, generation_config, streamer):
+def _check_call(input_ids, attention_mask, processors, stopping, generation_config):
+    """Refuse, before any forward, what the loop cannot decode as plain `generate` would."""
     batch, prompt_length = input_ids.shape
     if generation_config.num_beams > 1:
         raise ValueError(f"expected num_beams == 1 for tree speculative decoding, got {generation_config.num_beams}")
     if prompt_length == 0:
         raise ValueError("expected a non-empty prompt, got input_ids with 0 tokens")
-    if streamer is not None and batch > 1:
-        raise ValueError(f"expected batch size 1 with a streamer (as in transformers), got {batch}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"expected an attention_mask of the shape of input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    check_processors(processors, batch)
+    if pads_finished_rows(stopping) and pad_token_tensor(generation_config) is None:
+        raise ValueError(
+            "expected a pad_token_id (or an eos_token_id) with a stopping criterion that has an eos_token_id: plain "
+            "decoding pads the rows it finishes, got none"
+        )
 
 
 def _start_call(input_ids, shape, verifier, processors, stopping, generation_config, streamer) -> Call:
-    """The call's settings and its sequences, holding the prompts and room for every new token."""
+    """The call's settings and its sequences, holding the prompts (room for new tokens grows as they come)."""
     batch, prompt_length = input_ids.shape
     pad = pad_token_tensor(generation_config)
-    sequences = torch.full(
-        (batch, generation_config.max_length), int(pad) if pad is not None else 0, dtype=torch.long,
-        device=input_ids.device,
-    )
+    pad = int(pad) if pad is not None else 0  # without a pad token every row ends at the same length (`Call.end`)
+    sequences = input_ids.new_full((batch, prompt_length + min(generation_config.max_length - prompt_length, 64)), pad)
     sequences[:, :prompt_length] = input_ids
     wants_records = generation_config.return_dict_in_generate and (
         generation_config.output_scores or generation_config.output_logits
     )
     call = Call(
         shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
-        streamer=streamer, records=[[] for _ in range(batch)] if wants_records else None,
+        max_length=generation_config.max_length, pads_finished=pads_finished_rows(stopping), pad_token=pad,
+        stopped_at=[None] * batch, streamer=streamer, streamed=prompt_length,
+        records=[[] for _ in range(batch)] if wants_records else None,
         lookup_record=LookupRecord() if shape.lookup and shape.lookup_record else None,
     )
     if generation_config.do_sample or len(processors):
@@ -122,17 +134,32 @@ def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool,
         scores=[[row] for row in scores],
     )
     committed, keep = commit(call, state.rows, acc, logits[:, None])
+    _stream(call)
     stats.new_tokens += committed
     state = replace(state, anchors=first)
     return select_rows(state, keep) if keep.numel() < first.shape[0] else state
 
 
+def _stream(call: Call, final: bool = False):
+    """Hand the streamer every step that all rows have reached, one `(B,)` tensor per step as plain `generate` does
+    (a padded row's step is its padding); `final`: every step up to the output's end."""
+    if call.streamer is None:
+        return
+    waiting = [length for length, stop in zip(call.lengths, call.stopped_at)
+               if not (call.pads_finished and stop is not None)]
+    limit = call.end() if final or not waiting else min(waiting)
+    if call.end() is not None:  # no step past the end (a stopped row may have run ahead of it)
+        limit = min(limit, call.end())
+    for step in range(call.streamed, limit):
+        call.streamer.put(call.sequences[:, step].cpu())
+    call.streamed = max(call.streamed, limit)
+
+
 def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_length: int):
+    _stream(call, final=True)
     if call.streamer is not None:
         call.streamer.end()
-    longest = max(call.lengths)
-    if pad_token_tensor(generation_config) is None and min(call.lengths) != longest:
-        raise ValueError("expected a pad_token_id to pad rows that finish early, got none")
+    longest = call.end()
     sequences = call.sequences[:, :longest]  # (B, longest); past each row's length: padding, never written
     head.last_stats = stats
     if not generation_config.return_dict_in_generate:

@@ -9,15 +9,20 @@ sdpa for the tree mask, and re-enters `generate` with the loop (`decode._decode`
 for plain decoding. [`CUSTOM_GENERATE_SOURCE`] is the `custom_generate/generate.py` written next to a saved head.
 """
 
+import copy
 import functools
 import inspect
+import numbers
+import os
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
+from .budget import DEFAULT_CANDIDATES
 from .compat import attn_implementation
 from .decode import _decode
-from .state import resolve_tree_shape
+from .state import TreeShape, resolve_tree_shape
+from .tree import max_tree_nodes
 from .verifiers import verifier_for
 
 TREE_ARGUMENTS = (
@@ -34,7 +39,7 @@ GENERATE_HONOURED = (
 )
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
 UNSUPPORTED_GENERATION = {
-    "cache_implementation": None,
+    "cache_implementation": "dynamic",  # generate's own default; the loop keeps its own dynamic cache
     "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None,
     "dola_layers": None,
@@ -85,18 +90,24 @@ def check_generate_kwargs(kwargs: dict):
 def tree_generate(head, target, *args, **kwargs):
     """Route `target.generate(..., assistant_model=head)` to tree decoding; see `JetSpecDraftModel.tree_generate`."""
     kwargs.pop("assistant_model", None)
-    given = {name: kwargs.pop(name, None) for name in TREE_ARGUMENTS}
+    given = {name: _as_int(kwargs.pop(name, None)) for name in TREE_ARGUMENTS}  # numpy integers are integers
     shape = resolve_tree_shape(head.config, **given)
     streamer = kwargs.pop("streamer", None)
     tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
     check_generate_kwargs(kwargs)
-    max_new_tokens = kwargs.get("max_new_tokens")
-    if max_new_tokens is not None and max_new_tokens <= 0:
-        raise ValueError(f"expected max_new_tokens >= 1, got {max_new_tokens}")
+    _check_lengths(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
         raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
+    if head.device != target.device:
+        raise ValueError(
+            f"expected the head on the target's device {target.device}, got {head.device}: move it with "
+            "head.to(target.device)"
+        )
     head.attach_target(target)
+    if isinstance(prompt, torch.Tensor):
+        check_tree_bounds(shape, head, target, *prompt.shape)
+    _stop_strings_with_tokenizer(target, kwargs)
     verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
     impl = attn_implementation(target)
     switch = impl not in MASKABLE_ATTENTION
@@ -115,6 +126,91 @@ def tree_generate(head, target, *args, **kwargs):
     finally:
         if switch:
             target.set_attn_implementation(impl)
+
+
+def _as_int(value):
+    """`value` as a Python `int` when it is an integer of another type (`numpy.int64`), else unchanged."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
+LENGTH_FIELDS = ("max_new_tokens", "max_length", "min_new_tokens", "min_length")
+
+
+def _check_lengths(kwargs: dict):
+    """Length settings given directly must be integers (`numpy` integers too); `max_new_tokens` at least 1."""
+    for name in LENGTH_FIELDS:
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ValueError(f"expected {name} to be an int, got {type(value).__name__} {value!r}")
+        kwargs[name] = int(value)
+    if kwargs.get("max_new_tokens") is not None and kwargs["max_new_tokens"] <= 0:
+        raise ValueError(f"expected max_new_tokens >= 1, got {kwargs['max_new_tokens']}")
+
+
+def _stop_strings_with_tokenizer(target, kwargs: dict):
+    """`stop_strings` with a `tokenizer`: the `StopStringCriteria` plain `generate` would build, passed as a stopping
+    criterion, since `generate` drops `tokenizer` for a callable `custom_generate`. Without a tokenizer, `generate`
+    raises its own error, as in plain decoding."""
+    config = kwargs.get("generation_config")
+    stop_strings = kwargs.get("stop_strings", (config if config is not None else target.generation_config).stop_strings)
+    tokenizer = kwargs.get("tokenizer")
+    if stop_strings is None or tokenizer is None:
+        return
+    criteria = StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer)
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criteria])
+    kwargs["stop_strings"] = None  # overrides the generation config's for this call
+    if config is not None and config.stop_strings is not None:
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].stop_strings = None
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory the device holds (total, not free: a bound no call can exceed), or `None` when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_tree_bounds(shape: TreeShape, head, target, batch: int, prompt_length: int):
+    """Refuse, before any work, a tree the head cannot draft or whose first verify round cannot fit in memory.
+
+    `tree_width` is at most the draft vocabulary (a node has at most that many distinct children). A round's verify
+    tensors grow with the nodes n of a tree (at most the budget, at most a full tree of the depth and width, plus the
+    lookup chain): per row, the tree mask `(n + 1, S + n + 1)`, the logits `(n + 1, V)` in the model's dtype and in
+    fp32, every layer's hidden states `(n + 1, H)`, and with path conditioning the head's mask of `2n + 1` slots. Their
+    sum at S = the prompt length (the first round, the least a call needs) must fit in the device's memory.
+    """
+    ids = head.draft_token_ids()
+    draft_vocab = head.config.vocab_size if ids is None else ids.shape[0]
+    if shape.width > draft_vocab:
+        raise ValueError(
+            f"expected tree_width <= {draft_vocab} (the head's draft vocabulary: a node has at most that many "
+            f"children), got {shape.width}"
+        )
+    budget = max(DEFAULT_CANDIDATES) if shape.budget == "auto" else shape.budget
+    n = min(budget, max_tree_nodes(shape.depth, shape.width) + shape.lookup)
+    config = target.config.get_text_config()
+    element = torch.finfo(target.dtype).bits // 8 if target.dtype.is_floating_point else 4
+    per_row = (n + 1) * (
+        (prompt_length + n + 1) * element + config.vocab_size * (4 + element)
+        + (config.num_hidden_layers + 1) * config.hidden_size * element
+    )
+    if shape.path_conditioning:
+        per_row += (2 * n + 1) * (prompt_length + 2 * n + 1) + 2 * n * draft_vocab * 4
+    memory = device_memory(target.device)
+    if memory is not None and per_row * batch > memory:
+        raise ValueError(
+            f"expected a tree whose verify round fits in memory, got tree_budget={shape.budget!r} (up to {n} nodes "
+            f"per row at tree_depth={shape.depth}, tree_width={shape.width}): at batch {batch} its mask, logits and "
+            f"hidden states need about {per_row * batch / 2**30:.1f} GiB, the {target.device.type} device holds "
+            f"{memory / 2**30:.1f} GiB"
+        )
 
 
 _HOOK_MARK = "_jetspec_routes_heads"

@@ -45,6 +45,7 @@ class JetSpecStats:
     round_tokens: int = 0  # committed tokens produced by verify rounds
     accepted_at_depth: list = field(default_factory=list)  # (N,) row-rounds whose accepted path reached depth d
     budgets: list = field(default_factory=list)  # budget verified in each round
+    accepted: list = field(default_factory=list)  # per round, (rows,) draft tokens accepted per active row
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -68,6 +69,7 @@ class JetSpecStats:
         self.new_tokens += committed
         self.round_tokens += committed
         self.budgets.append(budget)
+        self.accepted.append((count - 1).tolist())
         self.draft_seconds += draft_s
         self.verify_seconds += verify_s
         for reached in (count - 1).clamp(max=len(self.accepted_at_depth)).tolist():
@@ -202,16 +204,23 @@ class Call:
     """What one `generate` call fixes at its start, and the tokens it has committed so far.
 
     Nothing is ever written into `sequences` past a row's length: tokens become real one at a time, through the
-    stopping criteria ([`commit`]).
+    stopping criteria ([`commit`]). Without an EOS criterion a stopped row keeps decoding (real tokens, as plain
+    `generate` appends them) until every row has stopped; tokens past [`end`] are cut from the output.
     """
 
     shape: TreeShape
     verifier: Verifier  # how the target verifies and compacts (see `verifiers.verifier_for`)
-    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L = max_length, where the
-    # MaxLengthCriteria that `generate` always adds stops every row
+    sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L grows with the tokens
+    # committed ([`append`]), to at most twice the longest row
     lengths: list  # (B,) committed length of each row
     stopping: StoppingCriteriaList  # checked after every committed token
-    streamer: object | None = None  # a `BaseStreamer` receiving each row's committed tokens (batch 1)
+    max_length: int  # generate's `max_length`, where its MaxLengthCriteria stops every row
+    pads_finished: bool  # an EOS criterion exists (`compat.pads_finished_rows`): a stopped row is finished and padded;
+    # otherwise, as in plain decoding, it keeps receiving real tokens until every row has stopped
+    pad_token: int  # what fills `sequences` past a row's length
+    stopped_at: list = field(default_factory=list)  # (B,) length at which a criterion first stopped the row, or None
+    streamer: object | None = None  # a `BaseStreamer` receiving the prompts, then one `(B,)` step at a time
+    streamed: int = 0  # columns of `sequences` handed to the streamer
     records: list | None = None  # (B,) per row, `(scores (V,), logits (V,))` of every committed token; None: not kept
     choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
     # greedy without processors (vectorized acceptance)
@@ -220,6 +229,31 @@ class Call:
     def histories(self, rows: torch.Tensor) -> list:
         """The committed tokens of each row in `rows` `(A,)`, as lists (what prompt lookup matches)."""
         return [self.sequences[row, : self.lengths[row]].tolist() for row in rows.tolist()]
+
+    def append(self, row: int, token: int):
+        """Commit `token` to `row`; the buffer doubles when full (its size follows the tokens produced, not
+        `max_length`)."""
+        if self.lengths[row] == self.sequences.shape[1]:
+            more = self.sequences.new_full((self.sequences.shape[0], max(self.sequences.shape[1], 64)), self.pad_token)
+            self.sequences = torch.cat([self.sequences, more], dim=1)  # (B, 2L)
+        self.sequences[row, self.lengths[row]] = token
+        self.lengths[row] += 1
+
+    def end(self) -> int | None:
+        """The length of the output once every row has stopped (`None` before): the longest row when finished rows
+        are padded; else the length at which the last row stopped (plain decoding runs every row until then)."""
+        if None in self.stopped_at:
+            return None
+        return max(self.lengths) if self.pads_finished else max(self.stopped_at)
+
+    def finished(self, row: int) -> bool:
+        """Whether `row` needs no more tokens (it leaves the batch)."""
+        if self.stopped_at[row] is None:
+            return False
+        end = self.end()
+        return self.pads_finished or self.lengths[row] >= self.max_length or (
+            end is not None and self.lengths[row] >= end
+        )
 
 
 

@@ -27,7 +27,11 @@ from dataclasses import replace
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import Cache
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+from transformers.generation.logits_process import (
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 
 from .compat import ROW_WISE_PROCESSORS, kv_layer_entries, repetition_penalty_for_row
 from .continuations import LookupRecord, chain_trie, continuation_trie, merge_children, trie_children
@@ -220,7 +224,8 @@ def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -
 
 def commit(call: Call, rows: torch.Tensor, acc: Acceptance, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Append each row's accepted tokens to its sequence one at a time, through the stopping criteria, so a row stops
-    exactly where plain decoding would, even inside an accepted path; the streamer gets what was committed.
+    exactly where plain decoding would, even inside an accepted path. A stopped row leaves the batch when an EOS
+    criterion exists (plain decoding pads it); otherwise it goes on until every row has stopped ([`Call.finished`]).
 
     Args:
         rows (`torch.LongTensor` of shape `(A,)`): the batch row of each acceptance row.
@@ -237,32 +242,27 @@ def commit(call: Call, rows: torch.Tensor, acc: Acceptance, logits: torch.Tensor
             nodes = acc.nodes[i, :count].tolist()
             scores = acc.scores[i] if acc.scores is not None else [logits[i, node] for node in nodes]
             records = [(s, logits[i, node]) for s, node in zip(scores, nodes)]
-        added, done = _commit_row(call, row, acc.tokens[i, :count].tolist(), records)
-        committed += added
-        keep += [] if done else [i]
+        committed += _commit_row(call, row, acc.tokens[i, :count].tolist(), records)
+    keep = [i for i, row in enumerate(rows.tolist()) if not call.finished(row)]  # after every row: a stop ends others
     return committed, torch.tensor(keep, dtype=torch.long, device=rows.device)
 
 
-def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> tuple[int, bool]:
-    """Append `tokens` to `row` one at a time; stop as soon as the stopping criteria say so.
-
-    Returns:
-        `(added, done)`: tokens committed and whether the row finished.
-    """
+def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> int:
+    """Append `tokens` to `row` one at a time, the stopping criteria checked after each until one stops the row;
+    a stopped row takes no more when finished rows are padded, or past `max_length`. Returns the tokens committed."""
     start, batch = call.lengths[row], call.sequences.shape[0]
     for added, token in enumerate(tokens, start=1):
-        call.sequences[row, call.lengths[row]] = token
-        call.lengths[row] += 1
+        call.append(row, token)
         if records is not None:
             call.records[row].append(records[added - 1])
-        # the row in a batch of the caller's size, so criteria holding per-row state see plain decoding's layout
-        ids = call.sequences[row : row + 1, : call.lengths[row]].expand(batch, -1)
-        done = bool(call.stopping(ids, None)[row])
-        if done:
+        if call.stopped_at[row] is None:  # a stop is final, as `unfinished_sequences` in plain decoding
+            # the row in a batch of the caller's size, so criteria holding per-row state see plain decoding's layout
+            ids = call.sequences[row : row + 1, : call.lengths[row]].expand(batch, -1)
+            if bool(call.stopping(ids, None)[row]):
+                call.stopped_at[row] = call.lengths[row]
+        if call.stopped_at[row] is not None and (call.pads_finished or call.lengths[row] >= call.max_length):
             break
-    if call.streamer is not None:
-        call.streamer.put(call.sequences[row, start : call.lengths[row]].cpu())
-    return call.lengths[row] - start, done
+    return call.lengths[row] - start
 
 
 def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: list | None = None):
@@ -443,24 +443,56 @@ def choose_token(row_processors: list, do_sample: bool, call: Call, row: int, lo
     return int(pick_token(scores, do_sample)[0]), scores[0]
 
 
+def check_processors(processors, batch: int):
+    """Raise a `ValueError` naming every logits processor of the call that the tree loop cannot run exactly.
+
+    The tree loop processes each node's scores on its own row, once per committed token, rows at different lengths.
+    Honoured, each exactly as in plain decoding:
+
+    - `compat.ROW_WISE_PROCESSORS` (temperature, top-k/p/h, min-p, typical, epsilon, eta, min length / new tokens,
+      no-repeat n-gram, bad words, sequence bias, suppress tokens, forced BOS/EOS, inf/nan removal, exponential
+      decay, renormalization): a row's scores depend on that row alone and on nothing kept between calls;
+    - `RepetitionPenaltyLogitsProcessor`, given the row's own left-padding length;
+    - `PrefixConstrainedLogitsProcessor` (`prefix_allowed_tokens_fn`), told the row's batch index;
+    - `UnbatchedClassifierFreeGuidanceLogitsProcessor` (`guidance_scale`) at batch size 1: it keeps a cache of the
+      unconditional branch and advances it on every call, which the walk does once per committed token, in order;
+      at batch size > 1 plain decoding advances that cache for every row at once, which rows at different lengths
+      cannot.
+
+    Anything else (a user's processor, watermarking, subclasses of the above) may keep state across calls or mix
+    rows, and is refused. Processors are matched by exact type.
+    """
+    refused = sorted({
+        type(p).__name__ for p in processors
+        if type(p) not in (*ROW_WISE_PROCESSORS, RepetitionPenaltyLogitsProcessor, PrefixConstrainedLogitsProcessor)
+        and not (type(p) is UnbatchedClassifierFreeGuidanceLogitsProcessor and batch == 1)
+    })
+    if refused:
+        raise ValueError(
+            f"expected logits processors the tree loop runs exactly (those transformers builds from generation "
+            f"settings; guidance_scale at batch size 1 only), got {', '.join(refused)} at batch size {batch}: it may "
+            "keep state across calls or mix rows, and the tree loop processes each row alone, once per node"
+        )
+
+
 def processors_per_row(processors, batch: int) -> list:
     """Per batch row, the call's logits processors as they act on that row alone: `(1, L)` tokens, `(1, V)` scores.
 
-    Rows advance by different amounts per round, so each node is processed on its own row. A processor of
-    `compat.ROW_WISE_PROCESSORS` runs on the row as it is (cost V per node); a repetition penalty that skips each
-    row's left padding gets that row's padding length; any other processor (`prefix_allowed_tokens_fn`'s batch id,
-    per-row state of a user's processor) sees the row repeated to the caller's batch size, its layout in plain decoding,
-    and row `row` is read back (cost B x V per node: exact for any processor).
+    Rows advance by different amounts per round, so each node is processed on its own row. Only processors
+    [`check_processors`] admits: a row-wise processor runs on the row as it is (cost V per node); a repetition
+    penalty that skips each row's left padding gets that row's padding length; `prefix_allowed_tokens_fn` sees the
+    row repeated to the caller's batch size, its layout in plain decoding, and row `row` is read back (cost B x V per
+    node); guidance (batch size 1) runs as it is.
     """
     return [LogitsProcessorList([_for_row(p, row, batch) for p in processors]) for row in range(batch)]
 
 
 def _for_row(processor, row: int, batch: int):
-    if isinstance(processor, ROW_WISE_PROCESSORS):
-        return processor
     if type(processor) is RepetitionPenaltyLogitsProcessor:
         return repetition_penalty_for_row(processor, row) or processor
-    return _InBatchLayout(processor, row, batch)
+    if type(processor) is PrefixConstrainedLogitsProcessor:
+        return _InBatchLayout(processor, row, batch)
+    return processor
 
 
 class _InBatchLayout(LogitsProcessor):
