@@ -30,6 +30,28 @@ def greedy(target, ids, mask, **kwargs):
     return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
 
 
+class TargetForwards:
+    """The target's forward calls, seen by a forward hook: how many rows each one read (prefill, verifies, and any
+    scan or replay step alike). Measured from outside the loop, so tau and the forward count can be checked against
+    what the target really ran rather than against the statistics' own arithmetic."""
+
+    def __init__(self, target):
+        self.rows = []
+        self.handle = target.register_forward_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs, output):
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        self.rows.append(ids.shape[0])
+
+    def remove(self):
+        self.handle.remove()
+
+    def tokens_per_verified_row(self, committed_by_rounds: int) -> float:
+        """Tokens the rounds committed per row a verify forward read: tau, with one forward per round after the
+        prefill."""
+        return committed_by_rounds / sum(self.rows[1:])
+
+
 @pytest.mark.parametrize("arch,shape,batch", CASES, ids=[f"{a}-d{s[0]}w{s[1]}b{s[2]}-bs{b}" for a, s, b in CASES])
 def test_random_head_matches_greedy(arch, shape, batch):  # (a)
     target = tiny_target(arch)
@@ -37,16 +59,20 @@ def test_random_head_matches_greedy(arch, shape, batch):  # (a)
     ids, mask = prompts(batch)
     depth, width, budget = shape
     plain = greedy(target, ids, mask, max_new_tokens=24)
+    forwards = TargetForwards(target)
     tree = greedy(
         target, ids, mask, max_new_tokens=24, assistant_model=head,
         tree_depth=depth, tree_width=width, tree_budget=budget,
     )
+    forwards.remove()
     assert torch.equal(tree, plain)
     stats = head.last_stats
     assert stats.new_tokens == 24 * batch
-    # the prefill commits one token per row, the verify rounds the rest; one target forward per round
-    assert stats.round_tokens == 23 * batch and stats.target_forwards == stats.rounds + 1
-    assert stats.row_rounds >= stats.rounds and stats.tau == stats.round_tokens / stats.row_rounds
+    # the statistics report the forwards the target ran: the prefill over every row, then one verify per round
+    assert stats.target_forwards == len(forwards.rows) == stats.rounds + 1 and forwards.rows[0] == batch
+    # tau is the tokens the rounds committed (all but each row's first, which the prefill commits) per row a verify
+    # forward read; rows that reached 24 tokens early leave the batch, so the verified rows are counted per forward
+    assert stats.tau == forwards.tokens_per_verified_row(23 * batch)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -56,10 +82,13 @@ def test_never_right_drafter_commits_only_bonus_tokens(arch, batch):  # (b)
     ids, mask = prompts(batch)
     plain = greedy(target, ids, mask, max_new_tokens=16)
     head = oracle_head(target, plain, mask, mode="never")
+    forwards = TargetForwards(target)
     tree = greedy(target, ids, mask, max_new_tokens=16, assistant_model=head)
+    forwards.remove()
     assert torch.equal(tree, plain)
-    assert head.last_stats.tau == 1.0
-    assert head.last_stats.target_forwards == 16  # prefill + one verify per token
+    # the prefill, then one verify per token: each round commits only the bonus, in every row
+    assert len(forwards.rows) == head.last_stats.target_forwards == 16
+    assert forwards.tokens_per_verified_row(15 * batch) == head.last_stats.tau == 1.0
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -69,11 +98,13 @@ def test_always_right_drafter_commits_whole_paths(arch, batch):  # (c)
     ids, mask = prompts(batch)
     plain = greedy(target, ids, mask, max_new_tokens=31)
     head = oracle_head(target, plain, mask, mode="always", tree_depth=5)
+    forwards = TargetForwards(target)
     tree = greedy(target, ids, mask, max_new_tokens=31, assistant_model=head)
+    forwards.remove()
     assert torch.equal(tree, plain)
     # 1 token from the prefill, then 5 rounds of depth 5 + bonus = 30 tokens
-    assert head.last_stats.target_forwards == 6
-    assert head.last_stats.tau == 6.0
+    assert len(forwards.rows) == head.last_stats.target_forwards == 6
+    assert forwards.tokens_per_verified_row(30 * batch) == head.last_stats.tau == 6.0
     assert head.last_stats.acceptance_per_depth == [1.0] * 5
 
 
