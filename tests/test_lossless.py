@@ -284,26 +284,56 @@ def test_llama3_rope_scaling_target(batch):
     plain = greedy(target, ids, mask, max_new_tokens=24)
     assert not torch.equal(plain, greedy(tiny_target("llama"), ids, mask, max_new_tokens=24))  # scaling matters
     head = tiny_head(target)
-    # the head rotates with the target's scaled frequencies, not plain rotary
+    # the head rotates with the target's scaled frequencies, as transformers' own LlamaRotaryEmbedding computes them
+    # for the target (positions past original_max_position_embeddings, where llama3 scaling changes the low
+    # frequencies), not with plain rotary
     positions = torch.arange(40)[None]
-    target_cos, _ = target.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
-    head_cos, _ = head.rotary(positions, torch.float32)
-    torch.testing.assert_close(head_cos[:, 0], target_cos)  # the same formula on the same positions
+    target_cos, target_sin = target.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    head_cos, head_sin = head.rotary(positions, torch.float32)
+    plain_cos, _ = tiny_target("llama").model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
+    assert not torch.allclose(target_cos, plain_cos, atol=1e-3), "the test needs scaling that moves the tables"
+    # the same fp32 products in the same order: equal up to rounding
+    torch.testing.assert_close(head_cos[:, 0], target_cos)
+    torch.testing.assert_close(head_sin[:, 0], target_sin)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=head), plain)
     oracle = oracle_head(target, plain, mask, mode="sometimes")
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=oracle), plain)
     assert oracle.last_stats.tau > 1.5
 
 
-def test_default_rope_head_is_unchanged():
-    # plain rotary: the same tables as the head's original hand-written formula, bit for bit
-    target = tiny_target("qwen3")
+def test_default_rope_head_rotates_as_its_target():
+    # plain rotary at a rope_theta other than the default: the head's tables are those transformers' own
+    # Qwen3RotaryEmbedding computes for the target it was built from
+    target = tiny_target("qwen3", rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     head = tiny_head(target)
     positions = torch.arange(50)[None]
-    inv_freq = 1.0 / head.config.rope_theta ** (torch.arange(0, 16, 2).float() / 16)
-    emb = torch.cat([positions[..., None].float() * inv_freq] * 2, dim=-1)[:, None]
+    target_cos, target_sin = target.model.rotary_emb(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = head.rotary(positions, torch.float32)
-    assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
+    # the same fp32 products in the same order: equal up to rounding
+    torch.testing.assert_close(cos[:, 0], target_cos)
+    torch.testing.assert_close(sin[:, 0], target_sin)
+
+
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default", "llama3"])
+@torch.no_grad()
+def test_head_drafts_depend_only_on_relative_positions(rope):
+    """Rotary encodes where a key is relative to its query: the same prompt features and block with every position
+    (context and block alike) moved by the same offset give the same drafts. Rotating the context keys at positions
+    other than the block's, or leaving either unrotated, breaks it."""
+    target = tiny_target("llama", **({"rope_parameters": dict(rope)} if rope else {}))
+    head = tiny_head(target, block_size=6)
+    ids, _ = prompts(1)
+    out = target(ids, output_hidden_states=True)
+    features, s, b = head.target_features(out.hidden_states), ids.shape[1], head.config.block_size
+    block = torch.tensor([[int(out.logits[0, -1].argmax())] + [head.config.mask_id] * (b - 1)])
+
+    def drafts(offset):
+        context = head.extend_context(None, features, torch.arange(s)[None] + offset, torch.ones(1, s, dtype=bool))
+        return head(block, torch.arange(s, s + b)[None] + offset, context=context).logits
+
+    # fp32 rotations at other angles round differently: the logits (of size ~0.5) stay ~1e-7 apart; keys left
+    # unrotated, or rotated at other positions than the block's, move them by ~0.1
+    torch.testing.assert_close(drafts(37), drafts(0), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(12))
