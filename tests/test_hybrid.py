@@ -14,6 +14,7 @@ Settings, bracketing acceptance (tiny random Qwen3.5 dense and MoE, Qwen3-Next a
 import pytest
 import torch
 from test_architectures import HYBRID_FAMILIES, VOCAB, family_target
+from test_lossless import LookupBranch
 from test_sampling import ALPHA, NEW, MarginalHead, exact_distribution, goodness_of_fit, sample
 from tiny import oracle_head, prompts, tiny_head, tiny_target
 
@@ -105,7 +106,7 @@ def test_stats_count_every_target_forward(family, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_lookup_branch_is_verified(mode):
+def test_lookup_branch_is_verified(mode, monkeypatch):
     # a prompt that repeats itself: the prompt-lookup chain leads the tree (no prior: chain first), so the chain
     # verifier's best path is the lookup branch; rows whose lookup chain differs in length are padded
     target = hybrid_target("qwen3_5_text")
@@ -115,6 +116,14 @@ def test_lookup_branch_is_verified(mode):
     plain = greedy(target, ids, mask, max_new_tokens=20)
     head = tiny_head(target, tree_lookup=6)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=head, tree_verify=mode), plain)
+    # a never-right head: every token a round commits besides its bonus must be one the lookup branch drafted, and
+    # there must be some, so the branch's nodes really went through the hybrid verifier and were accepted
+    never = oracle_head(target, plain, mask, mode="never", tree_lookup=6)
+    branch = LookupBranch(monkeypatch)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=never, tree_verify=mode), plain)
+    assert branch.added_nodes() > 0 and branch.accepted_nodes() > 0
+    assert branch.accepted_outside_the_branch() == []
+    assert never.last_stats.tau > 1.0  # a never-right head alone commits exactly 1 token per round
 
 
 @pytest.mark.parametrize("mode", MODES)

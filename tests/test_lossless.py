@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache
 
 import modeling_jetspec.decode as decode
 import modeling_jetspec.integration as integration
+import modeling_jetspec.steps as steps
 from modeling_jetspec import JetSpecGenerateOutput
 from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
@@ -50,6 +51,70 @@ class TargetForwards:
         """Tokens the rounds committed per row a verify forward read: tau, with one forward per round after the
         prefill."""
         return committed_by_rounds / sum(self.rows[1:])
+
+
+def token_paths(tokens: torch.Tensor, parents: torch.Tensor, row: int) -> list:
+    """The tokens from the root to each node of one row's tree, node order (index 0: the root's empty path)."""
+    paths = [()]
+    for token, parent in zip(tokens[row].tolist(), parents[row].tolist()):
+        paths.append(paths[parent] + (token,))
+    return paths
+
+
+class LookupBranch:
+    """What the prompt-lookup branch contributed to each round, recorded by wrapping the round's `draft` and `accept`
+    (as `decode._round` calls them) and the chain each row's tree is offered (`steps.with_lookup`).
+
+    `chains[r][i]`: the lookup chain offered to round r's tree of active row i (`[]`: no match).
+    `added[r][i]`: that tree's nodes on the chain, as root-to-node token paths: the nodes the branch added.
+    `sizes[r][i]`: that tree's distinct nodes (a tree padded to its round's size repeats its last node).
+    `accepted[r][i]`: the accepted nodes of that row in that round, root and bonus token excluded, as token paths
+    (tokens, not node indices, so that a verifier that verifies only part of the tree is read the same).
+    """
+
+    def __init__(self, monkeypatch):
+        self.chains, self.added, self.sizes, self.accepted = [], [], [], []
+        draft, accept, with_lookup = decode.draft, decode.accept, steps.with_lookup
+        offered = []
+
+        def recording_with_lookup(children, chain, logprobs=None):
+            offered.append(tuple(chain))
+            return with_lookup(children, chain, logprobs)
+
+        def recording_draft(*args, **kwargs):
+            offered.clear()
+            trees = draft(*args, **kwargs)
+            assert len(offered) == trees.tokens.shape[0], "expected one lookup chain per row"
+            self.chains.append(list(offered))
+            self.sizes.append([len(set(token_paths(trees.tokens, trees.parents, i)[1:])) for i in range(len(offered))])
+            self.added.append([
+                {path for path in token_paths(trees.tokens, trees.parents, i)[1:] if path == chain[: len(path)]}
+                for i, chain in enumerate(offered)
+            ])
+            return trees
+
+        def recording_accept(logits, trees, rows, choose=None):
+            acc = accept(logits, trees, rows, choose)
+            self.accepted.append([
+                [token_paths(trees.tokens, trees.parents, i)[node] for node in path[1:]]
+                for i, path in enumerate(acc.paths())
+            ])
+            return acc
+
+        monkeypatch.setattr(steps, "with_lookup", recording_with_lookup)
+        monkeypatch.setattr(decode, "draft", recording_draft)
+        monkeypatch.setattr(decode, "accept", recording_accept)
+
+    def added_nodes(self) -> int:
+        return sum(len(added) for round_ in self.added for added in round_)
+
+    def accepted_nodes(self) -> int:
+        return sum(len(path) for round_ in self.accepted for path in round_)
+
+    def accepted_outside_the_branch(self) -> list:
+        """Accepted nodes the lookup branch did not add, as `(round, row, path)`."""
+        return [(r, i, node) for r, (added, accepted) in enumerate(zip(self.added, self.accepted))
+                for i, (row_added, path) in enumerate(zip(added, accepted)) for node in path if node not in row_added]
 
 
 @pytest.mark.parametrize("arch,shape,batch", CASES, ids=[f"{a}-d{s[0]}w{s[1]}b{s[2]}-bs{b}" for a, s, b in CASES])
@@ -392,9 +457,10 @@ def test_binding_sliding_window(arch, batch):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch):
+def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch, monkeypatch):
     """A prompt that repeats itself: the prompt-lookup branch drafts the repeats, a random head alone cannot.
-    Output is plain greedy either way, at any budget."""
+    Output is plain greedy either way, at any budget; with a never-right head every token a round commits besides
+    its bonus is one the lookup branch drafted."""
     target = tiny_target(arch)
     ids, mask = prompts(batch)
     ids = torch.cat([ids, ids[:, -6:], ids[:, -6:]], dim=1)  # the last 6 tokens twice more
@@ -406,6 +472,19 @@ def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch):
     alone = tiny_head(target, tree_depth=4, tree_budget=8)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=alone), plain)
     assert head.last_stats.target_forwards < alone.last_stats.target_forwards  # measured 12-16 vs 22-24 at batch 1
+    for prior in (None, [[0.2], [0.5], [0.9]]):  # the chain first, or scored against the head's nodes
+        never = oracle_head(target, plain, mask, mode="never", tree_depth=4, tree_budget=8, tree_lookup=4,
+                            tree_lookup_prior=prior)
+        with monkeypatch.context() as patch:
+            branch = LookupBranch(patch)
+            assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=never), plain), prior
+        # the head never drafts the target's token, so every accepted node is one the lookup branch added
+        assert branch.accepted_outside_the_branch() == [], prior
+        assert branch.added_nodes() > 0 and branch.accepted_nodes() > 0, prior
+        if prior is None:  # the chain goes first, whole: every tree holds all of its row's chain (4 < budget 8)
+            assert all(len(added) == len(chain) for round_, chains in zip(branch.added, branch.chains)
+                       for added, chain in zip(round_, chains))
+        assert never.last_stats.tau > 1.0  # a never-right head alone commits exactly 1 token per round, see (b)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -425,7 +504,7 @@ def test_a_lookup_chain_past_the_head_s_depth_is_lossless_and_accepted(arch, bat
         assert stats.acceptance_per_depth[2] > 0  # some round accepted a third drafted token: the chain's alone
 
 
-def test_rows_whose_lookup_chains_differ_in_length_share_a_round():
+def test_rows_whose_lookup_chains_differ_in_length_share_a_round(monkeypatch):
     """Width 1, depth 1: the head gives every tree one node, the lookup chain 0-6 more depending on the row, so one
     round's trees differ in size; the shorter ones are padded with copies of their last node."""
     target = tiny_target("llama")
@@ -433,7 +512,10 @@ def test_rows_whose_lookup_chains_differ_in_length_share_a_round():
     ids[0, -4:] = ids[0, -8:-4]  # row 0 repeats itself: long chains; rows 1 and 2 are random
     plain = greedy(target, ids, mask, max_new_tokens=30)
     head = tiny_head(target, tree_depth=1, tree_width=1, tree_budget=8, tree_lookup=6)
+    branch = LookupBranch(monkeypatch)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=head), plain)
+    # the case the test is for: a round whose rows' trees differ in size
+    assert any(len(set(sizes)) > 1 for sizes in branch.sizes)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
