@@ -7,9 +7,9 @@ at tiny sizes, with a window of a few positions where the published one has 2048
 Next to it, `semantics` states by hand what the publisher's loader computes per layer (block attention, window and
 its convention); `reference_draft_logits` is a plain-torch forward written from those statements alone.
 
-The Qwen3.5 / Qwen3.6 targets are hybrid (linear-attention layers): decoding with them needs
-`modeling_jetspec/hybrid.py`, and those tests are skipped, by name, until it exists. The heads themselves also decode
-with an attention-only Qwen3 target of the same width now, so their sliding windows run in the real loop.
+The Qwen3.5 / Qwen3.6 heads decode with tiny hybrid targets of their own families (linear-attention layers, so the
+round goes through `hybrid.HybridVerifier`), and also with an attention-only Qwen3 target of the same width
+(`verifiers.TreeVerifier`), where their sliding windows and per-layer block attention run in the whole-tree verify.
 """
 
 import json
@@ -26,7 +26,10 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
+import modeling_jetspec.integration as integration
 from modeling_jetspec import JetSpecDraftModel
+from modeling_jetspec.hybrid import HybridVerifier
+from modeling_jetspec.verifiers import TreeVerifier
 from tiny import prompts, tiny_target
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 128, 64, 4, 2, 16, 96
@@ -306,6 +309,7 @@ def test_windows_and_per_layer_block_attention_matter(tmp_path, name):
 
 
 def decode_losslessly(head, target, new_tokens=24):
+    """Tree decoding with `head` returns plain greedy's tokens, every row's new tokens counted."""
     ids, mask = prompts(2)  # lengths 9 and 5, left-padded: the windows slide during decoding
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens)
     tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
@@ -314,30 +318,27 @@ def decode_losslessly(head, target, new_tokens=24):
     assert head.last_stats.new_tokens == 2 * new_tokens
 
 
-@pytest.mark.parametrize("name,make_target", [
-    ("zlab-qwen3-8b-b16", qwen3_target),  # the matching target: Qwen3
-    ("muse-glimmer-assistant", muse_glimmer_target),  # the matching target: Muse-Glimmer's sliding decoder
+@pytest.mark.parametrize("name,make_target,verifier", [
+    ("zlab-qwen3-8b-b16", qwen3_target, TreeVerifier),  # the matching target: Qwen3
+    # the matching target: Muse-Glimmer's sliding decoder
+    ("muse-glimmer-assistant", muse_glimmer_target, TreeVerifier),
     # heads of hybrid targets, with an attention-only target of the same width (their sliding windows and
-    # per-layer block attention in the real loop) and with their own hybrid targets (the hybrid verifier)
-    ("zlab-qwen3.5", qwen3_target),
-    ("zlab-qwen3.6-27b", qwen3_target),
-    ("jetspec-qwen3.6-35b-a3b", qwen3_target),
-    ("zlab-qwen3.5", qwen35_target),
-    ("zlab-qwen3.6-27b", qwen35_target),
-    ("jetspec-qwen3.6-35b-a3b", qwen35_moe_target),
+    # per-layer block attention in the whole-tree verify) and with their own hybrid targets (the hybrid verifier)
+    ("zlab-qwen3.5", qwen3_target, TreeVerifier),
+    ("zlab-qwen3.6-27b", qwen3_target, TreeVerifier),
+    ("jetspec-qwen3.6-35b-a3b", qwen3_target, TreeVerifier),
+    ("zlab-qwen3.5", qwen35_target, HybridVerifier),
+    ("zlab-qwen3.6-27b", qwen35_target, HybridVerifier),
+    ("jetspec-qwen3.6-35b-a3b", qwen35_moe_target, HybridVerifier),
 ])
-def test_published_head_decodes_losslessly(tmp_path, name, make_target):
+def test_published_head_decodes_losslessly(tmp_path, monkeypatch, name, make_target, verifier):
     config, semantics = FIXTURES[name]()
     head = load(write(tmp_path / name, config, random_weights(config, semantics)), config)
+    chosen, verifier_for = [], integration.verifier_for
+    monkeypatch.setattr(integration, "verifier_for", lambda *args: chosen.append(verifier_for(*args)) or chosen[-1])
     decode_losslessly(head, make_target())
-
-
-def test_hybrid_targets_of_the_fixtures_build():
-    """The hybrid targets the fixtures decode with are hybrid: linear-attention layers, and a forward runs."""
-    for make_target in (qwen35_target, qwen35_moe_target):
-        target = make_target()
-        assert "linear_attention" in target.config.layer_types
-        assert target(torch.ones(1, 4, dtype=torch.long)).logits.shape == (1, 4, VOCAB)
+    # the case the target is for: a hybrid target's rounds go through the hybrid verifier, an attention one's not
+    assert [type(v) for v in chosen] == [verifier]
 
 
 def test_dflash2_head_is_refused_by_name(tmp_path):
