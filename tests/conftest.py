@@ -1,5 +1,5 @@
 """Tiny-model tests run on one thread: their matmuls are too small for a second thread to pay, and on a shared
-CPU an extra thread only spins (seen here: 10x slower). Real-model tests keep torch's default."""
+CPU an extra thread only spins (measured 10x slower). Real-model tests keep torch's default."""
 
 import pytest
 import torch

@@ -44,7 +44,7 @@ def test_slow_bf16_picks_float32_whatever_the_flags():
 
 
 @pytest.mark.parametrize("capability, env", [
-    ("AVX2", FORCED),  # (a) both forced, as the command does: ATen then reports AVX2
+    ("AVX2", FORCED),  # (a) both forced (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA): ATen then reports AVX2
     ("AVX512", {"ONEDNN_MAX_CPU_ISA": "avx2"}),  # (b) only oneDNN capped: ATen still reports AVX512
     ("AVX2", {}),  # (c) no variable we know, but ATen reports less than the flags allow
 ])

@@ -307,7 +307,7 @@ def test_flex_attention_target_is_verified_with_sdpa_and_restored():
 def test_plain_generate_is_untouched_by_the_hook(monkeypatch):
     target = tiny_target("llama")
     ids, mask = prompts(1)
-    # transformers' own assisted decoding with an ordinary assistant still runs through transformers: the assistant
+    # with the hook installed, assisted decoding with an ordinary assistant runs through transformers: the assistant
     # drafts (its forward runs), the tree loop is never entered, and the output is transformers' own
     assistant = tiny_target("llama", seed=3)
     drafted = []
