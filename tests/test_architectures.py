@@ -149,12 +149,17 @@ def test_family_is_lossless(family, overrides, attention, batch):  # (a), (b)
         kwargs = {"eos_token_id": int(free[1, ids.shape[1] + 5])}
     plain = greedy(target, ids, mask, **kwargs)
     head = head_for(target)
+    forwards = []
+    hook = target.register_forward_hook(lambda *args: forwards.append(1))
     tree = greedy(target, ids, mask, assistant_model=head, **kwargs)
+    hook.remove()
     assert torch.equal(tree, plain)
     if batch > 1:
         assert (plain[:, ids.shape[1] :] == kwargs["eos_token_id"]).any(), "the test needs a row that stops on EOS"
         assert (plain[:, -1] == 0).any(), "the test needs a row that stops early"
-    assert head.last_stats.rounds >= 1
+    # the tree loop decoded (its statistics are this call's), and they count every forward the target ran: the
+    # prefill, and each verify, scan step or replay of its verifier
+    assert head.last_stats.rounds >= 1 and head.last_stats.target_forwards == len(forwards)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
