@@ -137,8 +137,8 @@ def test_tree_generate_equals_plain_generate_or_refuses_before_decoding(index):
         plain = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     except Exception as error:  # plain generate refuses this combination: so must the tree loop
         with pytest.raises(type(error)):
-            model.generate(input_ids=ids, attention_mask=mask, assistant_model=random_head(case["arch"], case["pad"], 1),
-                           **kwargs, **case["tree"])
+            head = random_head(case["arch"], case["pad"], 1)
+            model.generate(input_ids=ids, attention_mask=mask, assistant_model=head, **kwargs, **case["tree"])
         return
     if case["head"] == "random" or case["sample"]:
         head = random_head(case["arch"], case["pad"], case["head_seed"])
