@@ -7,10 +7,10 @@ must run, or be refused as above. Where plain `generate` raises, the tree loop m
 Each case is drawn from `numpy.random.default_rng([JETSPEC_FUZZ_SEED, case])` (seed 20261201): processors (repetition
 penalty, no-repeat n-grams, bad words, sequence bias, min new tokens, suppress / begin-suppress tokens, forced EOS,
 temperature / top-k / top-p), stopping criteria (max_new_tokens, EOS ids, a per-row custom criterion, stop strings
-with a tiny tokenizer), `return_dict_in_generate`, a streamer (handed the same puts), batch 1-3 with left padding, tree shapes (depth, width, budget or "auto", lookup, path
-conditioning), targets llama / qwen3 with and without a pad token, and heads of random quality: random heads and the
-never / sometimes / always oracles (`tiny.py`). fp32, CPU. `JETSPEC_FUZZ_CASES` (default 48, about 10 s on 2 cores) sets the count; a case
-that fails prints its draw.
+with a tiny tokenizer), `return_dict_in_generate`, a streamer (handed the same puts), batch 1-3 with left padding,
+tree shapes (depth, width, budget or "auto", lookup, path conditioning), targets llama / qwen3 with and without a pad
+token, and heads of random quality: random heads and the never / sometimes / always oracles (`tiny.py`). fp32, CPU.
+`JETSPEC_FUZZ_CASES` (default 48, about 10 s on 2 cores) sets the count; a case that fails prints its draw.
 """
 
 import functools
