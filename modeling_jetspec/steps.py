@@ -6,7 +6,7 @@ A round is five functions; `generate` (`decode.py`), the benchmark and the measu
 - [`verify`]: one target forward over root + tree nodes under the tree-causal mask (position = past length + depth);
 - [`accept`]: the deepest node whose whole path equals the target's own choices, plus the target's next token
   (the bonus);
-- [`commit`]: each row's tokens enter its sequence one at a time, through the stopping criteria and the streamer;
+- [`commit`]: each row's tokens enter its sequence one at a time, through the stopping criteria;
 - [`compact`]: finished rows leave; the target cache keeps its past in place and moves only the accepted nodes'
   entries behind it; the head's context grows by their target features; the bonus token becomes the next anchor.
 
