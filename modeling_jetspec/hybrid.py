@@ -20,8 +20,8 @@ targets, chosen per call with `tree_verify`:
 
 "auto" is "chain": a round of the tree scan costs depth + 1 sequential forwards, a chain one or two, and at batch 1 a
 forward's time is mostly reading the weights, whatever its width; the scan pays only where a tree's tau exceeds the
-chain's by that ratio (the counts, from `tests/test_hybrid.py`, and the estimate at Qwen3.5 size are in the README,
-"Supported targets").
+chain's by that ratio (the counts, from `tests/test_hybrid.py`, and the estimate at Qwen3.5 size are in the project's
+`docs/targets.md`).
 
 Lossless: every committed token is the target's choice after exactly the committed tokens, whichever nodes are
 verified, and the state a row keeps is the state after exactly its committed tokens minus the anchor.

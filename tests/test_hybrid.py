@@ -139,7 +139,7 @@ def test_measured_budget_and_path_conditioning_stay_lossless(mode):
 
 
 def test_tree_accepts_more_than_chain_and_costs_more_forwards():
-    """The measurement behind `tree_verify="auto"` == "chain" (counts, not times; README "Supported targets")."""
+    """The measurement behind `tree_verify="auto"` == "chain" (counts, not times; `docs/targets.md`)."""
     target = hybrid_target("qwen3_5_text")
     ids, mask = prompts(1, vocab_size=VOCAB)
     plain = greedy(target, ids, mask, max_new_tokens=40)

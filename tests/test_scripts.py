@@ -180,7 +180,7 @@ def test_train_step_speed_trains_every_mode_from_the_same_start(tmp_path):
 
 def test_training_entry_points_run_from_the_repository_root():
     """`python -m training.<cli>` (the command-line modules import their siblings as a package), and
-    `python training/run_trainer.py` (the README's and `accelerate launch`'s form) through its one bootstrap."""
+    `python training/run_trainer.py` (as `docs/training.md` and `accelerate launch` run it) via its one bootstrap."""
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     commands = [[sys.executable, "-m", "training.regenerate", "--help"],
                 [sys.executable, str(Path("training") / "run_trainer.py"), "--help"]]
