@@ -30,25 +30,31 @@ def committed_under_budgets(accepted: list, budgets) -> dict:
 
 
 class BudgetController:
-    """Picks each round's budget; every `explore_every` rounds it verifies the largest candidate to keep
-    acceptance estimates for all candidates fresh (an explored round informs every smaller budget exactly)."""
+    """Picks each round's budget. The first two rounds verify the largest candidate (one such round informs every
+    smaller budget exactly); then every `explore_every` rounds it verifies the candidate just above the current
+    choice, and every `explore_every * climb_every` rounds the largest, so that estimates stay fresh while
+    exploration costs little: on a CPU a verify of the largest tree costs several times the chosen one's."""
 
-    def __init__(self, candidates, verify_seconds: dict, explore_every: int = 8, window: int = 64):
+    def __init__(self, candidates, verify_seconds: dict, explore_every: int = 8, window: int = 64,
+                 climb_every: int = 4):
         self.candidates = sorted(candidates)
         self.verify_seconds = verify_seconds
         self.explore_every = explore_every
+        self.climb_every = climb_every
         self.observed = {b: deque(maxlen=window) for b in self.candidates}
         self.draft_seconds = deque(maxlen=window)
         self.rounds = 0
 
     def next_budget(self) -> int:
         largest = self.candidates[-1]
-        if self.rounds < 2 or self.rounds % self.explore_every == 0:
+        if self.rounds < 2 or self.rounds % (self.explore_every * self.climb_every) == 0:
             budget = largest
         else:
             tau = {b: sum(obs) / len(obs) for b, obs in self.observed.items() if obs}
             draft = sum(self.draft_seconds) / max(len(self.draft_seconds), 1)
             budget = choose_budget(tau, self.verify_seconds, draft)
+            if self.rounds % self.explore_every == 0:  # one step up: informs the choice and the one above it
+                budget = self.candidates[min(self.candidates.index(budget) + 1, len(self.candidates) - 1)]
         self.rounds += 1
         return budget
 

@@ -47,8 +47,9 @@ def test_controller_explores_then_exploits():
         used.append(b)
         # every accepted path reaches node 12 at most: budgets >= 16 commit 3 tokens, budget 8 commits 2
         controller.update([[0, 3, 12]], b, draft_seconds=0.1)
-    assert used[:2] == [32, 32] and used[4] == 32  # warm-up and exploration rounds use the largest budget
+    assert used[:2] == [32, 32]  # warm-up: the largest budget informs every smaller one
     assert used[2] == used[3] == 16  # 3/1.2 beats 2/1.1 and 3/3.1
+    assert used[4] == 32  # exploration: one step above the choice (16)
 
 
 def test_choose_budget_breaks_ties_towards_the_smaller_budget_and_refuses_gaps():
@@ -62,18 +63,21 @@ def test_choose_budget_breaks_ties_towards_the_smaller_budget_and_refuses_gaps()
 
 def test_controller_converges_to_the_best_budget_as_acceptance_changes():
     """Early paths stop at node 5 (budget 8 commits as much as 32 and is cheaper); later paths run through node 20,
-    which only budget 32 holds: once the window forgets the short paths, the controller moves to 32, and keeps
-    exploring the largest budget every `explore_every` rounds throughout."""
-    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 1.3}, explore_every=4, window=4)
+    which only budget 32 holds: once the window forgets the short paths, the controller moves to 32. Exploration
+    steps one budget above the choice every `explore_every` rounds (16 above 8 sees no gain: node 20 is past it)
+    and verifies the largest every `explore_every * climb_every` rounds, which finds the gain two steps up."""
+    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 1.3}, explore_every=4, window=4, climb_every=2)
     used = []
     for round_ in range(24):
         b = controller.next_budget()
         used.append(b)
         path = [0, 5] if round_ < 8 else [0, 5, 20, 30]
         controller.update([path], b, draft_seconds=0.0)
-    assert all(used[r] == 32 for r in range(24) if r < 2 or r % 4 == 0)  # warm-up and exploration
-    assert used[2] == used[3] == 8  # 2 tokens at every budget: the cheapest verify
-    assert used[-3:] == [32, 32, 32]  # 4 tokens / 1.3 s beats 2 / 1.0 (budget 8) and 2 / 1.1 (budget 16)
+    assert used[:2] == [32, 32] and used[2] == used[3] == 8  # 2 tokens at every budget: the cheapest verify
+    assert used[4] == 16  # exploration one step above 8
+    assert used[8] == 32  # every explore_every * climb_every rounds: the largest
+    first = used.index(32, 9)
+    assert first <= 12 and used[-3:] == [32, 32, 32]  # 4 tokens / 1.3 s beats 2 / 1.0 and 2 / 1.1
 
 
 def test_verify_costs_time_the_round_s_own_verify_over_the_head_s_trees(monkeypatch):
