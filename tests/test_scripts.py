@@ -211,3 +211,26 @@ def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
     assert len(runs[0]) == 3 * len(round_stats.METHODS)  # 1 prompt per suite
     for line in runs[0]:
         assert line["tokens"] == 12 and line["tau"] == round(11 / line["rounds"], 4)
+
+
+def test_transformers_loop_counts_every_route_against_plain_greedy(tmp_path):
+    """Each route's output equals plain greedy (float32) and its tau is new tokens over the target forwards the hook
+    counted; the hook is back after the unhooked route."""
+    from transformers import AutoTokenizer, GenerationMixin
+
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(target_dir)
+    tiny_head(target).save_pretrained(tmp_path / "head")
+    hooked = GenerationMixin.generate
+    load_script("transformers_loop").main(["--target", str(target_dir), "--head", str(tmp_path / "head"),
+                                           "--limit", "1", "--max-new-tokens", "10", "--out", str(tmp_path / "r.json")])
+    assert GenerationMixin.generate.__wrapped__ is hooked.__wrapped__  # wrapped again, once
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert set(report["routes"]) == {"dflash", "chain", "chain+lookup", "tree (defaults)"}
+    for route in report["routes"].values():
+        assert route["prompts"] == 3 and route["equal"] == 3  # 1 prompt per suite
+        assert route["tokens"] == 30 and route["forwards"] >= 3  # at least a prefill per prompt
+        assert route["tau"] == round(30 / route["forwards"], 3)
