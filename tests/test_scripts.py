@@ -64,7 +64,8 @@ def test_ablate_head_trains_each_variant_once_with_its_one_change(tmp_path, caps
     assert (tmp_path / "runs" / "baseline" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
+def ablation_config(tmp_path, extra: str = "") -> Path:
+    """A tiny target saved to disk, its regenerated rows, their feature store and a config file for ablate_head."""
     target = sharp_target()
     target_dir = save_target_folder(target, tmp_path / "target")
     rows = regenerated_rows(target)
@@ -74,8 +75,13 @@ def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
     config.write_text(
         f"target: {target_dir}\ndata: [{data}]\nblock_size: 6\nnum_hidden_layers: 1\neval_fraction: 0.25\n"
         "num_blocks_per_sequence: 2\nper_device_train_batch_size: 4\nlearning_rate: 3.0e-3\nuse_cpu: true\n"
-        "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\n"
+        "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\n" + extra
     )
+    return config
+
+
+def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
+    config = ablation_config(tmp_path)
     ablate_head = load_script("ablate_head")
     argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--minutes", "0.05", "--out",
             str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--variants", "baseline", "init_target"]
@@ -96,17 +102,7 @@ def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
 def test_ablate_head_loss_and_block_attention_variants_reach_the_runs(tmp_path):
     """A smoke run of the loss and block-attention variants: each run's card names its loss and its gamma, and its
     head its block attention; the gamma-0 variants train from a copy of the config without `gamma`."""
-    target = sharp_target()
-    target_dir = save_target_folder(target, tmp_path / "target")
-    rows = regenerated_rows(target)
-    data = write_shards(tmp_path / "regen", rows)
-    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store", progress=False)
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        f"target: {target_dir}\ndata: [{data}]\nblock_size: 6\nnum_hidden_layers: 1\neval_fraction: 0.25\n"
-        "num_blocks_per_sequence: 2\nper_device_train_batch_size: 4\nlearning_rate: 3.0e-3\nuse_cpu: true\n"
-        "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\ngamma: 4.0\n"
-    )
+    config = ablation_config(tmp_path, "gamma: 4.0\n")
     ablate_head = load_script("ablate_head")
     variants = ["kl_tv", "topk_rank", "reverse_kl", "gamma0", "bidir_gamma4", "bidir_gamma0"]
     summary = ablate_head.main(["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "1",
@@ -190,9 +186,8 @@ def test_training_entry_points_run_from_the_repository_root():
         assert "usage:" in result.stdout
 
 
-def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
-    """The float32 round statistics are deterministic (what makes the before/after diff meaningful), one line per
-    prompt and method, each with its own tau (the first token comes from the prefill, the rest from rounds)."""
+def chat_target_and_head(tmp_path) -> Path:
+    """A tiny target folder whose tokenizer has a chat template, and a random head saved at `tmp_path / "head"`."""
     from transformers import AutoTokenizer
 
     target = sharp_target()
@@ -201,6 +196,13 @@ def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(target_dir)
     tiny_head(target).save_pretrained(tmp_path / "head")
+    return target_dir
+
+
+def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
+    """The float32 round statistics are deterministic (what makes the before/after diff meaningful), one line per
+    prompt and method, each with its own tau (the first token comes from the prefill, the rest from rounds)."""
+    target_dir = chat_target_and_head(tmp_path)
     round_stats = load_script("round_stats")
     runs = []
     for _ in range(2):
@@ -216,14 +218,9 @@ def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
 def test_transformers_loop_counts_every_route_against_plain_greedy(tmp_path):
     """Each route's output equals plain greedy (float32) and its tau is new tokens over the target forwards the hook
     counted; the hook is back after the unhooked route."""
-    from transformers import AutoTokenizer, GenerationMixin
+    from transformers import GenerationMixin
 
-    target = sharp_target()
-    target_dir = save_target_folder(target, tmp_path / "target")
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(target_dir)
-    tiny_head(target).save_pretrained(tmp_path / "head")
+    target_dir = chat_target_and_head(tmp_path)
     hooked = GenerationMixin.generate
     load_script("transformers_loop").main(["--target", str(target_dir), "--head", str(tmp_path / "head"),
                                            "--limit", "1", "--max-new-tokens", "10", "--out", str(tmp_path / "r.json")])
