@@ -147,3 +147,14 @@ def test_cli_reports_a_target_that_cannot_load_in_one_line(capsys, tmp_path, sav
     info, error = capsys.readouterr().err.strip().split("\n")  # the dtype line, then one error line
     assert info.startswith("jetspec: target dtype") and error.startswith("jetspec: error:")
     assert str(tmp_path / "empty") in error and "Traceback" not in error
+
+
+def test_cli_generate_shows_where_tokens_came_from(capsys, saved_target, saved_head):
+    """Plain-text marks (stdout is not a terminal here): every token is counted under exactly one source."""
+    assert cli.main(["generate", "abcabcabcabc", "--target", str(saved_target), "--head", str(saved_head),
+                     "--max-new-tokens", "12", "--dtype", "float32", "--show-drafts"]) == 0
+    printed = capsys.readouterr().out
+    assert "\033[" not in printed
+    legend = next(line for line in printed.splitlines() if line.startswith("[head]  {lookup}  target (bonus): "))
+    counted = [int(n) for n in re.findall(r"(?:head|lookup|target) (\d+) \(", legend)]
+    assert len(counted) == 3 and sum(counted) == 12
