@@ -299,7 +299,8 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
         from .drafts import counts, legend, render, token_sources
 
         lookup = head.config.tree_lookup
-        sources = token_sources(prompt_ids.tolist(), spec_tokens.tolist(), stats.accepted, lookup)
+        sources = token_sources(prompt_ids.tolist(), spec_tokens.tolist(), stats.accepted, lookup,
+                                head.config.tree_lookup_branches)
         colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print(render(tokenizer, spec_tokens.tolist(), sources, colour))
         print()

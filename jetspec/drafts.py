@@ -4,11 +4,13 @@ A tree round commits the draft tokens the target accepted, then the target's own
 token also is the target's (its prefill). `JetSpecStats.accepted` holds, per round, how many draft tokens each row
 accepted, so the answer splits into rounds after the fact. A draft token is attributed to the prompt-lookup branch
 when it lies on that round's lookup continuation (the tokens after the most recent earlier occurrence of the row's
-last 3, 2 or 1 tokens, `tree.lookup_match`), and to the head otherwise; a token both proposed counts as lookup.
+last 3, 2 or 1 tokens, `tree.lookup_match`; with `tree_lookup_branches="trie"`, on any earlier continuation,
+`continuations.continuation_trie`), and to the head otherwise; a token both proposed counts as lookup.
 """
 
 from __future__ import annotations
 
+from modeling_jetspec.continuations import continuation_trie
 from modeling_jetspec.tree import lookup_match
 
 SOURCES = ("head", "lookup", "target")
@@ -17,7 +19,7 @@ _RESET = "\033[0m"
 _BRACKETS = {"head": ("[", "]"), "lookup": ("{", "}"), "target": ("", "")}
 
 
-def token_sources(prompt_ids: list, new_tokens: list, accepted: list, lookup: int) -> list:
+def token_sources(prompt_ids: list, new_tokens: list, accepted: list, lookup: int, branches: str = "chain") -> list:
     """One of `"head"`, `"lookup"`, `"target"` per new token of a batch-1 call.
 
     Args:
@@ -25,6 +27,7 @@ def token_sources(prompt_ids: list, new_tokens: list, accepted: list, lookup: in
         new_tokens (`list[int]`): the committed tokens after it.
         accepted (`list`): `JetSpecStats.accepted`, per round `[draft tokens accepted]` (one row).
         lookup (`int`): the call's `tree_lookup` (0: no lookup branch, every draft token is the head's).
+        branches (`str`, *optional*, defaults to `"chain"`): the call's `tree_lookup_branches`.
     """
     if any(len(row) != 1 for row in accepted):
         raise ValueError(f"expected the statistics of a batch-1 call (one row per round), got {accepted[:3]}...")
@@ -32,11 +35,16 @@ def token_sources(prompt_ids: list, new_tokens: list, accepted: list, lookup: in
     start = 1
     for (count,) in accepted:
         drafted = new_tokens[start : start + count]
-        chain = lookup_match(prompt_ids + new_tokens[:start], lookup)[0] if lookup else []
-        on_chain = True
+        history = prompt_ids + new_tokens[:start]
+        if branches == "trie":
+            trie = continuation_trie(history, lookup)[0] if lookup else {}
+        else:  # the single chain as a trie of one branch
+            chain = lookup_match(history, lookup)[0] if lookup else []
+            trie = {tuple(chain[:k]): {token: 1} for k, token in enumerate(chain)}
+        on_branch = True
         for k, token in enumerate(drafted):
-            on_chain = on_chain and k < len(chain) and chain[k] == token
-            sources.append("lookup" if on_chain else "head")
+            on_branch = on_branch and token in trie.get(tuple(drafted[:k]), {})
+            sources.append("lookup" if on_branch else "head")
         if start + count < len(new_tokens):
             sources.append("target")  # the round's bonus token
         start += count + 1

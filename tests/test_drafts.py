@@ -27,6 +27,14 @@ def test_drafts_on_the_lookup_continuation_count_as_lookup():
     assert token_sources(prompt, new, [[3]], lookup=0) == ["target", "head", "head", "head", "target"]
 
 
+def test_with_the_trie_every_earlier_continuation_counts_as_lookup():
+    # "1 2" continued "3 4" first and "5 6" later: the chain holds only the latest, the trie both
+    prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1]
+    new = [2, 3, 4, 7]  # prefill 2; round: drafts 3 4 (the earlier continuation), bonus 7
+    assert token_sources(prompt, new, [[2]], lookup=8) == ["target", "head", "head", "target"]
+    assert token_sources(prompt, new, [[2]], lookup=8, branches="trie") == ["target", "lookup", "lookup", "target"]
+
+
 def test_a_final_round_cut_by_the_stop_has_no_bonus():
     assert token_sources([0, 1], [5, 6, 7], [[3]], lookup=0) == ["target", "head", "head"]
 
