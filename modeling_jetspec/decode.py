@@ -72,12 +72,14 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller)
     trees, logits, features = call.verifier.verify(state, trees)
     t2 = clock()
     acc = accept(logits, trees, state.rows, call.choose)
-    if controller is not None:
-        controller.update(acc.paths(), budget, t1 - t0)
     active = state.rows.shape[0]
     committed, keep = commit(call, state.rows, acc, logits)
+    paths = acc.paths() if controller is not None else None
     state = call.verifier.compact(state, trees, acc, features, keep)
-    stats.add_round(budget, active, acc.count, committed, clock() - t2 + t1 - t0, t2 - t1,
+    other = clock() - t2 + t1 - t0  # the round outside its verify forward
+    if controller is not None:
+        controller.update(paths, budget, other, t2 - t1)
+    stats.add_round(budget, active, acc.count, committed, other, t2 - t1,
                     forwards=call.verifier.target_forwards - before)
     return state
 

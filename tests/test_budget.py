@@ -46,7 +46,7 @@ def test_controller_explores_then_exploits():
         b = controller.next_budget()
         used.append(b)
         # every accepted path reaches node 12 at most: budgets >= 16 commit 3 tokens, budget 8 commits 2
-        controller.update([[0, 3, 12]], b, draft_seconds=0.1)
+        controller.update([[0, 3, 12]], b, other_seconds=0.1)
     assert used[:2] == [32, 32]  # warm-up: the largest budget informs every smaller one
     assert used[2] == used[3] == 16  # 3/1.2 beats 2/1.1 and 3/3.1
     assert used[4] == 32  # exploration: one step above the choice (16)
@@ -72,7 +72,7 @@ def test_controller_converges_to_the_best_budget_as_acceptance_changes():
         b = controller.next_budget()
         used.append(b)
         path = [0, 5] if round_ < 8 else [0, 5, 20, 30]
-        controller.update([path], b, draft_seconds=0.0)
+        controller.update([path], b, other_seconds=0.0)
     assert used[:2] == [32, 32] and used[2] == used[3] == 8  # 2 tokens at every budget: the cheapest verify
     assert used[4] == 16  # exploration one step above 8
     assert used[8] == 32  # every explore_every * climb_every rounds: the largest
@@ -148,3 +148,31 @@ def test_bench_costs_time_the_round_s_own_draft_and_verify(monkeypatch):
     # per budget and for the chain: 2 untimed and 1 timed forward over one tree of exactly that many nodes
     assert verified == [(1, 4)] * 3 + [(1, 12)] * 3 + [(1, 3)] * 3
     assert [costs["verify"][b]["nodes"] for b in ("4", "12")] == [4, 12] and costs["chain"]["nodes"] == 3
+
+
+def test_controller_counts_the_round_work_that_grows_with_the_tree():
+    """Paths reach node 20, which only budget 32 holds (4 tokens against 2). Verify costs alone favour 32
+    (4 / 1.3 s > 2 / 1.0 s); when the call's rounds at 32 also spend 1 s outside the verify (tree building,
+    compaction) and those at 8 nothing, 32 costs 2.3 s a round and 8 wins (2 / 1.0 s > 4 / 2.3 s)."""
+    verify = {8: 1.0, 16: 1.1, 32: 1.3}
+    choices = {}
+    for other_at_32 in (0.0, 1.0):
+        controller = BudgetController([8, 16, 32], verify, explore_every=100, climb_every=100)
+        for _ in range(2):  # warm-up: the largest budget
+            assert controller.next_budget() == 32
+            controller.update([[0, 5, 20, 30]], 32, other_seconds=other_at_32)
+        controller.update([[0, 5, 20, 30]], 8, other_seconds=0.0)  # a round at 8, as an earlier choice would run
+        choices[other_at_32] = controller.next_budget()
+    assert choices == {0.0: 32, 1.0: 8}
+
+
+def test_round_seconds_of_unobserved_budgets_scale_the_nearest_observed_per_node():
+    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 1.3})
+    assert controller.round_seconds() == {8: 1.0, 16: 1.1, 32: 1.3}  # nothing observed: the verify alone
+    controller.update([[0]], 32, other_seconds=0.8)
+    assert controller.round_seconds() == pytest.approx({8: 1.2, 16: 1.5, 32: 2.1})  # 0.8 s per 32 nodes
+    controller.update([[0]], 8, other_seconds=0.4)
+    assert controller.round_seconds() == pytest.approx({8: 1.4, 16: 1.9, 32: 2.1})  # 16 scales 8's, the nearer
+    # a verify timed in the call's own rounds replaces the up-front measurement of that budget
+    controller.update([[0]], 32, other_seconds=0.8, verify_seconds=2.0)
+    assert controller.round_seconds() == pytest.approx({8: 1.4, 16: 1.9, 32: 2.8})
