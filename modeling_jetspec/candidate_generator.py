@@ -27,6 +27,7 @@ from transformers.generation import CandidateGenerator
 from transformers.modeling_outputs import BaseModelOutput
 
 from .compat import assisted_decoding_with
+from .steps import draft_block
 from .tree import lookup_match
 
 
@@ -120,16 +121,6 @@ class JetSpecCandidateGenerator(CandidateGenerator):
             pick = torch.multinomial(logits[:, d].softmax(-1), 1) if self.do_sample else logits[:, d].argmax(-1, True)
             ids = torch.cat([ids, pick], dim=-1)
         return ids[:, input_ids.shape[1]:], logits
-
-
-def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, depth: int) -> torch.Tensor:
-    """The head's logits at depths 1..`depth` after `anchor` (`(B,)`), one forward: `(B, depth, V_draft)`."""
-    b, device = anchor.shape[0], anchor.device
-    length = depth + 1 if head.config.block_attention == "causal" else head.config.block_size
-    block = torch.full((b, length), head.config.mask_id, dtype=torch.long, device=device)
-    block[:, 0] = anchor
-    positions = anchor_position + torch.arange(length, device=device).expand(b, length)
-    return head(block, positions, context=context).logits[:, 1 : depth + 1]
 
 
 def full_vocabulary_logits(head, logits: torch.Tensor) -> torch.Tensor:

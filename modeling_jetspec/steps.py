@@ -87,6 +87,17 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
     return state, logits
 
 
+def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, depth: int) -> torch.Tensor:
+    """The head's logits at depths 1..`depth` after `anchor` (`(B,)`) at `anchor_position` (an int, or `(B, 1)`):
+    one forward over `[anchor, MASK x depth]` (the full block when bidirectional), `(B, depth, V_draft)`."""
+    b, device = anchor.shape[0], anchor.device
+    length = depth + 1 if head.config.block_attention == "causal" else head.config.block_size
+    block = torch.full((b, length), head.config.mask_id, dtype=torch.long, device=device)
+    block[:, 0] = anchor
+    positions = anchor_position + torch.arange(length, device=device).expand(b, length)
+    return head(block, positions, context=context).logits[:, 1 : depth + 1]
+
+
 def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None,
           record: LookupRecord | None = None) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
@@ -108,11 +119,8 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: lis
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     a, device = state.anchors.shape[0], state.anchors.device
-    length = shape.depth + 1 if head.config.block_attention == "causal" else head.config.block_size
-    block = torch.full((a, length), head.config.mask_id, dtype=torch.long, device=device)
-    block[:, 0] = state.anchors
-    out = head(block, state.anchor_pos[:, None] + torch.arange(length, device=device), context=state.context)
-    logp = torch.log_softmax(out.logits[:, 1 : shape.depth + 1], dim=-1)  # (A, N, V_draft)
+    logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
+    logp = torch.log_softmax(logits, dim=-1)  # (A, N, V_draft)
     top_lp, top_tok = logp.topk(shape.width, dim=-1)  # (A, N, W)
     top_tok = head.draft_to_target(top_tok)  # (A, N, W) target ids
     ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, N)
