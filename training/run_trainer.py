@@ -324,23 +324,28 @@ def tau_table(eval_metrics: dict, measured: dict | None) -> str:
 
 
 def write_learning_curve(log_history: list, path: Path) -> Path | None:
-    """Held-out top-1 agreement per depth over training steps (the eval logs), as a PNG; None without eval logs."""
+    """Held-out top-1 agreement per depth (the eval logs) against training steps and, where the Trainer counted them,
+    against the target tokens the head has been trained on, as a PNG; None without eval logs."""
     evals = [entry for entry in log_history if "eval_acc_depth_1" in entry]
     if not evals:
         return None
     from matplotlib.figure import Figure
 
     depths = sorted(int(k.rsplit("_", 1)[1]) for k in evals[0] if k.startswith("eval_acc_depth_"))
-    figure = Figure(figsize=(6, 4))
-    axes = figure.add_subplot()
-    steps = [entry["step"] for entry in evals]
-    for d in depths:
-        axes.plot(steps, [entry[f"eval_acc_depth_{d}"] for entry in evals], marker="o", label=f"depth {d}")
-    axes.set_xlabel("training step")
-    axes.set_ylabel("held-out top-1 agreement with the target")
-    axes.set_ylim(0, 1)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7, ncol=2)
+    axes_x = [("step", "training step", 1.0)]
+    if all("num_input_tokens_seen" in entry for entry in evals):
+        axes_x.append(("num_input_tokens_seen", "target tokens seen (millions)", 1e-6))
+    figure = Figure(figsize=(6 * len(axes_x), 4))
+    for column, (key, label, scale) in enumerate(axes_x, start=1):
+        axes = figure.add_subplot(1, len(axes_x), column)
+        xs = [entry[key] * scale for entry in evals]
+        for d in depths:
+            axes.plot(xs, [entry[f"eval_acc_depth_{d}"] for entry in evals], marker="o", label=f"depth {d}")
+        axes.set_xlabel(label)
+        axes.set_ylabel("held-out top-1 agreement with the target")
+        axes.set_ylim(0, 1)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     return path
