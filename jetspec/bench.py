@@ -43,6 +43,7 @@ Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared
 markdown report and the plots are drawn by `jetspec.report`.
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -155,6 +156,14 @@ class Method:
     generate_kwargs: dict = field(default_factory=dict)  # extra arguments of `target.generate`
     uses_head: bool = False
     budget: Optional[int] = None  # draft nodes per round, when fixed
+    baseline: bool = False  # drafted by the run's baseline head (`name` ends in "@baseline") instead of its head
+
+
+def with_baseline(plan: Sequence[Method]) -> list[Method]:
+    """`plan` followed by a copy of each of its head methods drafted by the baseline head, named `<name>@baseline`,
+    with the same `generate` arguments: two heads side by side in one process, on the same prompts and plain run."""
+    copies = [dataclasses.replace(m, name=f"{m.name}@baseline", baseline=True) for m in plan if m.uses_head]
+    return list(plan) + copies
 
 
 def build_methods(
@@ -271,6 +280,7 @@ class Bench:
     common: dict  # `generate` arguments of every method (greedy, max_new_tokens, pad id, return_dict_in_generate)
     float32_logits: Optional[Callable]  # the tie check's float32 reference, None for a float32 target
     tie_tolerance: float
+    baseline_head: Optional[JetSpecDraftModel] = None  # drafts the `@baseline` methods
 
     def encode(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`(input_ids, attention_mask)`, each of shape `(1, L)`: the chat template already holds the special
@@ -283,7 +293,7 @@ class Bench:
         """Runs one method on one prompt: `(new tokens of shape (n,), seconds, jetspec_stats or None)`."""
         kwargs = {**self.common, **method.generate_kwargs, **overrides}
         if method.uses_head:
-            kwargs["assistant_model"] = self.head
+            kwargs["assistant_model"] = self.baseline_head if method.baseline else self.head
         started = clock()
         out = self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         seconds = clock() - started
@@ -505,6 +515,7 @@ def run_benchmark(
     command: Optional[str] = None,
     dtype_reason: Optional[str] = None,
     progress: bool = True,
+    baseline_head: Optional[JetSpecDraftModel] = None,
 ) -> dict:
     """
     Measures every method on the prompts of `config.suites` and writes `results.json`, `results.md` and plots.
@@ -521,6 +532,9 @@ def run_benchmark(
         command (`str`, *optional*): the command line recorded in the results, defaults to `sys.argv`.
         dtype_reason (`str`, *optional*): why the target runs in its dtype, recorded in the results.
         progress (`bool`, *optional*, defaults to `True`): show a tqdm bar over the prompts.
+        baseline_head (`JetSpecDraftModel`, *optional*): a second head for the same target (e.g. the committed one
+            against a retrained one): every head method runs once more with it, as `<name>@baseline`. Its limit
+            speedup uses the head's measured costs, which hold for a head of the same architecture.
 
     Returns:
         `dict`: the content of `results.json`.
@@ -535,7 +549,9 @@ def run_benchmark(
             "is held to bitwise equality without it"
         )
     head.attach_target(target)
-    bench = _bench(target, tokenizer, head, config, float32_logits)
+    if baseline_head is not None:
+        baseline_head.attach_target(target)
+    bench = _bench(target, tokenizer, head, config, float32_logits, baseline_head)
     prompts = [(suite, row) for suite in config.suites for row in load_prompts(suite, config.limit)]
     if not prompts:
         raise ValueError(f"expected prompts in suites {config.suites}, got none")
@@ -566,15 +582,17 @@ def run_benchmark(
     return results
 
 
-def _bench(target, tokenizer, head, config: BenchConfig, float32_logits) -> Bench:
+def _bench(target, tokenizer, head, config: BenchConfig, float32_logits, baseline_head=None) -> Bench:
     """The run's constants; the lookup methods use the head's own chain length when it has one."""
     plan = build_methods(config.methods, config.budgets, head.config.tree_depth, head.config.tree_budget,
                          head.config.tree_lookup)
+    if baseline_head is not None:
+        plan = with_baseline(plan)
     common = {"max_new_tokens": config.max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is not None:
         common["pad_token_id"] = pad
-    return Bench(target, tokenizer, head, plan, common, float32_logits, config.tie_tolerance)
+    return Bench(target, tokenizer, head, plan, common, float32_logits, config.tie_tolerance, baseline_head)
 
 
 def _measure_prompts(bench: Bench, prompts: list, progress: bool) -> list[PromptRow]:
@@ -597,6 +615,7 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
         "equality": "bitwise (float32)" if strict else f"tie-aware, tolerance {config.tie_tolerance} float32 logits",
         "attn_implementation": attn_implementation(target),
         "head": portable_name(head.name_or_path),
+        "baseline_head": portable_name(bench.baseline_head.name_or_path) if bench.baseline_head is not None else None,
         "head_config": {k: getattr(head.config, k) for k in RECORDED_HEAD_CONFIG},
         "suites": config.suites,
         "budgets": config.budgets,

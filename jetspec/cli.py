@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         "lookup_first (default: all)",
     )
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every method")
+    bench.add_argument(
+        "--baseline-head", default=None,
+        help="a second saved head for the same target: every head method runs once more with it (`<name>@baseline`)",
+    )
     for sub in (gen, bench):
         sub.add_argument(
             "--dtype", default="auto",
@@ -209,8 +213,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:  # a Hub id that does not resolve, a head built for another target: one line, no traceback
         target, tokenizer = load_target(args.target, dtype=dtype)
         head = load_head(head_path, target)
-        if args.draft_vocab_size is not None:
-            head.restrict_draft_vocab(args.draft_vocab_size)
+        baseline = None
+        if args.command == "bench" and args.baseline_head is not None:
+            baseline = load_head(args.baseline_head, target)
+        for loaded in (head, baseline):
+            if loaded is not None and args.draft_vocab_size is not None:
+                loaded.restrict_draft_vocab(args.draft_vocab_size)
     except (ValueError, OSError) as error:
         parser.error(" ".join(str(error).split()))
     # float32 is held to bitwise equality; a half precision's ties are judged against float32 logits, from the
@@ -221,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args, target, tokenizer, head, float32_logits)
-        return _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason)
+        return _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason, baseline)
     except ValueError as error:  # refused arguments (e.g. a budget the head cannot draft)
         parser.error(" ".join(str(error).split()))
 
@@ -243,20 +251,23 @@ def _check_inputs(args):
     if args.command == "bench":
         from .bench import METHOD_KINDS, BenchConfig
 
+        if args.baseline_head is not None:  # checked here, loaded beside the head
+            args.baseline_head = resolve_head_path(args.baseline_head, args.target)
+
         methods = METHOD_KINDS if args.methods is None else parse_list(args.methods)
         bench_config = BenchConfig(suites, budgets, args.max_new_tokens, args.limit, methods,
                                    warmup=not args.no_warmup)
     return dtype, dtype_reason, head_path, bench_config
 
 
-def _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason) -> int:
+def _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dtype_reason, baseline=None) -> int:
     """`jetspec bench`: run, write the results, print the report."""
     from .bench import portable_name, run_benchmark
 
     # the recorded command names local folders as results.json names models: never by an absolute path
     command = " ".join(["jetspec", *(portable_name(a) if os.path.isabs(a) else a for a in argv)])
     results = run_benchmark(target, tokenizer, head, bench_config, args.out, float32_logits=float32_logits,
-                            command=command, dtype_reason=dtype_reason)
+                            command=command, dtype_reason=dtype_reason, baseline_head=baseline)
     out = Path(args.out)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, " + ", ".join(str(out / p) for p in results["plots"]))

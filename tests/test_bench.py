@@ -315,3 +315,32 @@ def test_a_failing_auto_budget_fails_the_run(monkeypatch, tmp_path):
     config = BenchConfig(["gsm8k"], [4], 6, limit=2, methods=("plain", "tree", "auto"), cost_repeats=1)
     with pytest.raises(NotImplementedError, match="auto' broke"):
         run_benchmark(target, char_tokenizer(), head, config, tmp_path, progress=False)
+
+
+def test_a_baseline_head_runs_every_head_method_beside_the_head(monkeypatch, tmp_path):
+    """`baseline_head`: each head method runs once more, drafted by the second head, on the same prompts; both
+    heads' outputs equal plain greedy, and each row's statistics come from its own head's call."""
+    target, head = tiny_pair()
+    baseline = tiny_head(target, seed=7, tree_depth=4, tree_width=3, tree_budget=12)
+    baseline.name_or_path = "org/baseline-head"  # as a Hub id: recorded as given
+    used = []
+    original = target.generate
+
+    def generate(*args, **kwargs):
+        if "custom_generate" not in kwargs:  # outer calls only: which head drafted, if any
+            used.append(kwargs.get("assistant_model"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, "generate", generate)
+    config = BenchConfig([SUITES[0]], [4], MAX_NEW, limit=1, methods=["plain", "tree"], cost_repeats=2)
+    results = run_benchmark(target, char_tokenizer(), head, config, tmp_path, progress=False, baseline_head=baseline)
+    assert results["config"]["methods"] == ["plain", "tree-4", "tree-4@baseline"]
+    assert results["config"]["method_arguments"]["tree-4@baseline"] == results["config"]["method_arguments"]["tree-4"]
+    assert results["config"]["baseline_head"] == "org/baseline-head"
+    assert [r["equality"] for r in results["prompts"]] == ["exact"] * 3
+    # (a) warm-up then the measured prompt: plain without a head, tree-4 with the head, its copy with the baseline
+    assert sum(h is head for h in used) == 2 and sum(h is baseline for h in used) == 2
+    assert sum(h is None for h in used) == 2
+    rows = {r["method"]: r for r in results["prompts"]}
+    assert rows["tree-4"]["new_tokens"] == rows["tree-4@baseline"]["new_tokens"] == MAX_NEW
+    assert "tree-4@baseline" in (tmp_path / "results.md").read_text()
