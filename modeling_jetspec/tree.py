@@ -187,15 +187,15 @@ def build_tree(children: ChildrenFn, budget: int, depth: int, scoring: str = "lo
     return Tree(tokens, parents, depths, scores)
 
 
-def marginal_children(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, entropies: torch.Tensor) -> ChildrenFn:
+def marginal_children(topk_logprobs, topk_tokens, entropies) -> ChildrenFn:
     """Children from per-depth marginals (one draft block): every branch at depth d gets the depth-(d+1) top-W.
 
     Args:
-        topk_logprobs (`torch.Tensor` of shape `(N, W)`): top-W draft log-probs per depth 1..N.
-        topk_tokens (`torch.Tensor` of shape `(N, W)`): their tokens.
-        entropies (`torch.Tensor` of shape `(N,)`): entropy of each depth's distribution.
+        topk_logprobs (`list` or `torch.Tensor` of shape `(N, W)`): top-W draft log-probs per depth 1..N.
+        topk_tokens (`list` or `torch.Tensor` of shape `(N, W)`): their tokens.
+        entropies (`list` or `torch.Tensor` of shape `(N,)`): entropy of each depth's distribution.
     """
-    lps, toks, ents = topk_logprobs.tolist(), topk_tokens.tolist(), entropies.tolist()
+    lps, toks, ents = (x.tolist() if isinstance(x, torch.Tensor) else x for x in (topk_logprobs, topk_tokens, entropies))
 
     def children(path):
         d = len(path)
