@@ -110,7 +110,7 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
     return head(block, positions, context=context).logits[:, 1 : depth + 1]
 
 
-def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None,
+def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dict | None = None,
           record: LookupRecord | None = None) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
@@ -161,8 +161,8 @@ def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
     dtype = torch.float32 if logp.device.type == "mps" else torch.float64
     packed = torch.cat([top_lp.to(dtype), top_tok.to(dtype), ent.to(dtype)[..., None]], dim=-1)  # (A, T, 2W + 1)
     w = shape.width
-    return [([slot[:w] for slot in row], [[int(t) for t in slot[w : 2 * w]] for slot in row], [slot[-1] for slot in row])
-            for row in packed.tolist()]
+    rows = packed.tolist()
+    return [([s[:w] for s in row], [[int(t) for t in s[w : 2 * w]] for s in row], [s[-1] for s in row]) for row in rows]
 
 
 def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None):
@@ -226,7 +226,8 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
         shapes = [(tree.tokens, tree.parents) for tree in trees.host]
     else:
         shapes = list(zip(trees.tokens.tolist(), trees.parents.tolist()))
-    walks = [_walk(logits[i], tokens, parents, row, choose) for i, (row, (tokens, parents)) in enumerate(zip(rows, shapes))]
+    walks = [_walk(logits[i], tokens, parents, row, choose)
+             for i, (row, (tokens, parents)) in enumerate(zip(rows, shapes))]
     a, width = len(walks), max(len(nodes) for nodes, _, _ in walks)
     padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
     for i, (nodes, path, _) in enumerate(walks):

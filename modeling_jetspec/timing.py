@@ -44,8 +44,8 @@ def rounds_timed() -> bool:
 
 
 class RoundClock:
-    """Marks inside one round, on `device`'s own timeline: device events where the device has them (CUDA, XPU,
-    MPS; one synchronize, at [`intervals`]), else [`clock`] at each mark.
+    """Marks inside one round, on `device`'s own timeline: device events on an accelerator (one synchronize, at
+    [`intervals`]); on the CPU, whose work is done when its call returns, `time.perf_counter()` at each mark.
 
     Args:
         device (`torch.device`): where the round's work runs.
@@ -66,7 +66,7 @@ class RoundClock:
                 event.record()
             self.marks.append(event)
         else:
-            self.marks.append(clock())
+            self.marks.append(time.perf_counter())
 
     def intervals(self) -> list:
         """Seconds between consecutive marks."""
