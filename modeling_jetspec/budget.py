@@ -16,14 +16,15 @@ from collections import deque
 DEFAULT_CANDIDATES = (8, 16, 32, 64)
 
 
-def choose_budget(expected_tau: dict, verify_seconds: dict, draft_seconds: float) -> int:
-    """The budget maximising `expected_tau[b] / (verify_seconds[b] + draft_seconds)` (ties: the smaller budget)."""
+def choose_budget(expected_tau: dict, verify_seconds: dict, outside_verify_seconds: float) -> int:
+    """The budget maximising `expected_tau[b] / (verify_seconds[b] + outside_verify_seconds)` (ties: the smaller
+    budget); `outside_verify_seconds` is the rest of a round, the same at every budget."""
     if not expected_tau:
         raise ValueError("expected at least one candidate budget with an acceptance estimate, got none")
     missing = [b for b in expected_tau if b not in verify_seconds]
     if missing:
         raise ValueError(f"expected a verify cost for every candidate budget, got none for {missing}")
-    return max(sorted(expected_tau), key=lambda b: expected_tau[b] / (verify_seconds[b] + draft_seconds))
+    return max(sorted(expected_tau), key=lambda b: expected_tau[b] / (verify_seconds[b] + outside_verify_seconds))
 
 
 def committed_under_budgets(accepted: list, budgets) -> dict:

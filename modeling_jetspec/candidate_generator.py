@@ -7,7 +7,8 @@ Owns two ways in, both lossless because transformers' loop verifies every candid
   forward, and proposes the better of two chains: the head's argmax chain (its reduced draft vocabulary mapped back
   through `d2t`, the last-context input as in the tree loop) and the prompt-lookup continuation, whichever has the
   larger expected accepted length (the head's chain: the sum over depths of the product of its argmax
-  probabilities; the lookup chain: the sum of the head's measured `tree_lookup_prior` survival ratios).
+  probabilities; the lookup chain: the sum of its survival fractions, `tree.lookup_survival` of the head's
+  `tree_lookup_prior`).
 - [`dflash_forward`]: the head's answer to transformers' own `DFlashTokenCandidateGenerator`
   (`target.generate(..., assistant_model=head, speculation_type="dflash")` with the generate hook uninstalled).
   That generator embeds `[anchor, mask_token_id x (block_size - 1)]` with the target's embeddings and reads
@@ -27,8 +28,8 @@ from transformers.generation import CandidateGenerator
 from transformers.modeling_outputs import BaseModelOutput
 
 from .compat import assisted_decoding_with
-from .steps import draft_block
-from .tree import lookup_match
+from .steps import draft_block, feature_layers
+from .tree import lookup_match, lookup_survival
 
 
 class JetSpecCandidateGenerator(CandidateGenerator):
@@ -61,7 +62,7 @@ class JetSpecCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         # the target returns only the layers the head reads (index i + 1 is layer i's output)
-        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in config.target_layer_ids]}
+        self.model_kwargs_overrides = {"output_hidden_states": feature_layers(head)}
         self.context = None  # the head's JetSpecContext: the committed sequence minus its last token
         self.sources = []  # per round: ("head" | "lookup", candidates proposed, candidates accepted)
 
@@ -140,11 +141,11 @@ def _chain_expectation(logits: torch.Tensor, chain: torch.Tensor) -> float:
 
 
 def _expected_accepted(prior, order: int, length: int) -> float:
-    """Expected accepted length of a lookup chain: its survival ratios summed; without a prior it always leads."""
+    """Expected accepted length of a lookup chain: its survival fractions ([`tree.lookup_survival`]) summed;
+    without a prior it always leads."""
     if prior is None:
         return math.inf
-    survival = list(prior[order - 1])
-    return float(sum(survival[k] if k < len(survival) else survival[-1] for k in range(length)))
+    return float(sum(lookup_survival(prior, order, length)))
 
 
 def dflash_forward(head, noise_embeds: torch.Tensor, context_hidden_states: torch.Tensor,

@@ -9,6 +9,7 @@ plain `generate` does. A `tree_budget="auto"` call picks each round's budget fro
 """
 
 import functools
+import time
 from dataclasses import replace
 
 import torch
@@ -17,8 +18,18 @@ from .budget import DEFAULT_CANDIDATES, BudgetController
 from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
-from .steps import accept, check_processors, choose_token, commit, draft, pick_token, processors_per_row, select_rows
-from .timing import clock
+from .steps import (
+    accept,
+    check_processors,
+    choose_token,
+    commit,
+    draft,
+    pick_token,
+    processors_per_row,
+    select_rows,
+    stop_plan,
+)
+from .timing import RoundClock, clock, rounds_timed
 from .tree import max_tree_nodes
 from .verifiers import measure_verify_seconds
 
@@ -46,7 +57,8 @@ def _decode(
                        streamer)
     # a lookup chain may be accepted past the head's depths
     stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
-    started = clock()
+    timed = shape.budget == "auto" or rounds_timed()
+    started = clock() if timed else time.perf_counter()
     before = call.verifier.target_forwards
     state, logits = call.verifier.prefill(input_ids, attention_mask)
     stats.target_forwards += call.verifier.target_forwards - before
@@ -55,32 +67,38 @@ def _decode(
     if shape.budget == "auto" and state.rows.numel():
         controller = _budget_controller(head, model, shape, state.rows.shape[0])
     while state.rows.numel():
-        state = _round(head, call, state, stats, controller)
+        state = _round(head, call, state, stats, controller, RoundClock(state.anchors.device) if timed else None)
         _stream(call)
-    stats.total_seconds = clock() - started
+    stats.total_seconds = (clock() if timed else time.perf_counter()) - started
     return _finish(head, call, stats, generation_config, input_ids.shape[1])
 
 
-def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller) -> RoundState:
-    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round")."""
-    t0 = clock()
+def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller, timer: RoundClock | None = None):
+    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round").
+
+    Its reads of the device: the draft's candidates and the commit's acceptance (`steps.draft`, `steps.commit`),
+    and, when timed (`timer`), the clock's once at the end.
+    """
+    mark = timer.mark if timer is not None else lambda: None
+    mark()
     before = call.verifier.target_forwards
     budget = controller.next_budget() if controller is not None else call.shape.budget
-    histories = call.histories(state.rows) if call.shape.lookup else None
+    histories = call.histories() if call.shape.lookup else None
     trees = draft(head, state, call.shape, budget, histories, call.lookup_record)
-    t1 = clock()
+    mark()
     trees, logits, features = call.verifier.verify(state, trees)
-    t2 = clock()
-    acc = accept(logits, trees, state.rows, call.choose)
-    active = state.rows.shape[0]
-    committed, keep = commit(call, state.rows, acc, logits)
-    paths = acc.paths() if controller is not None else None
-    state = call.verifier.compact(state, trees, acc, features, keep)
-    other = clock() - t2 + t1 - t0  # the round outside its verify forward
+    mark()
+    acc = accept(logits, trees, call.active, call.choose)
+    done = commit(call, acc, logits)
+    state = call.verifier.compact(state, trees, done.acceptance, features, done.keep)
+    mark()
+    outside, verify = 0.0, 0.0
+    if timer is not None:
+        drafting, verify, rest = timer.intervals()
+        outside = drafting + rest  # the round outside its verify forward
     if controller is not None:
-        controller.update(paths, budget, other, t2 - t1)
-    stats.add_round(budget, active, acc.count, committed, other, t2 - t1,
-                    forwards=call.verifier.target_forwards - before)
+        controller.update(done.paths, budget, outside, verify)
+    stats.add_round(budget, done.counts, done.tokens, outside, verify, forwards=call.verifier.target_forwards - before)
     return state
 
 
@@ -114,12 +132,14 @@ def _start_call(input_ids, shape, verifier, processors, stopping, generation_con
     wants_records = generation_config.return_dict_in_generate and (
         generation_config.output_scores or generation_config.output_logits
     )
+    device_stops, stop_length = stop_plan(stopping)
     call = Call(
         shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
         max_length=generation_config.max_length, pads_finished=pads_finished_rows(stopping), pad_token=pad,
-        stopped_at=[None] * batch, streamer=streamer, streamed=prompt_length,
-        records=[[] for _ in range(batch)] if wants_records else None,
+        history=input_ids.tolist(), active=list(range(batch)), stopped_at=[None] * batch, streamer=streamer,
+        streamed=prompt_length, records=[[] for _ in range(batch)] if wants_records else None,
         lookup_record=LookupRecord() if shape.lookup and shape.lookup_record else None,
+        device_stops=device_stops, stop_length=stop_length,
     )
     if generation_config.do_sample or len(processors):
         per_row = processors_per_row(processors, batch)
@@ -135,11 +155,11 @@ def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool,
         nodes=torch.zeros_like(first)[:, None], tokens=first[:, None], count=torch.ones_like(first),
         scores=[[row] for row in scores],
     )
-    committed, keep = commit(call, state.rows, acc, logits[:, None])
+    done = commit(call, acc, logits[:, None])
     _stream(call)
-    stats.new_tokens += committed
+    stats.new_tokens += done.tokens
     state = replace(state, anchors=first)
-    return select_rows(state, keep) if keep.numel() < first.shape[0] else state
+    return select_rows(state, done.keep) if done.keep.numel() < first.shape[0] else state
 
 
 def _stream(call: Call, final: bool = False):
@@ -152,8 +172,8 @@ def _stream(call: Call, final: bool = False):
     limit = call.end() if final or not waiting else min(waiting)
     if call.end() is not None:  # no step past the end (a stopped row may have run ahead of it)
         limit = min(limit, call.end())
-    for step in range(call.streamed, limit):
-        call.streamer.put(call.sequences[:, step].cpu())
+    for step in range(call.streamed, limit):  # from the host's copy: a padded row's step is its padding
+        call.streamer.put(torch.tensor([h[step] if step < len(h) else call.pad_token for h in call.history]))
     call.streamed = max(call.streamed, limit)
 
 

@@ -46,9 +46,11 @@ class JetSpecStats:
     accepted_at_depth: list = field(default_factory=list)  # (N,) row-rounds whose accepted path reached depth d
     budgets: list = field(default_factory=list)  # budget verified in each round
     accepted: list = field(default_factory=list)  # per round, (rows,) draft tokens accepted per active row
-    draft_seconds: float = 0.0
+    # seconds of the rounds outside their verify forward (draft, tree, accept, commit, compaction) and in it; timed
+    # only in timed rounds (`tree_budget="auto"`, or inside `timing.timed_rounds()`), else 0
+    outside_verify_seconds: float = 0.0
     verify_seconds: float = 0.0
-    total_seconds: float = 0.0
+    total_seconds: float = 0.0  # the whole call, up to its last host read (synchronized in timed rounds)
 
     @property
     def tau(self) -> float:
@@ -58,22 +60,22 @@ class JetSpecStats:
     def acceptance_per_depth(self) -> list:
         return [count / max(self.row_rounds, 1) for count in self.accepted_at_depth]
 
-    def add_round(self, budget: int, rows: int, count: torch.Tensor, committed: int, draft_s: float, verify_s: float,
+    def add_round(self, budget: int, counts: list, committed: int, outside_verify_s: float, verify_s: float,
                   forwards: int):
-        """Record one verify round over `rows` rows; `count` of shape `(rows,)` holds each row's accepted nodes
-        (root included), `committed` the tokens the stopping criteria let through, `forwards` the target forwards
-        the round's verifier ran (one for a tree verify; a scan or a replay runs more)."""
+        """Record one verify round; `counts` holds each active row's accepted nodes (root included, host ints),
+        `committed` the tokens the stopping criteria let through, `forwards` the target forwards the round's
+        verifier ran (one for a tree verify; a scan or a replay runs more)."""
         self.target_forwards += forwards
         self.rounds += 1
-        self.row_rounds += rows
+        self.row_rounds += len(counts)
         self.new_tokens += committed
         self.round_tokens += committed
         self.budgets.append(budget)
-        self.accepted.append((count - 1).tolist())
-        self.draft_seconds += draft_s
+        self.accepted.append([count - 1 for count in counts])
+        self.outside_verify_seconds += outside_verify_s
         self.verify_seconds += verify_s
-        for reached in (count - 1).clamp(max=len(self.accepted_at_depth)).tolist():
-            for depth in range(reached):
+        for count in counts:
+            for depth in range(min(count - 1, len(self.accepted_at_depth))):
                 self.accepted_at_depth[depth] += 1
 
     def as_dict(self) -> dict:
@@ -84,7 +86,7 @@ class JetSpecStats:
             "tau": self.tau,
             "acceptance_per_depth": self.acceptance_per_depth,
             "budgets": self.budgets,
-            "draft_seconds": self.draft_seconds,
+            "outside_verify_seconds": self.outside_verify_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
         }
@@ -154,6 +156,14 @@ class DraftTrees:
     depths: torch.Tensor  # (A, n + 1) long, depth of nodes 0..n
     ancestors: torch.Tensor  # (A, n + 1, n + 1) bool, node i sees node j (from `tree.ancestor_mask`)
     budget: int  # budget the trees were built for
+    host: list | None = None  # (A,) the same trees as built on the host (`tree.Tree`, padded to n nodes); None:
+    # not at hand (a verifier's part of the trees), and read from the tensors where needed
+
+    def max_depth(self) -> int:
+        """The deepest node's depth, from the host trees (n, the deepest possible, without them): no read."""
+        if self.host is None:
+            return self.tokens.shape[1]
+        return max(max(tree.depths) for tree in self.host)
 
 
 @dataclass
@@ -166,10 +176,23 @@ class Acceptance:
     count: torch.Tensor  # (A,) long, accepted nodes (root included) == tokens committed by the round
     scores: list | None = None  # (A,) per row, the processed scores (V,) each token was chosen from; None: the
     # scores are the logits (greedy without processors)
+    host: list | None = None  # (A,) per row, `(nodes, tokens)` as lists when the acceptance was chosen on the host
+    # (the walk); None: [`commit`] reads them from the tensors
 
     def paths(self) -> list:
-        """Accepted node indices of each row, root first (what `BudgetController.update` reads)."""
+        """Accepted node indices of each row, root first (a read of `nodes` and `count`)."""
         return _paths(self.nodes, self.count)
+
+
+@dataclass
+class Committed:
+    """What `steps.commit` hands the rest of the round: the acceptance on the host, read from the device once."""
+
+    tokens: int  # tokens committed, all rows
+    counts: list  # (A,) accepted nodes per row, root included (what the round's statistics count)
+    paths: list  # (A,) accepted node indices per row, root first (what `BudgetController.update` reads)
+    keep: torch.Tensor  # (A',) long, the rows that go on
+    acceptance: Acceptance  # the round's acceptance cut to its longest path, `(A, K)` (what `compact` moves)
 
 
 class Verifier(Protocol):
@@ -188,8 +211,9 @@ class Verifier(Protocol):
 
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """The target reads the round's trees after `state`'s cache; returns the trees verified (all of them, or a
-        part such as one path), the target's logits after each of their nodes `(A, n + 1, V)` in fp32 and the head's
-        features of each node `(A, n + 1, k * H)`."""
+        part such as one path), the target's logits after each of their nodes `(A, n + 1, V)` (in the target's dtype
+        or fp32: greedy acceptance takes their argmax, processors and records upcast what they read) and the
+        head's features of each node `(A, n + 1, k * H)`."""
 
     def compact(self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
                 keep: torch.Tensor) -> RoundState:
@@ -203,21 +227,25 @@ class Verifier(Protocol):
 class Call:
     """What one `generate` call fixes at its start, and the tokens it has committed so far.
 
-    Nothing is ever written into `sequences` past a row's length: tokens become real one at a time, through the
-    stopping criteria ([`commit`]). Without an EOS criterion a stopped row keeps decoding (real tokens, as plain
-    `generate` appends them) until every row has stopped; tokens past [`end`] are cut from the output.
+    Nothing is ever written into `sequences` past a row's length: tokens become real through the stopping criteria
+    ([`commit`]). Without an EOS criterion a stopped row keeps decoding (real tokens, as plain `generate` appends
+    them) until every row has stopped; tokens past [`end`] are cut from the output. The committed tokens are kept
+    twice: on the device (`sequences`, what the output, processors and stopping criteria read) and on the host
+    (`history`, what prompt lookup and the streamer read), so that no round reads them back.
     """
 
     shape: TreeShape
     verifier: Verifier  # how the target verifies and compacts (see `verifiers.verifier_for`)
     sequences: torch.Tensor  # (B, L) committed tokens, padding past each row's length; L grows with the tokens
-    # committed ([`append`]), to at most twice the longest row
+    # committed ([`extend`]), to at most twice the longest row
     lengths: list  # (B,) committed length of each row
     stopping: StoppingCriteriaList  # checked after every committed token
     max_length: int  # generate's `max_length`, where its MaxLengthCriteria stops every row
     pads_finished: bool  # an EOS criterion exists (`compat.pads_finished_rows`): a stopped row is finished and padded;
     # otherwise, as in plain decoding, it keeps receiving real tokens until every row has stopped
     pad_token: int  # what fills `sequences` past a row's length
+    history: list = field(default_factory=list)  # (B,) per row, its committed tokens (prompt included) as a list
+    active: list = field(default_factory=list)  # (A,) the batch rows still decoding, in the round state's order
     stopped_at: list = field(default_factory=list)  # (B,) length at which a criterion first stopped the row, or None
     streamer: object | None = None  # a `BaseStreamer` receiving the prompts, then one `(B,)` step at a time
     streamed: int = 0  # columns of `sequences` handed to the streamer
@@ -225,19 +253,45 @@ class Call:
     choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
     # greedy without processors (vectorized acceptance)
     lookup_record: LookupRecord | None = None  # the model-free branch's record per row (`shape.lookup_record`)
+    # how `stopping` is checked (`steps.stop_plan`): the criteria judged on the device, once per round for every
+    # accepted token, and the length at which a `MaxLengthCriteria` stops a row (judged on the host); `None`: some
+    # criterion is checked after each committed token, on that token's row alone
+    device_stops: list | None = None
+    stop_length: int | None = None
 
-    def histories(self, rows: torch.Tensor) -> list:
-        """The committed tokens of each row in `rows` `(A,)`, as lists (what prompt lookup matches)."""
-        return [self.sequences[row, : self.lengths[row]].tolist() for row in rows.tolist()]
+    def histories(self) -> dict:
+        """`{row: committed tokens}` of the active rows, in order (what prompt lookup matches); host data."""
+        return {row: self.history[row] for row in self.active}
 
     def append(self, row: int, token: int):
-        """Commit `token` to `row`; the buffer doubles when full (its size follows the tokens produced, not
+        """Commit `token` to `row` (a write to the device buffer per token: the path whose stopping criteria are
+        checked after each one)."""
+        self._reserve(self.lengths[row] + 1)
+        self.sequences[row, self.lengths[row]] = token
+        self.history[row].append(token)
+        self.lengths[row] += 1
+
+    def extend(self, new: dict):
+        """Commit `new[row]` (a list of tokens) to each row: one write to the device buffer for every row."""
+        rows, cols, tokens = [], [], []
+        for row, added in new.items():
+            rows += [row] * len(added)
+            cols += range(self.lengths[row], self.lengths[row] + len(added))
+            tokens += added
+            self.history[row] += added
+            self.lengths[row] += len(added)
+        if tokens:
+            self._reserve(max(cols) + 1)
+            device = self.sequences.device
+            index = torch.tensor([rows, cols], dtype=torch.long, device=device)  # (2, tokens)
+            self.sequences[index[0], index[1]] = torch.tensor(tokens, dtype=self.sequences.dtype, device=device)
+
+    def _reserve(self, length: int):
+        """Room for `length` tokens per row; the buffer doubles when full (its size follows the tokens produced, not
         `max_length`)."""
-        if self.lengths[row] == self.sequences.shape[1]:
+        while length > self.sequences.shape[1]:
             more = self.sequences.new_full((self.sequences.shape[0], max(self.sequences.shape[1], 64)), self.pad_token)
             self.sequences = torch.cat([self.sequences, more], dim=1)  # (B, 2L)
-        self.sequences[row, self.lengths[row]] = token
-        self.lengths[row] += 1
 
     def end(self) -> int | None:
         """The length of the output once every row has stopped (`None` before): the longest row when finished rows

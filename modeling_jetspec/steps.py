@@ -25,7 +25,13 @@ import inspect
 from dataclasses import replace
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import (
+    EosTokenCriteria,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+)
 from transformers.cache_utils import Cache
 from transformers.generation.logits_process import (
     PrefixConstrainedLogitsProcessor,
@@ -35,7 +41,7 @@ from transformers.generation.logits_process import (
 
 from .compat import ROW_WISE_PROCESSORS, kv_layer_entries, repetition_penalty_for_row
 from .continuations import LookupRecord, chain_trie, continuation_trie, merge_children, trie_children
-from .state import Acceptance, Call, DraftTrees, RoundState, TreeShape
+from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
 from .tree import (
     ENTROPY_SCORINGS,
     LOOKUP_MAX_NGRAM,
@@ -71,7 +77,7 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        output_hidden_states=True,
+        output_hidden_states=feature_layers(head),
         **logits_to_keep(target, 1),
     )
     logits = out.logits[:, -1].float()  # (B, V)
@@ -87,6 +93,12 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
     return state, logits
 
 
+def feature_layers(head) -> list:
+    """The indices of a target's `hidden_states` the head reads (index i + 1 is layer i's output): passed as
+    `output_hidden_states`, the target keeps only those (transformers returns `None` in the other places)."""
+    return [i + 1 for i in head.config.target_layer_ids]
+
+
 def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, depth: int) -> torch.Tensor:
     """The head's logits at depths 1..`depth` after `anchor` (`(B,)`) at `anchor_position` (an int, or `(B, 1)`):
     one forward over `[anchor, MASK x depth]` (the full block when bidirectional), `(B, depth, V_draft)`."""
@@ -98,7 +110,7 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
     return head(block, positions, context=context).logits[:, 1 : depth + 1]
 
 
-def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None,
+def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dict | None = None,
           record: LookupRecord | None = None) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
@@ -111,28 +123,46 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: lis
     Args:
         shape (`TreeShape`): depth, width, scoring, path conditioning and lookup of the trees.
         budget (`int`): draft nodes per tree.
-        histories (`list`, *optional*): per active row, its committed tokens ([`Call.histories`]); needed when
-            `shape.lookup` is set.
+        histories (`dict`, *optional*): `{batch row: committed tokens}` of the active rows, in order
+            ([`Call.histories`]); needed when `shape.lookup` is set.
         record (`LookupRecord`, *optional*): the lookup branch's record in the call (`shape.lookup_record`); it
             reads what each row committed since its last draft and scores the branch from its prior and record.
+
+    The trees are built on the host from one read of every row's top-W candidates per depth (two with path
+    conditioning); the returned [`DraftTrees`] keep them (`host`), so the round reads them back nowhere.
     """
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
-    a, device = state.anchors.shape[0], state.anchors.device
+    device = state.anchors.device
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
-    logp = torch.log_softmax(logits, dim=-1)  # (A, N, V_draft)
-    top_lp, top_tok = logp.topk(shape.width, dim=-1)  # (A, N, W)
-    top_tok = head.draft_to_target(top_tok)  # (A, N, W) target ids
-    ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, N)
-    children = [marginal_children(top_lp[i], top_tok[i], ent[i]) for i in range(a)]
+    children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
     if shape.lookup:
         children = [_with_lookup_branch(fn, history, shape, record, row)
-                    for fn, history, row in zip(children, histories, state.rows.tolist())]
+                    for fn, (row, history) in zip(children, histories.items())]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
-    trees = [build_tree(children[i], budget, deepest, shape.scoring) for i in range(a)]
+    trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
     return _stack_trees(trees, budget, device)
+
+
+def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
+    """Per row, the top-W candidates of every slot of the head's `logits` `(A, T, V_draft)` as host lists:
+    `(log-probs (T, W), target tokens (T, W), entropies (T,))`, zeros for the entropies unless the scoring reads
+    them. One read for every row: the three are packed into one float64 tensor (exact for float32 log-probs and for
+    token ids below 2**53; float32 on MPS, which has no float64: exact for ids below 2**24)."""
+    logp = torch.log_softmax(logits, dim=-1)  # (A, T, V_draft)
+    top_lp, top_tok = logp.topk(shape.width, dim=-1)  # (A, T, W)
+    top_tok = head.draft_to_target(top_tok)  # (A, T, W) target ids
+    if shape.scoring in ENTROPY_SCORINGS:
+        ent = entropy(logp)  # (A, T)
+    else:
+        ent = logp.new_zeros(logp.shape[:2])
+    dtype = torch.float32 if logp.device.type == "mps" else torch.float64
+    packed = torch.cat([top_lp.to(dtype), top_tok.to(dtype), ent.to(dtype)[..., None]], dim=-1)  # (A, T, 2W + 1)
+    w = shape.width
+    rows = packed.tolist()
+    return [([s[:w] for s in row], [[int(t) for t in s[w : 2 * w]] for s in row], [s[-1] for s in row]) for row in rows]
 
 
 def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None):
@@ -142,9 +172,10 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
 
     Returns:
-        `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in fp32, and the head's input
-        features of every node, `(A, n + 1, k * H)`. The cache grows by the n + 1 entries; [`compact`] keeps the
-        accepted ones.
+        `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in the target's dtype (greedy
+        acceptance takes their argmax; processors and records upcast the nodes they read to fp32, as plain
+        `generate` does), and the head's input features of every node, `(A, n + 1, k * H)`. The cache grows by the
+        n + 1 entries; [`compact`] keeps the accepted ones.
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
 
@@ -163,43 +194,53 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         position_ids=positions,
         past_key_values=state.cache,
         use_cache=True,
-        output_hidden_states=True,
+        output_hidden_states=feature_layers(head),
         **logits_to_keep(target, 0),
     )
-    return out.logits.float(), head.target_features(out.hidden_states)
+    return out.logits, head.target_features(out.hidden_states)
 
 
-def accept(logits: torch.Tensor, trees: DraftTrees, rows: torch.Tensor, choose=None) -> Acceptance:
+def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Acceptance:
     """The deepest node whose path equals the target's own choices, and the target's token after it (the bonus).
 
-    Greedy without logits processors (`choose is None`) is vectorized over rows and nodes: the target's argmax
-    after every node, a node matches when its token is its parent's argmax, a node survives when it and all its
-    ancestors match, the deepest survivor ends the path. Otherwise (sampling, processors) each row walks its tree
-    from the root: `choose(row, node_logits, path)` is the target's token after `path` (processors see exactly the
-    committed tokens plus the path), and the walk moves to the child holding it (sample-then-match).
+    Greedy without logits processors (`choose is None`) is vectorized over rows and nodes, on the device: the
+    target's argmax after every node, a node matches when its token is its parent's argmax, a node survives when it
+    and all its ancestors match, the deepest survivor ends the path. Otherwise (sampling, processors) each row walks
+    its tree from the root: `choose(row, node_logits, path)` is the target's token after `path` (processors see
+    exactly the committed tokens plus the path), and the walk moves to the child holding it (sample-then-match).
 
     Args:
         logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`].
         trees (`DraftTrees`): the trees verified.
-        rows (`torch.LongTensor` of shape `(A,)`): the batch row of each tree (what `choose` is told).
+        rows (`list[int]` or `torch.LongTensor` of shape `(A,)`): the batch row of each tree (what `choose` is told).
         choose (`Callable`, *optional*): `(row, logits (V,), path tokens) -> (token, scores (V,))`.
+
+    Returns:
+        `Acceptance` of width `K` = the trees' deepest depth + 1 (a bound known without reading the device), padded
+        past each row's count; [`commit`] reads it and cuts it to the longest path.
     """
     if choose is None:
         return _accept_greedy(logits, trees)
-    walks = [_walk(logits[i], trees.tokens[i].tolist(), trees.parents[i].tolist(), row, choose)
-             for i, row in enumerate(rows.tolist())]
+    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    if trees.host is not None:
+        shapes = [(tree.tokens, tree.parents) for tree in trees.host]
+    else:
+        shapes = list(zip(trees.tokens.tolist(), trees.parents.tolist()))
+    walks = [_walk(logits[i], tokens, parents, row, choose)
+             for i, (row, (tokens, parents)) in enumerate(zip(rows, shapes))]
     a, width = len(walks), max(len(nodes) for nodes, _, _ in walks)
     padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
     for i, (nodes, path, _) in enumerate(walks):
         padded[0, i, : len(nodes)], padded[1, i, : len(path)] = torch.tensor(nodes), torch.tensor(path)
     count = torch.tensor([len(nodes) for nodes, _, _ in walks], device=logits.device)
-    return Acceptance(padded[0].to(logits.device), padded[1].to(logits.device), count, [s for _, _, s in walks])
+    return Acceptance(padded[0].to(logits.device), padded[1].to(logits.device), count, [s for _, _, s in walks],
+                      host=[(nodes, path) for nodes, path, _ in walks])
 
 
 def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     a, n1 = logits.shape[:2]
     device = logits.device
-    choice = logits.argmax(-1)  # (A, n + 1)
+    choice = logits.argmax(-1)  # (A, n + 1), in the logits' own dtype: no fp32 copy of the vocabulary
     matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
         [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
     )
@@ -208,7 +249,7 @@ def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     on_path = trees.ancestors[torch.arange(a, device=device), deepest]  # (A, n + 1)
     count = on_path.sum(-1)  # (A,)
     order = torch.where(on_path, torch.arange(n1, device=device), n1).sort(-1).values  # accepted nodes first
-    nodes = order[:, : int(count.max())]
+    nodes = order[:, : min(trees.max_depth() + 1, n1)]  # a path holds at most one node per depth
     nodes = nodes.masked_fill(nodes == n1, 0)  # (A, K)
     return Acceptance(nodes, choice.gather(1, nodes), count)
 
@@ -230,29 +271,79 @@ def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -
         nodes.append(node)
 
 
-def commit(call: Call, rows: torch.Tensor, acc: Acceptance, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """Append each row's accepted tokens to its sequence one at a time, through the stopping criteria, so a row stops
+def commit(call: Call, acc: Acceptance, logits: torch.Tensor) -> Committed:
+    """Append each active row's accepted tokens to its sequence, through the stopping criteria, so a row stops
     exactly where plain decoding would, even inside an accepted path. A stopped row leaves the batch when an EOS
     criterion exists (plain decoding pads it); otherwise it goes on until every row has stopped ([`Call.finished`]).
 
-    Args:
-        rows (`torch.LongTensor` of shape `(A,)`): the batch row of each acceptance row.
-        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`] (kept with `output_logits`).
+    The round's one read: the acceptance (counts, nodes, tokens) and the verdicts of the criteria judged on the
+    device ([`stop_marks`]) come to the host together; what follows is host work, and one write of every row's
+    tokens to `call.sequences`. With a criterion that is not judged on the device ([`stop_plan`]) each committed
+    token is checked on its own, a read per token.
 
-    Returns:
-        `(committed, keep)`: tokens committed, all rows, and the indices `(A',)` of the rows that go on.
+    Args:
+        acc (`Acceptance`): from [`accept`], one row per entry of `call.active`.
+        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`] (kept with `output_logits`).
     """
-    keep, committed = [], 0
-    for i, row in enumerate(rows.tolist()):
-        count = int(acc.count[i])
-        records = None
-        if call.records is not None:
-            nodes = acc.nodes[i, :count].tolist()
-            scores = acc.scores[i] if acc.scores is not None else [logits[i, node] for node in nodes]
-            records = [(s, logits[i, node]) for s, node in zip(scores, nodes)]
-        committed += _commit_row(call, row, acc.tokens[i, :count].tolist(), records)
-    keep = [i for i, row in enumerate(rows.tolist()) if not call.finished(row)]  # after every row: a stop ends others
-    return committed, torch.tensor(keep, dtype=torch.long, device=rows.device)
+    rows = call.active
+    stops = stop_marks(call, acc)  # (A, K) bool, or None
+    counts, paths, tokens, marks = _read_acceptance(acc, stops)
+    committed, new = 0, {}
+    for i, row in enumerate(rows):
+        records = _records(acc, logits, i, paths[i]) if call.records is not None else None
+        if call.device_stops is None:  # checked token by token, on the device
+            committed += _commit_row(call, row, tokens[i], records)
+            continue
+        taken = _taken(call, row, marks[i] if marks is not None else None, counts[i])
+        new[row] = tokens[i][:taken]
+        if records is not None:
+            call.records[row] += records[:taken]
+        committed += taken
+    call.extend(new)
+    keep = [i for i, row in enumerate(rows) if not call.finished(row)]  # after every row: a stop ends others
+    call.active = [rows[i] for i in keep]
+    width = max(counts)  # every path fits; a shorter one leaves holes that `compact` masks
+    return Committed(committed, counts, paths, torch.tensor(keep, dtype=torch.long, device=acc.count.device),
+                     replace(acc, nodes=acc.nodes[:, :width], tokens=acc.tokens[:, :width]))
+
+
+def _read_acceptance(acc: Acceptance, stops: torch.Tensor | None) -> tuple[list, list, list, list | None]:
+    """`(counts, paths, tokens, marks)` on the host, per row: accepted nodes, their indices, the committed tokens
+    and the stop verdicts after each; one read (none when the walk chose on the host and nothing is judged on the
+    device)."""
+    k = acc.nodes.shape[1]
+    if acc.host is not None:
+        paths, tokens = [nodes for nodes, _ in acc.host], [path for _, path in acc.host]
+        return [len(p) for p in paths], paths, tokens, stops.tolist() if stops is not None else None
+    parts = [acc.count[:, None], acc.nodes, acc.tokens] + ([stops.long()] if stops is not None else [])
+    packed = torch.cat(parts, dim=1).tolist()  # (A, 1 + 2K (+ K))
+    counts = [row[0] for row in packed]
+    paths = [row[1 : 1 + c] for row, c in zip(packed, counts)]
+    tokens = [row[1 + k : 1 + k + c] for row, c in zip(packed, counts)]
+    marks = [row[1 + 2 * k :] for row in packed] if stops is not None else None
+    return counts, paths, tokens, marks
+
+
+def _records(acc: Acceptance, logits: torch.Tensor, i: int, nodes: list) -> list:
+    """`(scores, logits)` in fp32 of each token row `i` commits (the scores are the logits when greedy without
+    processors, as in plain decoding)."""
+    node_logits = [logits[i, node].float() for node in nodes]
+    scores = acc.scores[i] if acc.scores is not None else node_logits
+    return list(zip(scores, node_logits))
+
+
+def _taken(call: Call, row: int, marks: list | None, count: int) -> int:
+    """How many of its `count` accepted tokens `row` commits, and where it stops (host data: `marks[k - 1]` is the
+    device criteria's verdict after the k-th token, `call.stop_length` the max-length criterion's length)."""
+    length = call.lengths[row]
+    for k in range(1, count + 1):
+        if call.stopped_at[row] is None and (
+            (marks is not None and marks[k - 1]) or (call.stop_length is not None and length + k >= call.stop_length)
+        ):
+            call.stopped_at[row] = length + k  # a stop is final, as `unfinished_sequences` in plain decoding
+        if call.stopped_at[row] is not None and (call.pads_finished or length + k >= call.max_length):
+            return k
+    return count
 
 
 def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> int:
@@ -271,6 +362,31 @@ def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> int
         if call.stopped_at[row] is not None and (call.pads_finished or call.lengths[row] >= call.max_length):
             break
     return call.lengths[row] - start
+
+
+# transformers' stopping criteria whose verdict on a row reads that row's last token alone (or the clock), judged on
+# the device for every accepted token at once; a `MaxLengthCriteria` reads only the length, judged on the host.
+# Matched by exact type (a subclass may override `__call__`); any other criterion is checked after each token.
+DEVICE_STOPS = (EosTokenCriteria, MaxTimeCriteria)
+
+
+def stop_plan(stopping) -> tuple[list | None, int | None]:
+    """`(device criteria, stop length)` of a call's stopping criteria (see `Call.device_stops`): `(None, None)`
+    when some criterion must be checked after each committed token."""
+    if any(type(c) not in (*DEVICE_STOPS, MaxLengthCriteria) for c in stopping):
+        return None, None
+    lengths = [c.max_length for c in stopping if type(c) is MaxLengthCriteria]
+    return [c for c in stopping if type(c) in DEVICE_STOPS], min(lengths) if lengths else None
+
+
+def stop_marks(call: Call, acc: Acceptance) -> torch.Tensor | None:
+    """`(A, K)` bool: whether the device criteria stop a row after its k-th accepted token (each criterion called
+    once, on every accepted token as a row of its own), or `None` when none is judged on the device."""
+    if not call.device_stops:
+        return None
+    a, k = acc.tokens.shape
+    last = acc.tokens.reshape(a * k, 1)  # (A * K, 1): each token as the last one of its row
+    return functools.reduce(torch.logical_or, [c(last, None) for c in call.device_stops]).reshape(a, k)
 
 
 def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: list | None = None):
@@ -308,6 +424,8 @@ def compact(head, state: RoundState, trees: DraftTrees, acc: Acceptance, feature
     target features; the bonus token becomes the next anchor.
 
     Args:
+        acc (`Acceptance`): of width K, the longest accepted path (from [`commit`]); a shorter path leaves holes,
+            invisible through `valid`.
         features (`torch.Tensor` of shape `(A, n + 1, k * H)`): from [`verify`].
         keep (`torch.LongTensor` of shape `(A',)`): the rows that go on, from [`commit`].
         keep_entries (`Callable`, *optional*, defaults to [`keep_accepted_entries`]): `(cache, past, nodes)`, leaves
@@ -320,8 +438,7 @@ def compact(head, state: RoundState, trees: DraftTrees, acc: Acceptance, feature
     depths = trees.depths
     if keep.numel() < state.rows.shape[0]:  # finished rows leave before anything moves
         state = select_rows(state, keep)
-        width = int(acc.count[keep].max()) if keep.numel() else 0  # the survivors' longest path
-        acc = Acceptance(acc.nodes[keep, :width], acc.tokens[keep, :width], acc.count[keep])
+        acc = Acceptance(acc.nodes[keep], acc.tokens[keep], acc.count[keep])  # holes past a row's count: masked
         features, depths = features[keep], depths[keep]
     if not keep.numel():
         return state
@@ -371,6 +488,7 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
         depths=torch.tensor([[0] + t.depths for t in trees], dtype=torch.long, device=device),
         ancestors=ancestor_mask(parents),
         budget=budget,
+        host=trees,
     )
 
 
@@ -417,18 +535,15 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     inner[:, n + 1 :, : n + 1] = trees.ancestors[:, 1:]  # probe j sees what node j sees, node j included
     inner[:, n + 1 :, n + 1 :] = torch.eye(n, dtype=torch.bool, device=device)
     mask = torch.cat([state.context.valid[:, None, :].expand(a, t, -1), inner], dim=-1)[:, None]  # (A, 1, t, S+t)
-    out = head(inputs, positions, attention_mask=mask, context=state.context)
-    logp = torch.log_softmax(out.logits[:, n + 1 :], dim=-1)  # (A, n, V_draft)
-    probe_lp, probe_tok = logp.topk(shape.width, dim=-1)  # (A, n, W)
-    probe_tok = head.draft_to_target(probe_tok)  # (A, n, W) target ids
-    probe_ent = entropy(logp) if shape.scoring in ENTROPY_SCORINGS else torch.zeros(logp.shape[:2])  # (A, n)
+    out = head(inputs, positions, attention_mask=mask, context=state.context)  # probes at slots n + 1 ..
     rebuilt = []
-    for i in range(a):
+    for tree, (lps, toks, ents), marginal in zip(trees.host, _top_candidates(head, out.logits[:, n + 1 :], shape),
+                                               marginals):
         paths, probed = [()], {}
-        for j, (token, parent) in enumerate(zip(trees.tokens[i].tolist(), trees.parents[i].tolist())):
+        for j, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             paths.append(paths[parent] + (token,))
-            probed[paths[-1]] = (probe_lp[i, j].tolist(), probe_tok[i, j].tolist(), float(probe_ent[i, j]))
-        children = functools.partial(_probed_or_marginal, probed, marginals[i])
+            probed[paths[-1]] = (lps[j], toks[j], ents[j])
+        children = functools.partial(_probed_or_marginal, probed, marginal)
         rebuilt.append(build_tree(children, budget, shape.depth, shape.scoring))
     return rebuilt
 
@@ -447,7 +562,8 @@ def choose_token(row_processors: list, do_sample: bool, call: Call, row: int, lo
     ids = call.sequences[row : row + 1, : call.lengths[row]]
     if path:
         ids = torch.cat([ids, torch.tensor([path], dtype=torch.long, device=ids.device)], dim=1)  # (1, L + len)
-    scores = row_processors[row](ids, logits[None].clone())  # (1, V); a copy: processors may write in place
+    # (1, V) in fp32, as plain decoding hands processors; a copy: processors may write in place
+    scores = row_processors[row](ids, logits[None].to(dtype=torch.float32, copy=True))
     return int(pick_token(scores, do_sample)[0]), scores[0]
 
 

@@ -187,15 +187,16 @@ def build_tree(children: ChildrenFn, budget: int, depth: int, scoring: str = "lo
     return Tree(tokens, parents, depths, scores)
 
 
-def marginal_children(topk_logprobs: torch.Tensor, topk_tokens: torch.Tensor, entropies: torch.Tensor) -> ChildrenFn:
+def marginal_children(topk_logprobs, topk_tokens, entropies) -> ChildrenFn:
     """Children from per-depth marginals (one draft block): every branch at depth d gets the depth-(d+1) top-W.
 
     Args:
-        topk_logprobs (`torch.Tensor` of shape `(N, W)`): top-W draft log-probs per depth 1..N.
-        topk_tokens (`torch.Tensor` of shape `(N, W)`): their tokens.
-        entropies (`torch.Tensor` of shape `(N,)`): entropy of each depth's distribution.
+        topk_logprobs (`list` or `torch.Tensor` of shape `(N, W)`): top-W draft log-probs per depth 1..N.
+        topk_tokens (`list` or `torch.Tensor` of shape `(N, W)`): their tokens.
+        entropies (`list` or `torch.Tensor` of shape `(N,)`): entropy of each depth's distribution.
     """
-    lps, toks, ents = topk_logprobs.tolist(), topk_tokens.tolist(), entropies.tolist()
+    lps, toks, ents = (x.tolist() if isinstance(x, torch.Tensor) else x
+                       for x in (topk_logprobs, topk_tokens, entropies))
 
     def children(path):
         d = len(path)
@@ -223,26 +224,37 @@ def lookup_match(sequence: list, count: int, max_ngram: int = LOOKUP_MAX_NGRAM) 
     return [], 0
 
 
-def lookup_logprobs(prior, order: int, length: int) -> list:
-    """Per-token conditional log-probs of a lookup chain of `length` tokens from a match of order `order`.
+def lookup_survival(prior, order: int, length: int) -> list:
+    """How often a lookup chain from a match of order `order` has at least k tokens accepted, k = 1..`length`: the
+    one estimate of a lookup chain's odds (the tree's scores, the trie's, the call's record and the chain drafter's
+    choice all start from it).
 
     Args:
         prior (`list[list[float]]`): `prior[n - 1][k - 1]` is how often a chain from an order-n match had at least k
-            tokens accepted (non-increasing in k, in (0, 1]); the head's `tree_lookup_prior`, measured on the
-            target's own answers. A chain longer than its list repeats the last ratio.
+            tokens accepted (non-increasing in k, in (0, 1], [`check_lookup_prior`]); the head's `tree_lookup_prior`,
+            measured on the target's own answers.
         order (`int`): the match's n-gram order, in `[1, len(prior)]`.
         length (`int`): tokens in the chain.
+
+    Returns:
+        `list[float]` of `length` survival fractions: the measured ones, then past the measured depths each the one
+        before times the last measured ratio `s(K) / s(K - 1)` (`s(1)` when one depth is measured), so a long chain
+        keeps losing odds at the rate the deepest measurements lose them.
     """
-    survival = list(prior[order - 1])
-    logps, previous = [], 1.0
+    measured = list(prior[order - 1])
+    ratio = measured[-1] / measured[-2] if len(measured) > 1 else measured[-1]
+    survival = []
     for k in range(length):
-        if k < len(survival):
-            ratio = survival[k] / previous
-            previous = survival[k]
-        else:  # past the measured depths: the last measured ratio
-            ratio = survival[-1] / survival[-2] if len(survival) > 1 else survival[-1]
-        logps.append(math.log(min(max(ratio, 1e-6), 1.0)))
-    return logps
+        survival.append(measured[k] if k < len(measured) else survival[-1] * ratio)
+    return survival
+
+
+def lookup_logprobs(prior, order: int, length: int) -> list:
+    """Per-token conditional log-probs of a lookup chain of `length` tokens from a match of order `order`: the log
+    of each [`lookup_survival`] ratio `s(k) / s(k - 1)` (`s(0)` = 1), held in [1e-6, 1]."""
+    survival = lookup_survival(prior, order, length)
+    return [math.log(min(max(s / p, 1e-6), 1.0)) if p > 0 else math.log(1e-6)
+            for p, s in zip([1.0] + survival, survival)]
 
 
 def with_lookup(children: ChildrenFn, chain: list, logprobs: list | None = None) -> ChildrenFn:

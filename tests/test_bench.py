@@ -234,9 +234,9 @@ def test_aggregate_of_known_rows():
 def test_aggregate_of_head_rows_with_known_statistics():
     """Two prompts: tau 2 and 3, acceptance over 4 rounds each, one tree shallower than the other."""
     shallow = JetSpecStats(target_forwards=5, rounds=4, row_rounds=4, round_tokens=8, accepted_at_depth=[4, 2],
-                           budgets=[4, 4, 4, 4], draft_seconds=0.1, verify_seconds=0.2)
+                           budgets=[4, 4, 4, 4], outside_verify_seconds=0.1, verify_seconds=0.2)
     deep = JetSpecStats(target_forwards=5, rounds=4, row_rounds=4, round_tokens=12, accepted_at_depth=[2, 1, 1],
-                        budgets=[4, 12, 12, 4], draft_seconds=0.3, verify_seconds=0.6)
+                        budgets=[4, 12, 12, 4], outside_verify_seconds=0.3, verify_seconds=0.6)
     rows = [make_row("tree-4", 1.0, 1.0, stats=shallow), make_row("tree-4", 1.0, 1.0, stats=deep)]
     costs = {"target_step_seconds": 0.01, "draft_forward_seconds": 0.005, "verify": {"4": {"seconds": 0.02}}}
     figures = aggregate(rows, Method("tree-4", "tree", uses_head=True, budget=4), costs)
@@ -244,7 +244,7 @@ def test_aggregate_of_head_rows_with_known_statistics():
     # per prompt [1, 0.5, 0] and [0.5, 0.25, 0.25]: the shallower tree accepted nothing at depth 3
     assert figures["acceptance_per_depth"] == [0.75, 0.375, 0.125]
     assert figures["budget_mean"] == 6.0  # per-prompt means 4 and 8
-    assert figures["draft_seconds_per_round"] == pytest.approx(0.05)  # 0.4 s over 8 rounds
+    assert figures["outside_verify_seconds_per_round"] == pytest.approx(0.05)  # 0.4 s over 8 rounds
     assert figures["verify_seconds_per_round"] == pytest.approx(0.1)
     assert figures["limit_speedup"] == pytest.approx(1.0)  # tau 2.5 * 10 ms / (20 ms + 5 ms)
 

@@ -16,11 +16,11 @@ def test_choose_budget_is_the_argmax_of_tokens_per_second():
     tau = {8: 3.0, 16: 4.0, 32: 4.6, 64: 5.0}
     verify = {8: 1.2, 16: 1.4, 32: 2.0, 64: 3.5}
     # tokens per second: 8 -> 3/1.4=2.14, 16 -> 4/1.6=2.5, 32 -> 4.6/2.2=2.09, 64 -> 5/3.7=1.35
-    assert choose_budget(tau, verify, draft_seconds=0.2) == 16
+    assert choose_budget(tau, verify, outside_verify_seconds=0.2) == 16
     # free verification makes the largest tree best
-    assert choose_budget(tau, {b: 1.0 for b in tau}, draft_seconds=0.0) == 64
+    assert choose_budget(tau, {b: 1.0 for b in tau}, outside_verify_seconds=0.0) == 64
     # a costly draft flattens differences in verify cost: 32 wins at draft 10 (4.6/12 > 4/11.4 > 5/13.5)
-    assert choose_budget(tau, verify, draft_seconds=10.0) == 32
+    assert choose_budget(tau, verify, outside_verify_seconds=10.0) == 32
 
 
 def test_smaller_best_first_trees_are_prefixes_of_larger_ones():
@@ -54,11 +54,11 @@ def test_controller_explores_then_exploits():
 
 def test_choose_budget_breaks_ties_towards_the_smaller_budget_and_refuses_gaps():
     # 8 and 16 give the same tokens per second (2 / 1.0 == 4 / 2.0): the smaller tree is as fast and cheaper
-    assert choose_budget({8: 2.0, 16: 4.0}, {8: 0.9, 16: 1.9}, draft_seconds=0.1) == 8
+    assert choose_budget({8: 2.0, 16: 4.0}, {8: 0.9, 16: 1.9}, outside_verify_seconds=0.1) == 8
     with pytest.raises(ValueError, match=r"verify cost for every candidate budget, got none for \[32\]"):
-        choose_budget({8: 2.0, 32: 3.0}, {8: 1.0}, draft_seconds=0.0)
+        choose_budget({8: 2.0, 32: 3.0}, {8: 1.0}, outside_verify_seconds=0.0)
     with pytest.raises(ValueError, match="at least one candidate budget"):
-        choose_budget({}, {8: 1.0}, draft_seconds=0.0)
+        choose_budget({}, {8: 1.0}, outside_verify_seconds=0.0)
 
 
 def test_controller_converges_to_the_best_budget_as_acceptance_changes():

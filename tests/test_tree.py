@@ -1,21 +1,26 @@
 """Tree construction, tree masks and acceptance, against brute-force references."""
 
 
+import itertools
 import math
+
 import pytest
 import torch
 
+from modeling_jetspec.candidate_generator import _expected_accepted
+from modeling_jetspec.continuations import LookupRecord, chain_trie, trie_children
 from modeling_jetspec.state import DraftTrees
 from modeling_jetspec.steps import accept
 from modeling_jetspec.tree import (
-    ancestor_mask,
     GAP_FANOUT_NATS,
+    ancestor_mask,
     build_tree,
     cap_by_gap,
     check_tree_shape,
     entropy,
     lookup_logprobs,
     lookup_match,
+    lookup_survival,
     marginal_children,
     max_tree_nodes,
     tree_key,
@@ -264,6 +269,25 @@ def test_lookup_logprobs_are_the_prior_s_conditional_odds():
     # past the measured depths: the last ratio again; their sum is the chain's whole log-odds
     assert lookup_logprobs(prior, 3, 4) == pytest.approx([math.log(0.9)] * 4)
     assert lookup_logprobs(prior, 3, 0) == []
+
+
+def test_one_lookup_survival_serves_the_tree_the_trie_the_record_and_the_chain_drafter():
+    prior = [[0.5], [0.6, 0.3], [0.9, 0.72, 0.36]]
+    # measured depths as they are; past them the last measured ratio again (s(1) itself with one depth measured)
+    assert lookup_survival(prior, 1, 3) == pytest.approx([0.5, 0.25, 0.125])
+    assert lookup_survival(prior, 2, 4) == pytest.approx([0.6, 0.3, 0.15, 0.075])
+    assert lookup_survival(prior, 3, 5) == pytest.approx([0.9, 0.72, 0.36, 0.18, 0.09])
+    assert lookup_survival(prior, 3, 2) == pytest.approx([0.9, 0.72])
+    # the tree's conditional log-odds add up to the survival's log at every depth
+    assert list(itertools.accumulate(lookup_logprobs(prior, 2, 4))) == pytest.approx(
+        [math.log(s) for s in lookup_survival(prior, 2, 4)])
+    # the chain drafter's expected accepted length of a 4-token chain: its survivals summed
+    assert _expected_accepted(prior, 2, 4) == pytest.approx(0.6 + 0.3 + 0.15 + 0.075)
+    # a trie of one occurrence scores each depth as the chain does (its child holds the whole count)
+    trie_scores = trie_children(chain_trie([4, 5, 6]), prior, 3)
+    assert [trie_scores(path)[0][0] for path in [(), (4,), (4, 5)]] == pytest.approx(lookup_logprobs(prior, 3, 3))
+    # a record without observations of a row leaves the prior as it is
+    assert LookupRecord().prior(0, prior, 2, 4) is prior
 
 
 def test_lookup_chain_comes_first_and_the_head_fills_the_budget():
