@@ -138,6 +138,7 @@ def load_target(
     cache_dir: Optional[Union[str, os.PathLike]] = None,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    device: Optional[Union[str, torch.device]] = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """
     Loads a target causal LM and its tokenizer, in eval mode.
@@ -156,6 +157,9 @@ def load_target(
             Dtype of the returned model's weights.
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
             Attention implementation passed to `from_pretrained`.
+        device (`str` or `torch.device`, *optional*):
+            Where the weights are loaded (`device_map={"": device}`): straight onto one process's own device, never
+            whole on the CPU first. Defaults to the CPU.
 
     Returns:
         `tuple[PreTrainedModel, PreTrainedTokenizerBase]`: the model (in eval mode) and its tokenizer.
@@ -170,8 +174,9 @@ def load_target(
     else:
         source = name_or_path
         hub_kwargs = {"cache_dir": cache_dir} if cache_dir is not None else {}
+    placement = {} if device is None else {"device_map": {"": torch.device(device)}}
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs
+        source, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs, **placement
     )
     tokenizer = AutoTokenizer.from_pretrained(source, **hub_kwargs)
     model.eval()

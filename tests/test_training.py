@@ -16,8 +16,11 @@ from huggingface_hub.utils import filter_repo_objects
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import AutoModel, PreTrainedTokenizerFast, TrainingArguments
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
+from jetspec.targets import load_target
 from tiny import tiny_head, tiny_target
 from training import run_trainer
 from training.losses import block_loss, chain_accept_length, depth_weights
@@ -25,7 +28,14 @@ from training.feature_store import FeatureStore
 from training.rows import split_train_eval
 from training.run_trainer import DataArguments, HeadArguments
 from training.shipping import push_folder, render_card, write_card
-from training.trainer import JetSpecCollator, JetSpecTrainer, JetSpecTrainingArguments, draw_anchors, pack_blocks
+from training.trainer import (
+    JetSpecCollator,
+    JetSpecTrainer,
+    JetSpecTrainingArguments,
+    draw_anchors,
+    pack_blocks,
+    unwrap_head,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 128
@@ -720,3 +730,135 @@ def test_a_config_file_is_overridden_by_the_flags_after_it(tmp_path):
     config.write_text("num_hidden_layerz: 2\n")
     with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['num_hidden_layerz'\]"):
         run_trainer.parse_args([str(config)])
+
+
+# ------------------------------------------------------------------------------- memory, hidden states, wrappers
+class FreshVocabularyRows(TorchDispatchMode):
+    """The most rows of any tensor an op allocates (not a view of its inputs) whose last dimension is the vocabulary,
+    forward and backward alike: `(slots, V)` logits show up as `slots` rows."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size, self.most = vocab_size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in leaves}
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab_size
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.most = max(self.most, t.numel() // self.vocab_size)
+        return out
+
+
+def test_a_training_step_never_holds_the_logits_of_all_its_slots(tmp_path):
+    """With `loss_chunk_slots=8`, a training step (target features, head forward, chunked LM head and loss,
+    backward) never allocates more than 8 rows over the vocabulary, where the step has 4 rows x 3 blocks x 7 slots;
+    the same counter sees all of them in the whole-logit loss (so it can fail)."""
+    vocab = 997  # no other dimension of the tiny models has this size
+    target = tiny_target("llama", vocab_size=vocab)
+    head = tiny_head(target).train()
+    rows = datasets.Dataset.from_list(regenerated_rows(target, count=4))
+    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
+                             args=training_args(tmp_path, num_blocks_per_sequence=3, loss_chunk_slots=8))
+    batch = trainer.data_collator(list(rows))
+    chunked = FreshVocabularyRows(vocab)
+    with chunked:
+        trainer.compute_loss(head, batch).backward()
+    assert 0 < chunked.most <= 8
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
+
+    whole = FreshVocabularyRows(vocab)
+    features, final = trainer._target_states(batch)
+    with whole:
+        logits = head(input_ids=batch["block_ids"], position_ids=batch["block_position_ids"],
+                      attention_mask=batch["block_attention_mask"], context_features=features,
+                      context_valid=batch["attention_mask"].bool()).logits
+        block_loss(logits.view(4, 3, 8, vocab)[:, :, 1:].reshape(12, 7, vocab), torch.randn(12, 7, vocab),
+                   batch["labels"].view(12, 7), batch["labels"].view(12, 7) != -100).backward()
+    assert whole.most >= 4 * 3 * 7
+
+
+def test_the_target_returns_only_the_layers_the_head_reads_and_the_same_features(tmp_path):
+    """`_target_states` asks the target for the head's layers only (`output_hidden_states` as a list of indices): the
+    others come back as None, and the features and final states are bit-identical to a forward that keeps every
+    layer."""
+    target = tiny_target("llama", num_hidden_layers=4)
+    head = tiny_head(target, target_layer_ids=[1, 2])
+    rows = datasets.Dataset.from_list(regenerated_rows(target, count=4))
+    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target, args=training_args(tmp_path))
+    batch = trainer.data_collator(list(rows))
+    seen = {}
+    hook = target.get_decoder().register_forward_hook(
+        lambda module, args, kwargs, out: seen.update(asked=kwargs["output_hidden_states"], states=out.hidden_states),
+        with_kwargs=True,
+    )
+    features, final = trainer._target_states(batch)
+    hook.remove()
+    assert seen["asked"] == [2, 3]
+    assert [i for i, state in enumerate(seen["states"]) if state is not None] == [2, 3]
+    with torch.no_grad():
+        full = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    output_hidden_states=True)
+    assert torch.equal(features, head.target_features(full.hidden_states))
+    assert torch.equal(final, full.last_hidden_state)
+
+
+def test_unwrap_head_finds_the_head_in_every_wrapper_accelerate_returns(tmp_path):
+    """DDP, FSDP (both APIs), `torch.compile` over DDP and PEFT, alone or nested. (A DeepSpeed engine is unwrapped by
+    the same accelerate function when deepspeed is installed; it is not here.)"""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    target = sharp_target()
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                                         world_size=1)
+    try:
+        head = tiny_head(target)
+        assert unwrap_head(head) is head
+        assert unwrap_head(DistributedDataParallel(head)) is head
+        assert unwrap_head(torch.compile(DistributedDataParallel(head))) is head
+        sharded = tiny_head(target)
+        assert unwrap_head(FullyShardedDataParallel(sharded, device_id=torch.device("cpu"))) is sharded
+        composable = tiny_head(target)
+        fully_shard(composable)  # FSDP2 changes the module's class in place
+        assert unwrap_head(composable) is composable
+        lora = run_trainer.build_head(HeadArguments(use_lora=True, lora_r=4, num_hidden_layers=1), target, 8)
+        inner = lora.get_base_model()
+        assert type(inner).__name__ == "JetSpecDraftModel"
+        assert unwrap_head(lora) is inner
+        assert unwrap_head(DistributedDataParallel(lora)) is inner
+        assert unwrap_head(torch.compile(lora)) is inner
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_each_process_loads_the_target_straight_to_its_device(tmp_path, monkeypatch):
+    target = sharp_target()
+    folder = save_target_folder(target, tmp_path / "target")
+    calls = []
+    from_pretrained = AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("device_map"))
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+    loaded, _ = load_target(str(folder), device="cpu")
+    assert calls == [{"": torch.device("cpu")}]
+    assert all(p.device.type == "cpu" for p in loaded.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), target.state_dict().values()))
+
+    asked = []
+
+    def stop(*args, **kwargs):
+        asked.append(kwargs.get("device"))
+        raise RuntimeError("stop after the target's placement")
+
+    monkeypatch.setattr(run_trainer, "load_target", stop)
+    data = write_shards(tmp_path / "regen", regenerated_rows(target, count=2))
+    with pytest.raises(RuntimeError, match="stop after"):
+        run_trainer.main(["--data", str(data), "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to",
+                          "none", "--target", str(folder), "--eval_fraction", "0"])
+    assert asked == [torch.device("cpu")]  # the Trainer's device of this process

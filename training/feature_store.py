@@ -7,14 +7,20 @@ regenerated data serves every later run (ablations, longer schedules, resumed ru
 head. `cache_features` in the trainer keeps the same tensors in memory for one run; a store keeps them across runs.
 
 Layout of a store folder:
-    store.json      target, layer ids, widths, max_length, and per row key: [start row of features.bin, length]
+    store.json      target, layer ids, widths, max_length and `"format": 2`; written once, when the store is created
     features.bin    bfloat16 rows of width (k + 1) * H, raw, appended chunk by chunk:
                     [layer ids[0] | ... | layer ids[k-1] | final hidden]
+    index.bin       one little-endian int64 record (row key, start row of features.bin, length) per stored row,
+                    appended after the chunk's features are durable: a build writes each row's index once, so
+                    writing and opening a store cost time linear in its rows
+
+A store of the first format (its `store.json` holds a `rows` dict {key: [start, length]} and `total`, rewritten at
+every chunk) is read as it is, and moved to the index file the first time a build extends it.
 
     python -m training.feature_store --target smollm2-135m --data training/data/smollm2-135m-mix.npz \
         --out cache/smollm2-135m --max_length 512
 
-Building is resumable: rows already in the store are skipped, and a chunk counts once `store.json` names it.
+Building is resumable: rows already in the store are skipped, and a chunk counts once `index.bin` names it.
 """
 
 import json
@@ -35,10 +41,48 @@ from .rows import load_source, row_key
 
 META_NAME = "store.json"
 DATA_NAME = "features.bin"
+INDEX_NAME = "index.bin"
+STORE_FORMAT = 2
+INDEX_RECORD = np.dtype([("key", "<i8"), ("start", "<i8"), ("length", "<i8")])  # 24 bytes per stored row
+
+
+def _open_index(path: Path) -> tuple[dict, np.ndarray, int]:
+    """`(meta, records, total)` of a store folder: its `store.json`, its stored rows as [`INDEX_RECORD`]s in the order
+    they were written (a record cut short by an interrupted append left out), and the rows of `features.bin` they
+    name. A `ValueError` names an unreadable store."""
+    meta_path = path / META_NAME
+    if not meta_path.is_file():
+        raise ValueError(f"expected a feature store folder holding {META_NAME}, got {path}")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta["target_layer_ids"] = [int(i) for i in meta["target_layer_ids"]]
+        meta["hidden_size"] = int(meta["hidden_size"])
+        if meta.get("format", 1) == 1:  # the first format: the index inside store.json
+            rows = sorted((int(s), int(k), int(n)) for k, (s, n) in meta["rows"].items())
+            return meta, np.array([(k, s, n) for s, k, n in rows], dtype=INDEX_RECORD), int(meta["total"])
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"expected a feature store index (target_layer_ids, hidden_size, rows, total) in "
+                         f"{meta_path}, got an unreadable one ({type(error).__name__}: {error})") from None
+    if meta["format"] != STORE_FORMAT:
+        raise ValueError(f"expected a feature store of format 1 or {STORE_FORMAT} in {meta_path}, got "
+                         f"{meta['format']!r}")
+    index_path = path / INDEX_NAME
+    raw = index_path.read_bytes() if index_path.is_file() else b""
+    records = np.frombuffer(raw[: len(raw) - len(raw) % INDEX_RECORD.itemsize], dtype=INDEX_RECORD)
+    total = int((records["start"] + records["length"]).max()) if len(records) else 0
+    return meta, records, total
+
+
+def _check_data(path: Path, total: int, width: int) -> None:
+    data_path = path / DATA_NAME
+    size = data_path.stat().st_size if data_path.is_file() else 0
+    if size < total * width * 2:  # bfloat16 rows
+        raise ValueError(f"expected {total} rows of {width} bfloat16 values ({total * width * 2} bytes) "
+                         f"in {data_path} (as {META_NAME} and {INDEX_NAME} say), got {size} bytes")
 
 
 class FeatureStore:
-    """Read access to a store folder (see the module docstring).
+    """Read access to a store folder (see the module docstring), one row or one batch of rows at a time.
 
     Args:
         path (`str` or `os.PathLike`): the folder written by [`build_feature_store`].
@@ -46,28 +90,19 @@ class FeatureStore:
 
     def __init__(self, path):
         self.path = Path(path)
-        meta_path = self.path / META_NAME
-        if not meta_path.is_file():
-            raise ValueError(f"expected a feature store folder holding {META_NAME}, got {self.path}")
-        try:
-            self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            self.layer_ids = list(self.meta["target_layer_ids"])
-            self.hidden_size = int(self.meta["hidden_size"])
-            self.rows = {int(k): (int(s), int(n)) for k, (s, n) in self.meta["rows"].items()}
-            total = int(self.meta["total"])
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ValueError(f"expected a feature store index (target_layer_ids, hidden_size, rows, total) in "
-                             f"{meta_path}, got an unreadable one ({type(error).__name__}: {error})") from None
+        self.meta, records, self.total = _open_index(self.path)
+        self.layer_ids, self.hidden_size = self.meta["target_layer_ids"], self.meta["hidden_size"]
         self.width = (len(self.layer_ids) + 1) * self.hidden_size
-        data_path = self.path / DATA_NAME
-        size = data_path.stat().st_size if data_path.is_file() else 0
-        if size < total * self.width * 2:  # bfloat16 rows
-            raise ValueError(f"expected {total} rows of {self.width} bfloat16 values ({total * self.width * 2} bytes) "
-                             f"in {data_path} (as {META_NAME} says), got {size} bytes")
-        self._data = np.memmap(data_path, dtype=np.uint16, mode="r", shape=(total, self.width)) if total else None
+        _check_data(self.path, self.total, self.width)
+        # sorted by key for `searchsorted`; a stable sort keeps the first record of a key first
+        order = np.argsort(records["key"], kind="stable")
+        self._keys, self._starts, self._lengths = (records[name][order] for name in ("key", "start", "length"))
+        self._rows = int(np.unique(self._keys).size)
+        self._data = (np.memmap(self.path / DATA_NAME, dtype=np.uint16, mode="r", shape=(self.total, self.width))
+                      if self.total else None)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self._rows
 
     def check(self, layer_ids, hidden_size: int) -> None:
         """`ValueError` unless the store holds the features a head reading `layer_ids` of width `hidden_size` needs."""
@@ -77,25 +112,82 @@ class FeatureStore:
                 f"head's), got layers {self.layer_ids} and hidden size {self.hidden_size} in {self.path}"
             )
 
+    def _lookup(self, keys) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`(found, start, stored length)` per key, of shape `(B,)` each (start and length 0 where not found)."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        at = np.searchsorted(self._keys, keys).clip(max=max(len(self._keys) - 1, 0))
+        found = (self._keys[at] == keys) if len(self._keys) else np.zeros(len(keys), dtype=bool)
+        starts = np.where(found, self._starts[at] if len(self._keys) else 0, 0)
+        lengths = np.where(found, self._lengths[at] if len(self._keys) else 0, 0)
+        return found, starts, lengths
+
     def covers(self, key: int, length: int) -> bool:
         """Whether row `key` is stored with at least its first `length` positions."""
-        stored = self.rows.get(int(key))
-        return stored is not None and stored[1] >= length
+        return self.covers_all([key], [length])
+
+    def covers_all(self, keys, lengths) -> bool:
+        """Whether every row `keys[i]` is stored with at least its first `lengths[i]` positions."""
+        found, _, stored = self._lookup(keys)
+        return bool((found & (stored >= np.asarray(lengths, dtype=np.int64).reshape(-1))).all())
 
     def get(self, key: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` positions of row `key`: features `(length, k*H)` and final hidden `(length, H)`, bf16."""
-        start, stored = self.rows[int(key)]
-        if length > stored:
-            raise ValueError(f"expected at most {stored} positions of row {key} (stored), got {length}")
-        block = torch.from_numpy(np.array(self._data[start : start + length])).view(torch.bfloat16)
+        features, final = self.get_batch([key], [length], width=length)
+        return features[0], final[0]
+
+    def get_batch(self, keys, lengths, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `lengths[i]` positions of each row `keys[i]`, right padded with zeros to `width`, in one pass
+        over the file in its order: features `(B, width, k*H)` and final hidden `(B, width, H)`, bf16.
+
+        Args:
+            keys (sequence of `int`): row keys ([`training.rows.row_key`]).
+            lengths (sequence of `int`): positions wanted per row, each at most what the store holds.
+            width (`int`, *optional*): padded length; defaults to the longest of `lengths`.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        found, starts, stored = self._lookup(keys)
+        if len(lengths) != len(found):
+            raise ValueError(f"expected one length per key, got {len(found)} keys and {len(lengths)} lengths")
+        short = np.flatnonzero(~found | (lengths > stored))
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"expected at most {int(stored[i])} positions of row {int(np.asarray(keys)[i])} "
+                             f"(stored), got {int(lengths[i])}")
+        width = int(lengths.max(initial=0)) if width is None else int(width)
+        block = np.zeros((len(lengths), width, self.width), dtype=np.uint16)  # (B, width, (k + 1) * H)
+        for i in np.argsort(starts, kind="stable"):  # file order: sequential reads
+            n = min(int(lengths[i]), width)
+            block[i, :n] = self._data[starts[i] : starts[i] + n]
+        block = torch.from_numpy(block).view(torch.bfloat16)
         split = len(self.layer_ids) * self.hidden_size
-        return block[:, :split], block[:, split:]
+        return block[..., :split], block[..., split:]
 
 
 def _write_meta(path: Path, meta: dict) -> None:
     tmp = path / f".{META_NAME}.tmp"
     tmp.write_text(json.dumps(meta), encoding="utf-8")
     os.replace(tmp, path / META_NAME)
+
+
+def _append_durably(path: Path, payload: bytes) -> None:
+    with open(path, "ab") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _move_to_index_file(path: Path, meta: dict, records: np.ndarray) -> dict:
+    """Write a first-format store's `records` (its `rows` dict) as `index.bin`, then its `store.json` without them."""
+    tmp = path / f".{INDEX_NAME}.tmp"
+    with open(tmp, "wb") as handle:
+        handle.write(records.tobytes())
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path / INDEX_NAME)
+    moved = {k: v for k, v in meta.items() if k not in ("rows", "total")}
+    moved["format"] = STORE_FORMAT
+    _write_meta(path, moved)
+    return moved
 
 
 def store_settings(target, layer_ids, max_length: int, target_name: str = "") -> dict:
@@ -112,14 +204,25 @@ def store_settings(target, layer_ids, max_length: int, target_name: str = "") ->
             "max_length": int(max_length)}
 
 
+def stored_hidden_states(layer_ids) -> list[int]:
+    """The `output_hidden_states` selection a store row is made of: the outputs of `layer_ids` (index i + 1 is layer
+    i) and the final normed state (-1). The target then keeps only these k + 1 of its L + 1 hidden states; the
+    returned tuple still has L + 1 entries, `None` where not selected, so [`stack_states`] indexes it as before."""
+    return [int(i) + 1 for i in layer_ids] + [-1]
+
+
 def stack_states(hidden_states, layer_ids) -> torch.Tensor:
     """One store row block from a forward's `hidden_states` (index i + 1 is layer i, the last one the final normed
-    state): `(..., (k + 1) * H)` bf16, the selected layers then the final state."""
+    state; all of them, or the [`stored_hidden_states`] selection): `(..., (k + 1) * H)` bf16, the selected layers
+    then the final state."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids] + [hidden_states[-1]], -1).to("cpu", torch.bfloat16)
 
 
 class StoreWriter:
     """Appends rows to a store folder, creating it or checking that its settings match; each `append` is durable.
+
+    An append writes the chunk's features, then its index records (24 bytes a row); `store.json` is written only when
+    the store is created. Bytes of an append that no index record names (an interrupted build) are dropped on open.
 
     Args:
         out_dir (`str` or `os.PathLike`): the store folder.
@@ -130,40 +233,50 @@ class StoreWriter:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         if (self.out / META_NAME).is_file():
-            self.meta = json.loads((self.out / META_NAME).read_text(encoding="utf-8"))
+            self.meta, records, self.total = _open_index(self.out)
             previous = {k: self.meta.get(k) for k in settings}
             if previous != settings:
                 raise ValueError(f"expected the settings of the store in {self.out}, {previous}, got {settings}")
+            if self.meta.get("format", 1) == 1:
+                self.meta = _move_to_index_file(self.out, self.meta, records)
         else:
-            self.meta = dict(settings, total=0, rows={})
+            self.meta, records, self.total = dict(settings, format=STORE_FORMAT), np.empty(0, INDEX_RECORD), 0
+            (self.out / INDEX_NAME).write_bytes(b"")
             _write_meta(self.out, self.meta)
         self.max_length = settings["max_length"]
         self.width = (len(settings["target_layer_ids"]) + 1) * settings["hidden_size"]
-        data_path = self.out / DATA_NAME
-        with open(data_path, "ab"):
+        with open(self.out / DATA_NAME, "ab"):
             pass
-        # bytes of an append interrupted before store.json named them are dropped
-        os.truncate(data_path, self.meta["total"] * self.width * 2)
+        _check_data(self.out, self.total, self.width)
+        self._keys = set(records["key"].tolist())
+        os.truncate(self.out / INDEX_NAME, records.nbytes)  # a record cut short
+        os.truncate(self.out / DATA_NAME, self.total * self.width * 2)  # features no record names
 
     def has(self, key: int) -> bool:
-        return str(int(key)) in self.meta["rows"]
+        return int(key) in self._keys
 
     def append(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
         """Store `(row key, (length, (k + 1) * H) tensor)` pairs, truncated to the store's `max_length`; rows already
         stored are kept as they are."""
-        with open(self.out / DATA_NAME, "ab") as handle:
-            for key, block in blocks:
-                if self.has(key):
-                    continue
-                if block.dim() != 2 or block.shape[1] != self.width:
-                    raise ValueError(f"expected a (length, {self.width}) block for row {key}, got {tuple(block.shape)}")
-                block = block[: self.max_length].to(torch.bfloat16).contiguous()
-                handle.write(block.view(torch.uint16).numpy().tobytes())
-                self.meta["rows"][str(int(key))] = [self.meta["total"], int(block.shape[0])]
-                self.meta["total"] += int(block.shape[0])
-            handle.flush()
-            os.fsync(handle.fileno())
-        _write_meta(self.out, self.meta)
+        payload, records, fresh, offset = [], [], set(), self.total
+        for key, block in blocks:
+            key = int(key)
+            if self.has(key) or key in fresh:
+                continue
+            if block.dim() != 2 or block.shape[1] != self.width:
+                raise ValueError(f"expected a (length, {self.width}) block for row {key}, got {tuple(block.shape)}")
+            block = block[: self.max_length].to(torch.bfloat16).contiguous()
+            payload.append(block.view(torch.uint16).numpy().tobytes())
+            records.append((key, offset, int(block.shape[0])))
+            offset += int(block.shape[0])
+            fresh.add(key)
+        if not records:
+            return
+        _append_durably(self.out / DATA_NAME, b"".join(payload))
+        # the index names the features only once they are on disk
+        _append_durably(self.out / INDEX_NAME, np.array(records, dtype=INDEX_RECORD).tobytes())
+        self._keys |= fresh
+        self.total = offset
 
 
 def _length_batches(order: list[int], lengths: list[int], batch_tokens: int) -> Iterable[list[int]]:
@@ -223,7 +336,7 @@ def build_feature_store(target, layer_ids, rows, out_dir, max_length: int = 512,
                 input_ids[j, : lengths[i]] = torch.tensor(chunk[i][1])
                 attention_mask[j, : lengths[i]] = 1
             output = decoder(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             output_hidden_states=True, use_cache=False)
+                             output_hidden_states=stored_hidden_states(layer_ids), use_cache=False)
             states = stack_states(output.hidden_states, layer_ids)  # (b, longest, (k+1)*H)
             for j, i in enumerate(batch):
                 stored[i] = states[j, : lengths[i]]
@@ -260,7 +373,7 @@ def main(argv=None) -> FeatureStore:
         store = build_feature_store(target, layer_ids, rows.select_columns(["id", "input_ids"]), args.out,
                                     max_length=args.max_length, batch_tokens=args.batch_tokens,
                                     target_name=args.target)
-    print(f"feature store {args.out}: {len(store)} rows, {store.meta['total']} positions, layers {layer_ids}")
+    print(f"feature store {args.out}: {len(store)} rows, {store.total} positions, layers {layer_ids}")
     return store
 
 

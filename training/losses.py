@@ -19,6 +19,11 @@ tokens (the caller passes the target's logits over those rows), and the hard lab
 An optional position decay w_k ~ exp(-(k - 1) / gamma) weights shallow depths more (the bidirectional DFlash head
 needs it; the causal head is insensitive to it).
 
+The trainer never holds a `(slots, V)` tensor whole: [`chunked_block_loss_terms`] applies the LM head to the head's
+and the target's final states a chunk of slots at a time, and takes each chunk's gradient as it goes (every slot's
+loss is its own, so the sum over chunks is the same loss). With a 150K vocabulary that moves the peak memory of a step
+from the logits to the head.
+
 The loss of a batch is a mean over its counted slots (MASK slots inside the sequence) of w_k times the slot's loss.
 The decay weights are scaled to mean 1 over the depths, so gamma moves weight between depths without changing the
 loss scale, and the mean's denominator is a plain count of slots: the count the `Trainer` makes of the labels
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 LOSS_KINDS = ("fkl", "sft", "rkl", "kl_tv", "topk_rank")
+LOSS_CHUNK_SLOTS = 64  # slots whose (slots, V) logits exist at once in the chunked loss and argmax
 RANK_TOP_K = 8  # tokens of the target's top-K that `"topk_rank"` orders (a tree's width per slot is at most this)
 
 
@@ -175,6 +181,106 @@ def block_loss_terms(student_logits, teacher_logits, labels, loss_mask, kind="fk
     mask = loss_mask.float()  # (N, D)
     w = depth_weights(losses.shape[1], gamma, device=losses.device)  # (D,)
     return (losses * w * mask).sum(), mask.sum().detach()
+
+
+def _chunk_loss(student_hidden, teacher_hidden, weight, bias, labels, slot_weight, kind) -> torch.Tensor:
+    """`sum_s slot_weight_s * loss_s` over the slots of one chunk: the LM head applied to their `(c, H)` final states,
+    as the head and the trainer apply it (in the LM head's dtype, then float32)."""
+    student = F.linear(student_hidden.to(weight.dtype), weight, bias).float()  # (c, V)
+    teacher = None
+    if teacher_hidden is not None:
+        teacher = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()  # (c, V)
+    return (slot_losses(student, teacher, labels, kind) * slot_weight).sum()
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """The weighted slot loss of [`chunked_block_loss_terms`], chunk by chunk: each chunk's gradient with respect to
+    the student's states is taken in the forward, while its logits exist, and only the `(slots, H)` gradient is kept
+    for the backward."""
+
+    @staticmethod
+    def forward(ctx, student_hidden, teacher_hidden, weight, bias, labels, slot_weight, kind, chunk):
+        total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
+        grad = torch.zeros_like(student_hidden) if ctx.needs_input_grad[0] else None  # (S, H)
+        for begin in range(0, student_hidden.shape[0], chunk):
+            part = slice(begin, begin + chunk)
+            with torch.enable_grad():
+                hidden = student_hidden[part].detach().requires_grad_(grad is not None)  # (c, H)
+                teacher = None if teacher_hidden is None else teacher_hidden[part]
+                loss = _chunk_loss(hidden, teacher, weight, bias, labels[part], slot_weight[part], kind)
+            if grad is not None:
+                (grad[part],) = torch.autograd.grad(loss, hidden)
+            total += loss.detach()
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total, None, None, None, None, None, None, None
+
+
+def chunked_block_loss_terms(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    kind: str = "fkl",
+    gamma: float | None = None,
+    chunk_slots: int = LOSS_CHUNK_SLOTS,
+):
+    r"""[`block_loss_terms`] of the logits `F.linear(hidden, weight, bias)` of the student and the teacher, computed
+    `chunk_slots` counted slots at a time: no `(slots, V)` tensor exists whole, in the forward or the backward. Same
+    value and gradient as [`block_loss_terms`] on the whole logits, up to the order of float additions.
+
+    Args:
+        student_hidden (`torch.Tensor` of shape `(N, D, H)`): the head's final (normed) states at the MASK slots.
+        teacher_hidden (`torch.Tensor` of shape `(N, D, H)`, *optional*): the target's final states predicting the
+            same tokens. Unused by `"sft"`.
+        weight (`torch.Tensor` of shape `(V, H)`): the (draft) LM head, frozen: no gradient reaches it.
+        bias (`torch.Tensor` of shape `(V,)`, *optional*): its bias.
+        labels (`torch.LongTensor` of shape `(N, D)`), loss_mask (`torch.BoolTensor` of shape `(N, D)`), kind
+            (`str`), gamma (`float`, *optional*): see [`block_loss`].
+        chunk_slots (`int`, *optional*, defaults to `LOSS_CHUNK_SLOTS`): slots per chunk.
+
+    Returns:
+        `(weighted_sum, count)`, as [`block_loss_terms`].
+    """
+    check_loss_kind(kind)
+    if student_hidden.dim() != 3 or labels.shape != student_hidden.shape[:2] or loss_mask.shape != labels.shape:
+        raise ValueError(f"expected student_hidden of shape (N, D, H) and labels and loss_mask of shape (N, D), got "
+                         f"{tuple(student_hidden.shape)}, {tuple(labels.shape)} and {tuple(loss_mask.shape)}")
+    if kind != "sft" and (teacher_hidden is None or teacher_hidden.shape != student_hidden.shape):
+        raise ValueError(f"expected teacher_hidden of the student's shape {tuple(student_hidden.shape)} for loss "
+                         f"{kind!r}, got {None if teacher_hidden is None else tuple(teacher_hidden.shape)}")
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("expected a frozen LM head weight (requires_grad=False), got one that requires grad")
+    if chunk_slots < 1:
+        raise ValueError(f"expected chunk_slots >= 1, got {chunk_slots}")
+    n, d, h = student_hidden.shape
+    mask = loss_mask.float()  # (N, D)
+    slot_weight = (mask * depth_weights(d, gamma, device=mask.device)).reshape(-1)  # (N*D,)
+    counted = slot_weight.nonzero().squeeze(-1)  # only counted slots have a loss; the others get no gradient
+    teacher = None if kind == "sft" else teacher_hidden.reshape(n * d, h)[counted]
+    total = _ChunkedLoss.apply(student_hidden.reshape(n * d, h)[counted], teacher, weight, bias,
+                               labels.reshape(-1)[counted], slot_weight[counted], kind, chunk_slots)
+    return total, mask.sum().detach()
+
+
+@torch.no_grad()
+def chunked_argmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   chunk_slots: int = LOSS_CHUNK_SLOTS) -> torch.Tensor:
+    """`F.linear(hidden, weight, bias).argmax(-1)`, `chunk_slots` rows of `hidden` `(..., H)` at a time.
+
+    Returns:
+        `torch.LongTensor` of shape `(...)`.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (S, H)
+    top = [F.linear(flat[i : i + chunk_slots].to(weight.dtype), weight, bias).argmax(-1)
+           for i in range(0, flat.shape[0], chunk_slots)]
+    return torch.cat(top).view(hidden.shape[:-1]) if top else flat.new_zeros(hidden.shape[:-1], dtype=torch.long)
 
 
 def chain_accept_length(acceptance: list[float]) -> float:

@@ -366,7 +366,7 @@ def main(argv=None, callbacks=None) -> dict:
 
     dtype, reason = resolve_dtype(head_args.target_dtype)
     print(f"jetspec: target in {dtype} ({reason})")
-    target, tokenizer = load_target(head_args.target, dtype=dtype)
+    target, tokenizer = load_target(head_args.target, dtype=dtype, device=args.device)  # straight to this rank's device
     set_seed(args.seed)  # a new head's initialisation is part of the run: same seed, same head on every process
     head = build_head(head_args, target, args.block_size, checkpoint)
     head.to(torch.float32)  # the head trains in float32 whatever the target's dtype

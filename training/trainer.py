@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
-from .losses import LOSS_KINDS, block_loss_terms, chain_accept_length, check_loss_kind
+from .losses import LOSS_CHUNK_SLOTS, LOSS_KINDS, chain_accept_length, check_loss_kind, chunked_argmax, chunked_block_loss_terms
 from .rows import row_key
 
 
@@ -63,6 +63,11 @@ class JetSpecTrainingArguments(TrainingArguments):
                           "than anywhere in the row (a >= 1)."},
     )
     max_length: int = field(default=1024, metadata={"help": "Rows are truncated to this many tokens."})
+    loss_chunk_slots: int = field(
+        default=LOSS_CHUNK_SLOTS,
+        metadata={"help": "Block slots whose logits over the vocabulary exist at once (the LM head, the loss and its "
+                          "gradient go chunk by chunk): memory about 8 x chunk x vocabulary x 4 bytes, not per step."},
+    )
     cache_features: bool = field(
         default=False,
         metadata={"help": "Keep each row's target features in memory after its first target forward, so later "
@@ -119,6 +124,8 @@ class JetSpecTrainingArguments(TrainingArguments):
             raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
         if self.max_train_minutes is not None and not self.max_train_minutes > 0:
             raise ValueError(f"expected max_train_minutes > 0 or None, got {self.max_train_minutes}")
+        if self.loss_chunk_slots < 1:
+            raise ValueError(f"expected loss_chunk_slots >= 1, got {self.loss_chunk_slots}")
         if self.max_length < 3:
             raise ValueError(f"expected max_length >= 3 (an anchor needs a token before and after it), got "
                              f"{self.max_length}")
@@ -311,10 +318,15 @@ def freeze(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def unwrap_head(model):
-    """The `JetSpecDraftModel` inside a DDP / PEFT wrapper."""
-    model = getattr(model, "module", model)  # DistributedDataParallel
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
+    """The `JetSpecDraftModel` inside whatever wrapper accelerate can return (DDP, FSDP, a DeepSpeed engine,
+    `torch.compile`'s module, through accelerate's own `extract_model_from_parallel`) and a PEFT model."""
+    from accelerate.utils import extract_model_from_parallel
+    from peft import PeftModel
+
+    model = extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=False)
+    if isinstance(model, PeftModel):
+        model = extract_model_from_parallel(model.get_base_model(), keep_torch_compile=False)
+    return model
 
 
 def draft_labels(head, labels: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,42 +353,45 @@ def draft_labels(head, labels: torch.Tensor, kind: str) -> tuple[torch.Tensor, t
 
 
 def distillation_terms(model, batch: dict, features: torch.Tensor, final: torch.Tensor, kind: str = "fkl",
-                       gamma: float | None = None):
-    """One head forward over a collated batch and the numerator and denominator of its loss.
+                       gamma: float | None = None, chunk_slots: int = LOSS_CHUNK_SLOTS):
+    """One head forward over a collated batch and the numerator and denominator of its loss. The LM head is applied
+    to the head's and the target's final states `chunk_slots` slots at a time, inside the loss
+    ([`training.losses.chunked_block_loss_terms`]): no `(slots, vocabulary)` tensor exists whole.
 
     Args:
-        model (`JetSpecDraftModel`, possibly DDP / PEFT wrapped): the head.
+        model (`JetSpecDraftModel`, possibly wrapped: see [`unwrap_head`]): the head.
         batch (`dict`): from [`JetSpecCollator`].
         features (`torch.Tensor` of shape `(B, L, k * H)`): the target's selected-layer features of the rows.
         final (`torch.Tensor` of shape `(B, L, H)`): the target's final (post-norm) hidden states of the rows.
         kind (`str`, *optional*, defaults to `"fkl"`): the loss ([`training.losses.slot_losses`]).
         gamma (`float`, *optional*): position decay ([`training.losses.depth_weights`]).
+        chunk_slots (`int`, *optional*, defaults to `LOSS_CHUNK_SLOTS`): slots per chunk of the LM head and loss.
 
     Returns:
-        `(weighted_sum, count, logits, teacher_hidden)`: the depth-weighted loss summed over the slots, the number of
-        slots that carry loss (`labels != -100`, what the Trainer counts), the head's logits `(B*n, D, V_draft)` and
-        the target's final states predicting each slot `(B*n, D, H)`.
+        `(weighted_sum, count, student_hidden, teacher_hidden)`: the depth-weighted loss summed over the slots, the
+        number of slots that carry loss (`labels != -100`, what the Trainer counts), the head's final states at the
+        MASK slots `(B*n, D, H_head)` and the target's final states predicting each slot `(B*n, D, H)`.
     """
     head = unwrap_head(model)
     b, n, d = batch["labels"].shape
     teacher_hidden = final.gather(
         1, batch["teacher_index"].reshape(b, n * d, 1).expand(b, n * d, final.shape[-1])
     ).view(b * n, d, -1)  # (B*n, D, H): the target's state predicting each slot's token
-    # the target's logits over the head's draft vocabulary: with a reduced vocabulary its softmax restricted to the
-    # draft tokens (renormalised by the loss's log-softmax), so the head learns to rank exactly what it can draft
-    weight, bias = head.draft_lm_head()
-    teacher = F.linear(teacher_hidden.to(weight.dtype), weight, bias).float()  # (B*n, D, V_draft)
     extra = {"last_context_index": batch["last_context_index"]} if head.config.last_context_input else {}
     output = model(
         input_ids=batch["block_ids"], position_ids=batch["block_position_ids"],
         attention_mask=batch["block_attention_mask"], context_features=features,
-        context_valid=batch["attention_mask"].bool(), **extra,
+        context_valid=batch["attention_mask"].bool(), return_logits=False, **extra,
     )
-    logits = output.logits.view(b, n, d + 1, -1)[:, :, 1:].reshape(b * n, d, -1)  # slot 0 is the anchor
+    student_hidden = output.hidden_states.view(b, n, d + 1, -1)[:, :, 1:].reshape(b * n, d, -1)  # slot 0: anchor
+    # the target's logits over the head's draft vocabulary: with a reduced vocabulary its softmax restricted to the
+    # draft tokens (renormalised by the loss's log-softmax), so the head learns to rank exactly what it can draft
+    weight, bias = head.draft_lm_head()
     labels, summed = draft_labels(head, batch["labels"].view(b * n, d), kind)
-    total, _ = block_loss_terms(logits, teacher, labels, summed, kind, gamma)
+    total, _ = chunked_block_loss_terms(student_hidden, teacher_hidden, weight, bias, labels, summed, kind, gamma,
+                                        chunk_slots)
     count = (batch["labels"] != -100).sum().float()
-    return total, count, logits, teacher_hidden
+    return total, count, student_hidden, teacher_hidden
 
 
 class JetSpecTrainer(Trainer):
@@ -458,23 +473,26 @@ class JetSpecTrainer(Trainer):
         keys = inputs["sample_key"].tolist()
         lengths = attention_mask.sum(-1).tolist()
         cache, store = self._feature_cache, self.feature_store
-        rows = None
-        if store is not None and all(store.covers(key, length) for key, length in zip(keys, lengths)):
-            rows = [store.get(key, length) for key, length in zip(keys, lengths)]
-        if rows is None and cache is not None and all(key in cache for key in keys):
+        if store is not None and store.covers_all(keys, lengths):
+            features, final = store.get_batch(keys, lengths, width=input_ids.shape[1])  # one pass over the rows
+            return features.to(input_ids.device), final.to(input_ids.device)
+        if cache is not None and all(key in cache for key in keys):
             rows = [cache[key] for key in keys]
-        if rows is not None:
             width = input_ids.shape[1]
             features = torch.zeros(len(rows), width, rows[0][0].shape[-1], dtype=rows[0][0].dtype)
             final = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=rows[0][1].dtype)
             for i, (f, h) in enumerate(rows):
                 features[i, : len(f)], final[i, : len(h)] = f[:width], h[:width]
             return features.to(input_ids.device), final.to(input_ids.device)
+        head = unwrap_head(self.model)
         with torch.no_grad():
+            # only the layers the head reads are kept (the tuple holds None for the others); the final state is
+            # `last_hidden_state`
             out = self.target.get_decoder()(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                output_hidden_states=[i + 1 for i in head.config.target_layer_ids],
             )
-        features = unwrap_head(self.model).target_features(out.hidden_states)  # (B, L, k*H)
+        features = head.target_features(out.hidden_states)  # (B, L, k*H)
         final = out.last_hidden_state  # (B, L, H), what the target's LM head reads
         if cache is not None:
             for i, (key, length) in enumerate(zip(keys, lengths)):
@@ -492,15 +510,15 @@ class JetSpecTrainer(Trainer):
         convention for token-level losses). Evaluation (no `num_items_in_batch`) averages over the batch's slots.
         """
         features, final = self._target_states(inputs)
-        total, count, logits, teacher_hidden = distillation_terms(
-            model, inputs, features, final, self.args.loss, self.args.gamma
+        total, count, student_hidden, teacher_hidden = distillation_terms(
+            model, inputs, features, final, self.args.loss, self.args.gamma, self.args.loss_chunk_slots
         )
         if num_items_in_batch is not None:
             count = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=total.device)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 count = count / self.accelerator.num_processes
         loss = total / count if count > 0 else total * 0.0
-        return (loss, (logits, teacher_hidden)) if return_outputs else loss
+        return (loss, (student_hidden, teacher_hidden)) if return_outputs else loss
 
     # --------------------------------------------------------------------------------------------------- eval
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -510,15 +528,16 @@ class JetSpecTrainer(Trainer):
         `evaluation_loop` call `compute_metrics`.
         """
         with torch.no_grad():
-            loss, (logits, teacher_hidden) = self.compute_loss(model, inputs, return_outputs=True)
+            loss, (student_hidden, teacher_hidden) = self.compute_loss(model, inputs, return_outputs=True)
             if prediction_loss_only:
                 return loss.detach(), None, None
             head = unwrap_head(self.model)
             lm_head = head.target_lm_head()
+            chunk = self.args.loss_chunk_slots
             # agreement with the target's argmax over the full vocabulary: a token outside the draft vocabulary
             # counts as a miss, as it does when decoding
-            target_top = lm_head(teacher_hidden.to(lm_head.weight.dtype)).argmax(-1)  # (B*n, D)
-            draft_top = head.draft_to_target(logits.argmax(-1))  # (B*n, D)
+            target_top = chunked_argmax(teacher_hidden, lm_head.weight, getattr(lm_head, "bias", None), chunk)  # (B*n, D)
+            draft_top = head.draft_to_target(chunked_argmax(student_hidden, *head.draft_lm_head(), chunk))  # (B*n, D)
         b, n, d = inputs["labels"].shape
         slots = inputs["labels"] != -100  # (B, n, D)
         agree = (draft_top == target_top).view(b, n, d) & slots
