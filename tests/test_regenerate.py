@@ -399,3 +399,70 @@ def test_bad_scheduling_settings_raise(model, tokenizer, prompt_file, tmp_path, 
     with pytest.raises(ValueError, match=match):
         regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", **RUN, **bad)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------ prompts split over processes
+def rows_by_id(dataset) -> dict:
+    return {row["id"]: row for row in dataset}
+
+
+def test_two_shards_write_the_rows_of_one_process(model, tokenizer, prompt_file, tmp_path):
+    """Process i of 2 answers the prompts whose id hash is i mod 2, into its own part folder; reading (and packing)
+    the folder gives the union, which is the rows of one process: every prompt once, the same tokens (fp32 greedy
+    answers do not depend on which prompts shared a batch)."""
+    from training.answers import save_compact
+    from training.rows import load_compact
+
+    prompts = read_prompts(prompt_file)
+    regenerate(model, tokenizer, prompts, tmp_path / "one", **RUN)
+    sets = [regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=2, shard_index=i, **RUN)
+            for i in (0, 1)]
+    parts = [list(load_regenerated(tmp_path / "two" / f"part-0000{i}-of-00002")["id"]) for i in (0, 1)]
+    # a) disjoint, nonempty sets that cover every prompt
+    assert all(parts) and not set(parts[0]) & set(parts[1]) and [s["new_rows"] for s in sets] == [len(p) for p in parts]
+    assert sorted(parts[0] + parts[1]) == sorted(p["id"] for p in prompts)
+    # b) the union is the one-process rows, row for row
+    one, two = load_regenerated(tmp_path / "one"), load_regenerated(tmp_path / "two")
+    assert rows_by_id(two) == rows_by_id(one) and len(two) == 11
+    summary = save_compact(tmp_path / "two", tmp_path / "two.npz")
+    assert summary["rows"] == 11
+    assert rows_by_id(load_compact(tmp_path / "two.npz")) == rows_by_id(one.select_columns(["id", "input_ids",
+                                                                                           "prompt_length"]))
+    # c) a rerun of a set resumes (nothing left); another split of the same folder is refused
+    assert regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=2, shard_index=1, **RUN)["new_rows"] == 0
+    with pytest.raises(ValueError, match=r"expected .* rows split over num_shards=3 processes only, got rows split "
+                                         r"over \[2\]"):
+        regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=3, shard_index=0, **RUN)
+    with pytest.raises(ValueError, match=r"num_shards=1 processes only, got rows split over \[2\]"):
+        regenerate(model, tokenizer, prompts, tmp_path / "two", **RUN)
+    with pytest.raises(ValueError, match=r"num_shards=2 processes only, got rows split over \[1\]"):
+        regenerate(model, tokenizer, prompts, tmp_path / "one", num_shards=2, shard_index=0, **RUN)
+
+
+@pytest.mark.parametrize("shards, match", [
+    ({"num_shards": 0}, "expected num_shards to be a positive int"),
+    ({"num_shards": 2, "shard_index": 2}, r"expected shard_index in \[0, 2\)"),
+])
+def test_bad_shard_settings_raise(model, tokenizer, prompt_file, tmp_path, shards, match):
+    with pytest.raises(ValueError, match=match):
+        regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", **RUN, **shards)
+
+
+def test_regenerate_command_splits_by_hand_and_exports_the_union(model, tokenizer, prompt_file, tmp_path):
+    """`--num_shards 2 --shard_index i` on two machines sharing --out, then `--export_only` packs the union; a run
+    of one set refuses `--export`, which would pack a partial union."""
+    from training.regenerate import main
+    from training.rows import load_compact
+
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    command = ["--target", str(tmp_path / "tiny"), "--prompts", str(prompt_file), "--out", str(tmp_path / "out"),
+               "--max_new_tokens", "6", "--batch_size", "3", "--shard_size", "4", "--dtype", "float32"]
+    with pytest.raises(ValueError, match="run --export_only once every part is done"):
+        main(command + ["--num_shards", "2", "--shard_index", "0", "--export", str(tmp_path / "rows.npz")])
+    for index in ("0", "1"):
+        main(command + ["--num_shards", "2", "--shard_index", index])
+    main(command + ["--export_only", "--export", str(tmp_path / "rows.npz")])
+    regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "one", **RUN)
+    packed = load_compact(tmp_path / "rows.npz")
+    assert rows_by_id(packed) == rows_by_id(load_regenerated(tmp_path / "one").select_columns(packed.column_names))

@@ -5,11 +5,17 @@ predict at inference time, rather than that of whichever model wrote the origina
 dataset. Each prompt is formatted with the chat template shared by every method
 ([`jetspec.targets.apply_chat_template`]) and answered by plain `model.generate`.
 
-Output layout of `out_dir` (resumable, one writer at a time):
+The answers come from `model.generate` in this process, or from an OpenAI-compatible completions server (vLLM,
+SGLang, llama.cpp's server, TGI; [`training.completions.CompletionsServer`]) sent the same prompt token ids.
+
+Output layout of `out_dir` (resumable, one writer per folder):
 
 - `shard-00000.jsonl`, `shard-00001.jsonl`, ...: completed shards, each written
   atomically, one row per prompt: `{"id", "prompt", "input_ids", "prompt_length", "answer"}`.
 - `progress.json`: the generation settings, checked on restart, and a summary of the shards.
+- with the prompts split over K processes or machines (`num_shards=K`), none of these but one such folder per
+  process, `part-0000i-of-0000K/`: process i answers the prompts whose id hash ([`training.rows.row_key`]) is i
+  modulo K, disjoint sets whose union is every prompt. Reading the folder reads the union.
 
 `training/rows.py` reads such a folder back ([`training.rows.load_regenerated`]); [`save_compact`] packs it into the
 small `.npz` file that is committed.
@@ -34,14 +40,19 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from jetspec.targets import apply_chat_template
 
+from .completions import Completion, CompletionsServer
 from .feature_store import StoreWriter, stack_states
 from .rows import (
-    COMPACT_SUFFIX, MANIFEST_NAME, compact_ids, load_compact, load_regenerated, read_shard, row_key, shard_files,
+    COMPACT_SUFFIX, MANIFEST_NAME, PART_GLOB, compact_ids, load_compact, load_regenerated, part_folders, part_name,
+    read_shard, regenerated_folders, row_key, shard_files,
 )
 
 HUMAN_ROLES = ("human", "user")
 # may differ between the parts of one compact file
-SCHEDULING_SETTINGS = frozenset({"batch_size", "shard_size", "continuous", "sort_pool", "cache_implementation"})
+SCHEDULING_SETTINGS = frozenset(
+    {"batch_size", "shard_size", "continuous", "sort_pool", "cache_implementation", "concurrency"}
+)
+SERVER_DTYPE = "server"  # the `dtype` setting of rows a completions server wrote (its own kernels and weights)
 # what a manifest written before a setting existed ran with
 OLDER_SETTINGS = {"continuous": False, "sort_pool": 0, "cache_implementation": None}
 CACHE_IMPLEMENTATIONS = (None, "static")
@@ -272,8 +283,48 @@ def _generate_shard(
     return [rows[i] for i in range(len(shard))]
 
 
+def _server_shard(server: CompletionsServer, tokenizer: PreTrainedTokenizerBase, shard: list[dict[str, Any]], *,
+                  max_new_tokens: int, on_batch: Callable[[int, int], None]) -> list[dict[str, Any]]:
+    """Answers the prompts of one shard through the server, `server.concurrency` at a time; rows in the shard's
+    order, as [`_generate_shard`] writes them."""
+    rows = []
+    texts = [apply_chat_template(tokenizer, record["prompt"]) for record in shard]  # what prompt_ids tokenize
+    answers = server.complete_all([record["prompt_ids"] for record in shard], texts, max_new_tokens)
+    for record, completion in zip(shard, answers):
+        answer_ids = answer_token_ids(completion, tokenizer, max_new_tokens)
+        rows.append({
+            "id": record["id"],
+            "prompt": record["prompt"],
+            "input_ids": record["prompt_ids"] + answer_ids,
+            "prompt_length": len(record["prompt_ids"]),
+            "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
+        })
+        on_batch(1, len(answer_ids))
+    return rows
+
+
+def answer_token_ids(completion: Completion, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> list[int]:
+    """The answer's token ids as an in-process row holds them: up to and including its first EOS.
+
+    The server's own ids when it returned them; otherwise its text retokenized (a tokenizer may split decoded text
+    otherwise than the model wrote it), cut to `max_new_tokens`. An answer that stopped at an end-of-generation token
+    (`finish_reason == "stop"`; no stop strings are sent) ends with the tokenizer's EOS, as a generated row does; a
+    server that returns ids may or may not include it."""
+    eos = tokenizer.eos_token_id
+    if completion.token_ids is not None:
+        ids = list(completion.token_ids)
+    else:
+        ids = tokenizer(completion.text, add_special_tokens=False)["input_ids"][:max_new_tokens]
+    eos_ids = {eos} if eos is not None else set()
+    ids = _until_eos(ids, eos_ids)
+    stopped = completion.finish_reason == "stop" and not (ids and ids[-1] in eos_ids)
+    if stopped and eos is not None and len(ids) < max_new_tokens:
+        ids.append(eos)
+    return ids
+
+
 def regenerate(
-    model: PreTrainedModel,
+    model: Optional[PreTrainedModel],
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[dict[str, str]],
     out_dir: Union[str, os.PathLike],
@@ -289,14 +340,17 @@ def regenerate(
     continuous: bool = False,
     sort_pool: int = 0,
     cache_implementation: Optional[str] = None,
+    server: Optional[CompletionsServer] = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
 ) -> dict[str, Any]:
     """
     Answers every prompt with the target and writes the rows as shards in `out_dir`, resuming
     from the shards already there.
 
     Args:
-        model (`PreTrainedModel`):
-            The target causal LM, in eval mode.
+        model (`PreTrainedModel` or `None`):
+            The target causal LM, in eval mode; `None` with a `server`.
         tokenizer (`PreTrainedTokenizerBase`):
             Its tokenizer, with a chat template and a pad (or EOS) token.
         prompts (`list[dict[str, str]]`):
@@ -332,31 +386,55 @@ def regenerate(
         cache_implementation (`str`, *optional*):
             `"static"` preallocates each batch's KV cache instead of concatenating it at every step; `None` is
             `generate`'s default (dynamic).
+        server ([`training.completions.CompletionsServer`], *optional*):
+            Answer through this completions server instead of a model in this process: greedily, the prompt sent as
+            its token ids, `server.concurrency` requests at a time (no batches, feature store or sampling). The
+            answer's token ids are those the server returns, or its text retokenized by `tokenizer` (with the
+            tokenizer's EOS appended when the server stopped at one); the settings record which (`answer_ids`).
+        num_shards (`int`, *optional*, defaults to 1):
+            Split the prompts over this many processes or machines, each a disjoint set (by id hash); this call
+            answers set `shard_index` into `out_dir/part-<shard_index>-of-<num_shards>/`.
+        shard_index (`int`, *optional*, defaults to 0):
+            The set this call answers, in `[0, num_shards)`.
 
     Returns:
-        `dict[str, Any]`: `{"rows": rows in out_dir, "new_rows": rows written by this call,
-        "new_tokens": tokens generated by this call, "seconds": wall time of this call}`.
+        `dict[str, Any]`: `{"rows": rows in the folder this call writes (0 when no prompt falls in its set),
+        "new_rows": rows written by this call, "new_tokens": tokens generated by this call, "seconds": wall time of
+        this call}`.
     """
-    settings = _settings(
-        model, target=target, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-        sample_temperature=sample_temperature, shard_size=shard_size, continuous=continuous, sort_pool=sort_pool,
-        cache_implementation=cache_implementation,
-    )
+    prompt_ids = _PromptIds(tokenizer)
+    prompts = shard_prompts(prompts, num_shards, shard_index)
+    if not prompts:  # more processes than prompts left: this one has nothing to answer
+        return {"rows": 0, "new_rows": 0, "new_tokens": 0, "seconds": 0.0}
+    if server is None:
+        if model is None:
+            raise ValueError("expected a model to answer with, or a server, got neither")
+        settings = _settings(
+            model, target=target, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+            sample_temperature=sample_temperature, shard_size=shard_size, continuous=continuous, sort_pool=sort_pool,
+            cache_implementation=cache_implementation,
+        )
+    else:
+        _check_server_run(model, feature_store, continuous, sample_temperature, cache_implementation)
+        probe = (prompt_ids(prompts[0]), apply_chat_template(tokenizer, prompts[0]["prompt"]))
+        settings = _server_settings(server, probe, target=target, max_new_tokens=max_new_tokens, seed=seed,
+                                    shard_size=shard_size, sort_pool=sort_pool)
     if continuous and feature_store is not None:
         raise ValueError("expected either continuous=True or a feature_store, got both: continuous batching returns "
                          "no hidden states (build the store afterwards with training/feature_store.py)")
+    if num_shards > 1 and feature_store is not None:
+        raise ValueError(f"expected no feature_store with num_shards={num_shards} (one store has one writer), got "
+                         "one; build the store from the exported rows afterwards (training/feature_store.py)")
     pad_token_id = _pad_token_id(tokenizer)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shards, done_ids = _resume(out_dir, settings)
-    prompt_ids = _PromptIds(tokenizer)
+    folder = _part_folder(Path(out_dir), num_shards, shard_index)
+    shards, done_ids = _resume(folder, settings)
     pending = [record for record in _sort_pools(prompts, sort_pool, prompt_ids) if record["id"] not in done_ids]
-    _write_manifest(out_dir, settings, shards)
+    _write_manifest(folder, settings, shards)
     progress_bar = _Progress(len(pending), enabled=progress)
     try:
         _write_shards(
-            model, tokenizer, pending, out_dir, settings, shards, prompt_ids=prompt_ids, pad_token_id=pad_token_id,
-            feature_store=feature_store, on_batch=progress_bar.update,
+            model, tokenizer, pending, folder, settings, shards, prompt_ids=prompt_ids, pad_token_id=pad_token_id,
+            feature_store=feature_store, on_batch=progress_bar.update, server=server,
         )
     finally:
         progress_bar.close()
@@ -395,6 +473,69 @@ def _settings(model: PreTrainedModel, *, target: Optional[str], max_new_tokens: 
     }
 
 
+def _check_server_run(model: Optional[PreTrainedModel], feature_store: Optional[StoreWriter], continuous: bool,
+                      sample_temperature: float, cache_implementation: Optional[str]) -> None:
+    """A server answers greedily and alone: no model here, no hidden states, no batching settings of `generate`."""
+    if model is not None:
+        raise ValueError(f"expected either a model or a server to answer with, got both ({type(model).__name__})")
+    given = {"feature_store": feature_store is not None, "continuous": continuous,
+             "sample_temperature": sample_temperature != 0, "cache_implementation": cache_implementation is not None}
+    if any(given.values()):
+        raise ValueError(f"expected greedy decoding and none of {sorted(given)} with a server (they belong to "
+                         f"generate in this process), got {sorted(name for name, on in given.items() if on)}")
+
+
+def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *, target: Optional[str],
+                     max_new_tokens: int, seed: int, shard_size: int, sort_pool: int) -> dict[str, Any]:
+    """The settings of a run through a server, as recorded in `progress.json`: the served model's name, how prompts
+    are sent, and whether the answers' token ids are the server's own or retokenized from its text (asked with a
+    one-token answer to the `probe` prompt, its ids and text); the dtype is the server's (`"server"`), which no
+    in-process run shares."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("shard_size", shard_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected {name} to be a positive int, got {value!r}")
+    if not isinstance(sort_pool, int) or sort_pool < 0:
+        raise ValueError(f"expected sort_pool to be an int >= 0 (0 keeps the given order), got {sort_pool!r}")
+    return {
+        "target": target,
+        "dtype": SERVER_DTYPE,
+        "server_model": server.model,
+        "prompt_format": server.prompt_format,
+        "answer_ids": "server" if server.returns_token_ids(*probe) else "retokenized",
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "sample_temperature": 0.0,
+        "shard_size": shard_size,
+        "sort_pool": sort_pool,
+        "concurrency": server.concurrency,
+    }
+
+
+def shard_prompts(prompts: list[dict[str, str]], num_shards: int, shard_index: int) -> list[dict[str, str]]:
+    """The prompts set `shard_index` of `num_shards` answers, in their order: those whose id hash
+    ([`training.rows.row_key`]) is `shard_index` modulo `num_shards`. The sets are disjoint, cover every prompt,
+    and a prompt's set depends on its id only (not on the file's order or on which prompts are already done)."""
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"expected num_shards to be a positive int, got {num_shards!r}")
+    if not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
+        raise ValueError(f"expected shard_index in [0, {num_shards}), got {shard_index!r}")
+    return [record for record in prompts if row_key(record["id"]) % num_shards == shard_index]
+
+
+def _part_folder(out_dir: Path, num_shards: int, shard_index: int) -> Path:
+    """The folder this process writes (created): `out_dir` for one process, else its `part-*-of-*` subfolder. A
+    folder is split one way: parts of another count, or rows of one process beside parts, are refused."""
+    held = {int(path.name.rsplit("-of-", 1)[1]) for path in part_folders(out_dir)}
+    if out_dir in regenerated_folders(out_dir):
+        held.add(1)  # its own shards: one process
+    if held - {num_shards}:
+        raise ValueError(f"expected {out_dir} to hold rows split over num_shards={num_shards} processes only, got rows "
+                         f"split over {sorted(held)}; resume with the same num_shards, or use a fresh output folder")
+    folder = out_dir if num_shards == 1 else out_dir / part_name(shard_index, num_shards)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id left padding uses: the tokenizer's pad token, else its EOS."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -410,7 +551,8 @@ def _resume(out_dir: Path, settings: dict[str, Any]) -> tuple[list[dict[str, Any
     manifest_path = out_dir / MANIFEST_NAME
     if manifest_path.exists():
         # folders written before a scheduling setting existed ran without it
-        previous = {**OLDER_SETTINGS, **json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]}
+        saved = json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]
+        previous = saved if saved.get("dtype") == SERVER_DTYPE else {**OLDER_SETTINGS, **saved}
         if previous != settings:
             raise ValueError(
                 f"expected the settings of the run being resumed in {out_dir}, {previous}, got {settings}; "
@@ -478,9 +620,10 @@ class _Progress:
 def _write_shards(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pending: list[dict[str, str]], out_dir: Path,
     settings: dict[str, Any], shards: list[dict[str, Any]], *, prompt_ids: _PromptIds, pad_token_id: int,
-    feature_store: Optional[StoreWriter], on_batch: Callable[[int, int], None],
+    feature_store: Optional[StoreWriter], on_batch: Callable[[int, int], None], server: Optional[CompletionsServer],
 ) -> None:
-    """Answers the `pending` prompts shard by shard, appending each completed shard to `shards` and the manifest.
+    """Answers the `pending` prompts shard by shard (with `model`, or through `server`), appending each completed
+    shard to `shards` and the manifest.
 
     Shards are consecutive chunks of the pending prompts: after an interruption the completed shards form a prefix,
     so the remaining chunks are exactly those of an uninterrupted run. Shard `k` samples with seed `seed + k`.
@@ -489,25 +632,50 @@ def _write_shards(
         index = len(shards)
         shard = [{**record, "prompt_ids": prompt_ids(record)} for record in shard_records]
         torch.manual_seed(settings["seed"] + index)
-        rows = _generate_shard(
-            model,
-            tokenizer,
-            shard,
-            batch_size=settings["batch_size"],
-            max_new_tokens=settings["max_new_tokens"],
-            sample_temperature=settings["sample_temperature"],
-            pad_token_id=pad_token_id,
-            on_batch=on_batch,
-            capture_layers=None if feature_store is None else feature_store.meta["target_layer_ids"],
-            continuous=settings["continuous"],
-            cache_implementation=settings["cache_implementation"],
-        )
+        if server is not None:
+            rows = _server_shard(server, tokenizer, shard, max_new_tokens=settings["max_new_tokens"],
+                                 on_batch=on_batch)
+        else:
+            rows = _generate_shard(
+                model,
+                tokenizer,
+                shard,
+                batch_size=settings["batch_size"],
+                max_new_tokens=settings["max_new_tokens"],
+                sample_temperature=settings["sample_temperature"],
+                pad_token_id=pad_token_id,
+                on_batch=on_batch,
+                capture_layers=None if feature_store is None else feature_store.meta["target_layer_ids"],
+                continuous=settings["continuous"],
+                cache_implementation=settings["cache_implementation"],
+            )
         if feature_store is not None:
             feature_store.append([(row_key(row["id"]), row.pop("states")) for row in rows])
         path = out_dir / f"shard-{index:05d}.jsonl"
         _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         shards.append({"file": path.name, "rows": len(rows)})
         _write_manifest(out_dir, settings, shards)
+
+
+def folder_settings(out_dir: Union[str, os.PathLike]) -> dict[str, Any]:
+    """The regeneration settings of a regenerate folder (`progress.json`); of its first part when the prompts were
+    split over processes, after checking that every part ran with them (only scheduling settings may differ)."""
+    folders = regenerated_folders(out_dir)
+    if not folders:
+        raise ValueError(f"expected a regenerate folder ({MANIFEST_NAME}, or {PART_GLOB} folders holding one) in "
+                         f"{out_dir}, got none")
+    manifests = [folder / MANIFEST_NAME for folder in folders]
+    missing = [str(path) for path in manifests if not path.is_file()]
+    if missing:
+        raise ValueError(f"expected {MANIFEST_NAME} in every part of {out_dir}, missing {missing}")
+    every = [json.loads(path.read_text(encoding="utf-8"))["settings"] for path in manifests]
+    for folder, settings in zip(folders[1:], every[1:]):
+        differ = sorted(key for key in {*settings, *every[0]} - SCHEDULING_SETTINGS
+                        if settings.get(key) != every[0].get(key))
+        if differ:
+            raise ValueError(f"expected the parts of {out_dir} to share their settings, got {folder.name} differing "
+                             f"from {folders[0].name} in {differ}")
+    return every[0]
 
 
 def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]) -> dict[str, Any]:
@@ -529,7 +697,7 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     path = Path(path)
     if path.suffix != COMPACT_SUFFIX:
         raise ValueError(f"expected a {COMPACT_SUFFIX} file to write, got {path}")
-    settings = json.loads((Path(out_dir) / MANIFEST_NAME).read_text(encoding="utf-8"))["settings"]
+    settings = folder_settings(out_dir)
     previous_ids, previous_settings = compact_ids(path)
     # batching and sharding change how rows were scheduled, not what greedy decoding writes (bf16 may move a tie)
     same = [key for key in settings if key not in SCHEDULING_SETTINGS]

@@ -8,20 +8,38 @@ python -m training.regenerate --target smollm2-135m --prompts training/prompts/s
 ```
 
 Rerunning the same command resumes after the last completed shard.
+
+Through a serving engine (any OpenAI-compatible completions server; the prompts go as token ids formatted by the
+target's tokenizer, answers are greedy):
+
+```bash
+python -m training.regenerate --target smollm2-135m --prompts training/prompts/sharegpt_train.jsonl \
+    --out data/regen-server --server http://127.0.0.1:8000 --concurrency 32 --max_new_tokens 192
+```
+
+Split over processes or machines: `accelerate launch --num_processes 8 training/regenerate.py ...` gives each
+process one set of the prompts (its GPU in process, or `--server` per process), or `--num_shards K --shard_index i`
+by hand on K machines; `--export_only --export FILE.npz` on the shared `--out` then packs the union.
 """
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformers import HfArgumentParser
+if __package__ in (None, ""):  # run as a file (`accelerate launch training/regenerate.py`): the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jetspec.targets import load_target, resolve_dtype
-from modeling_jetspec.configuration_jetspec import default_target_layer_ids
+from accelerate import PartialState  # noqa: E402
+from transformers import AutoTokenizer, HfArgumentParser  # noqa: E402
 
-from .feature_store import StoreWriter, store_settings
-from .answers import read_prompts, regenerate, save_compact
-from .rows import compact_ids
+from jetspec.targets import SMOLLM2_ALIAS, load_target, resolve_dtype  # noqa: E402
+from modeling_jetspec.configuration_jetspec import default_target_layer_ids  # noqa: E402
+
+from training.answers import read_prompts, regenerate, save_compact  # noqa: E402
+from training.completions import CompletionsServer  # noqa: E402
+from training.feature_store import StoreWriter, store_settings  # noqa: E402
+from training.rows import compact_ids  # noqa: E402
 
 
 @dataclass
@@ -74,6 +92,29 @@ class RegenerateArguments:
         default=None,
         metadata={"help": "`static` preallocates each batch's KV cache; unset is generate's dynamic cache."},
     )
+    server: Optional[str] = field(
+        default=None,
+        metadata={"help": "Answer through this OpenAI-compatible completions server (vLLM, SGLang, llama.cpp, TGI), "
+                          "e.g. http://127.0.0.1:8000, instead of generate in this process (greedy; the target's "
+                          "tokenizer formats the prompts and sends them as token ids)."},
+    )
+    concurrency: int = field(default=8, metadata={"help": "With --server: requests in flight at once."})
+    server_prompt: str = field(
+        default="token_ids",
+        metadata={"help": "With --server: send prompts as `token_ids`, or as `text` for a server whose prompt takes "
+                          "text only (llama-cpp-python's), each checked to tokenize to our ids on the server first."},
+    )
+    server_model: Optional[str] = field(
+        default=None, metadata={"help": "With --server: the served model's name; defaults to the one it lists."}
+    )
+    num_shards: Optional[int] = field(
+        default=None,
+        metadata={"help": "Split the prompts over this many processes or machines (disjoint sets by id hash, each "
+                          "written to --out/part-i-of-K); defaults to accelerate's process count."},
+    )
+    shard_index: Optional[int] = field(
+        default=None, metadata={"help": "The set this process answers; defaults to accelerate's process index."}
+    )
     dtype: str = field(
         default="auto",
         metadata={"help": "Target weights: `auto` (bfloat16 on a GPU or a CPU with native bf16, else float32), "
@@ -81,8 +122,21 @@ class RegenerateArguments:
     )
 
 
+def target_tokenizer(target: str):
+    """The target's tokenizer alone (a server holds the weights): from the converted alias or `from_pretrained`."""
+    if target == SMOLLM2_ALIAS:
+        return load_target(target)[1]  # builds the alias's cache on first use; 135M weights, loaded in a second
+    return AutoTokenizer.from_pretrained(target)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     (args,) = HfArgumentParser(RegenerateArguments).parse_args_into_dataclasses(args=argv)
+    state = PartialState()
+    num_shards = state.num_processes if args.num_shards is None else args.num_shards
+    shard_index = state.process_index if args.shard_index is None else args.shard_index
+    if args.export is not None and not args.export_only and num_shards != state.num_processes:
+        raise ValueError(f"expected --export with --num_shards only under one launch of all {num_shards} processes, "
+                         f"got {state.num_processes}; run --export_only once every part is done")
     if args.export_only:
         if args.export is None:
             raise ValueError("expected --export FILE.npz with --export_only, got none")
@@ -103,13 +157,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not prompts:
             print(f"every prompt is already in {', '.join(skipped)}")
             return
-    dtype, reason = resolve_dtype(args.dtype)
-    print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason})")
-    model, tokenizer = load_target(args.target, dtype=dtype)
-    writer = None
-    if args.feature_store is not None:
-        layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
-        writer = StoreWriter(args.feature_store, store_settings(model, layers, args.feature_max_length, args.target))
+    model, server, writer = None, None, None
+    if args.server is not None:
+        server = CompletionsServer(args.server, concurrency=args.concurrency, model=args.server_model,
+                                   prompt_format=args.server_prompt)
+        tokenizer = target_tokenizer(args.target)
+        print(f"answering through {server.base} ({server.model}), {server.concurrency} requests at a time")
+    else:
+        dtype, reason = resolve_dtype(args.dtype)
+        print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason}) on {state.device}")
+        model, tokenizer = load_target(args.target, dtype=dtype)
+        model.to(state.device)  # each process its own accelerator
+        if args.feature_store is not None:
+            layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
+            writer = StoreWriter(args.feature_store, store_settings(model, layers, args.feature_max_length, args.target))
     stats = regenerate(
         model,
         tokenizer,
@@ -125,14 +186,21 @@ def main(argv: Optional[list[str]] = None) -> None:
         continuous=args.continuous,
         sort_pool=args.sort_pool,
         cache_implementation=args.cache_implementation,
+        server=server,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        progress=state.is_local_main_process,
     )
-    if args.export is not None:
-        summary = save_compact(args.out, args.export)
-        print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
+    part = f" (set {shard_index} of {num_shards})" if num_shards > 1 else ""
     print(
-        f"{stats['rows']} rows in {args.out} ({stats['new_rows']} new, {stats['new_tokens']} tokens "
+        f"{stats['rows']} rows in {args.out}{part} ({stats['new_rows']} new, {stats['new_tokens']} tokens "
         f"in {stats['seconds']:.0f} s, {stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s)"
     )
+    if args.export is not None:
+        state.wait_for_everyone()  # every part is done before the union is packed
+        if state.is_main_process:
+            summary = save_compact(args.out, args.export)
+            print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
 
 
 if __name__ == "__main__":

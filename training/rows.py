@@ -3,9 +3,14 @@
 A row is one prompt and the target's own answer: `id` (a string), `input_ids` (prompt then answer tokens) and
 `prompt_length`. Rows come in two forms, read alike:
 
-- a regenerate folder (`training/regenerate.py --out`): `shard-*.jsonl` files and `progress.json`;
+- a regenerate folder (`training/regenerate.py --out`): `shard-*.jsonl` files and `progress.json`, or, when the
+  prompts were split over K processes (`--num_shards K`), one such folder per process, `part-0000i-of-0000K/`;
 - a compact file (`regenerate.py --export`, `.npz`): token ids as uint16 (uint32 for vocabularies of 65,536 or more),
   one offset and prompt length per row, the row ids and the regeneration settings.
+
+Training also reads rows from `datasets` (a `save_to_disk` folder, a local jsonl / parquet file or a Hub dataset,
+streamed or not) holding the same columns ([`load_rows`]); a stream is split into training and held-out rows by the
+same id hash as a map-style dataset ([`split_train_eval`]).
 
 A row is known everywhere else (the feature store, the trainer's anchor draws, the held-out split) by its id only,
 so regenerating more data or reordering it never changes what a row trains or where it is held out.
@@ -14,21 +19,29 @@ This module imports nothing else of `training/`: the regeneration, the feature s
 it.
 """
 
+import functools
 import json
 import os
 import pickle
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import datasets
 import numpy as np
 
 MANIFEST_NAME = "progress.json"
 SHARD_GLOB = "shard-*.jsonl"
+PART_GLOB = "part-*-of-*"
 COMPACT_SUFFIX = ".npz"
 TRAINING_COLUMNS = ["id", "input_ids", "prompt_length"]
+TRAINING_FEATURES = datasets.Features(
+    {"id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int64")),
+     "prompt_length": datasets.Value("int64")}
+)
+# local data files training reads through `datasets.load_dataset`, by suffix
+DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 COMPACT_ARRAYS = ("tokens", "offsets", "prompt_length", "id")
 # what numpy raises for an empty, truncated or foreign file
 UNREADABLE = (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error, pickle.UnpicklingError)
@@ -43,6 +56,23 @@ def row_key(row_id) -> int:
 def shard_files(out_dir: Union[str, os.PathLike]) -> list[Path]:
     """The shard files of a regenerate folder, in order."""
     return sorted(Path(out_dir).glob(SHARD_GLOB))
+
+
+def part_name(shard_index: int, num_shards: int) -> str:
+    """The subfolder of a regenerate folder that process `shard_index` of `num_shards` writes."""
+    return f"part-{shard_index:05d}-of-{num_shards:05d}"
+
+
+def part_folders(out_dir: Union[str, os.PathLike]) -> list[Path]:
+    """The per-process subfolders of a regenerate folder (`part-*-of-*`), in process order."""
+    return sorted(path for path in Path(out_dir).glob(PART_GLOB) if path.is_dir())
+
+
+def regenerated_folders(out_dir: Union[str, os.PathLike]) -> list[Path]:
+    """The folders holding the rows of a regenerate folder: itself (one process) and its per-process parts."""
+    out_dir = Path(out_dir)
+    own = shard_files(out_dir) or (out_dir / MANIFEST_NAME).is_file()
+    return ([out_dir] if own else []) + part_folders(out_dir)
 
 
 def read_shard(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
@@ -65,7 +95,8 @@ def read_shard(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
 
 def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
     """
-    Loads the rows of a regenerate folder as one dataset, in shard order.
+    Loads the rows of a regenerate folder as one dataset, in shard order: its own shards, then those of each of its
+    per-process parts in process order (the union of the prompts split over processes).
 
     Args:
         out_dir (`str` or `os.PathLike`):
@@ -75,12 +106,19 @@ def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
         `datasets.Dataset`: columns `id` (`str`), `prompt` (`str`), `input_ids` (`list[int]`, prompt then
         answer tokens), `prompt_length` (`int`) and `answer` (`str`).
     """
-    files = shard_files(out_dir)
+    files = [path for folder in regenerated_folders(out_dir) for path in shard_files(folder)]
     if not files:
-        raise ValueError(f"expected {SHARD_GLOB} files from regenerate in {out_dir}, got none")
+        raise ValueError(f"expected {SHARD_GLOB} files from regenerate in {out_dir} (or in its {PART_GLOB} "
+                         "folders), got none")
     rows = [row for path in files for row in read_shard(path)]
     if not rows:
         raise ValueError(f"expected regenerated rows in {out_dir}, got an empty dataset ({len(files)} empty shards)")
+    seen: set[str] = set()
+    for row in rows:
+        if row["id"] in seen:
+            raise ValueError(f"expected each row once in {out_dir}, got id {row['id']!r} twice (parts of one folder "
+                             "hold disjoint prompts)")
+        seen.add(row["id"])
     features = datasets.Features(
         {
             "id": datasets.Value("string"),
@@ -160,35 +198,140 @@ def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
     return datasets.Dataset.from_dict(rows, features=features)
 
 
-def load_source(source: Union[str, os.PathLike]) -> datasets.Dataset:
-    """Regenerated rows from either form: a compact file ([`load_compact`], `.npz`) or a regenerate folder of shards
-    ([`load_regenerated`])."""
-    return load_compact(source) if str(source).endswith(COMPACT_SUFFIX) else load_regenerated(source)
+def load_source(source: Union[str, os.PathLike], streaming: bool = False):
+    """
+    The rows of one source, as `datasets` reads it, in its own row order.
+
+    Args:
+        source (`str` or `os.PathLike`):
+            A compact file ([`load_compact`], `.npz`); a regenerate folder ([`load_regenerated`]); a folder written
+            by `save_to_disk` (a `Dataset`, or a `DatasetDict` with a `train` split); a local `.jsonl`, `.json` or
+            `.parquet` file; or, when no such path exists, a Hub dataset id (its `train` split), as
+            `datasets.load_dataset` resolves names.
+        streaming (`bool`, *optional*, defaults to `False`):
+            Return an `IterableDataset`: data files and Hub datasets are then read as they are iterated, never
+            loaded whole; the other forms are read and then iterated.
+
+    Returns:
+        `datasets.Dataset` or `datasets.IterableDataset`.
+    """
+    path = Path(source)
+    if str(source).endswith(COMPACT_SUFFIX):
+        dataset = load_compact(path)
+    elif path.is_dir() and not _saved_dataset(path):
+        dataset = load_regenerated(path)  # also names the folder when it holds neither form
+    elif path.is_dir():
+        dataset = datasets.load_from_disk(str(path))
+        if isinstance(dataset, datasets.DatasetDict):
+            if "train" not in dataset:
+                raise ValueError(f"expected a `train` split in the DatasetDict saved in {path}, got {list(dataset)}")
+            dataset = dataset["train"]
+    elif path.is_file():
+        builder = DATA_FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"expected a data file ending in {sorted(DATA_FILE_BUILDERS)} or {COMPACT_SUFFIX}, "
+                             f"got {path}")
+        return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
+    else:
+        return _load_hub(str(source), streaming)
+    return dataset.to_iterable_dataset() if streaming else dataset
 
 
-def load_rows(sources: list) -> datasets.Dataset:
-    """The training columns (`id`, `input_ids`, `prompt_length`) of every source, concatenated in order."""
+def _saved_dataset(path: Path) -> bool:
+    """Whether `path` holds what `save_to_disk` writes (a `Dataset` or a `DatasetDict`)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _load_hub(name: str, streaming: bool):
+    """The `train` split of Hub dataset `name`; a `ValueError` saying that `name` is no local path either."""
+    try:
+        return datasets.load_dataset(name, split="train", streaming=streaming)
+    except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError, ConnectionError) as error:
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        raise ValueError(f"expected a local data folder or file, or a Hub dataset id, got {name!r}, which is no "
+                         f"local path and which the Hub does not serve ({reason})") from None
+
+
+def load_rows(sources: list, streaming: bool = False):
+    """
+    The training columns (`id`, `input_ids`, `prompt_length`) of every source ([`load_source`]), concatenated in
+    order.
+
+    Args:
+        sources (`list`): the sources.
+        streaming (`bool`, *optional*, defaults to `False`): an `IterableDataset` instead of a `Dataset`.
+
+    Returns:
+        `datasets.Dataset` or `datasets.IterableDataset` with the features [`TRAINING_FEATURES`].
+    """
     if not sources:
         raise ValueError("expected at least one regenerated data source, got none")
-    parts = [load_source(source).select_columns(TRAINING_COLUMNS) for source in sources]
+    parts = [_training_columns(load_source(source, streaming), source) for source in sources]
     dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    if len(dataset) == 0:
+    empty = next(iter(dataset.take(1)), None) is None if streaming else len(dataset) == 0
+    if empty:
         raise ValueError(f"expected regenerated rows in {list(sources)}, got an empty dataset")
     return dataset
 
 
-def split_train_eval(dataset: datasets.Dataset, eval_fraction: float, seed: int):
-    """`(train, eval)`: the rows whose seeded id hash falls below `eval_fraction` are held out (at least one; None if
-    0). A row's side depends only on its id and the seed, so data regenerated later never moves a held-out row into
-    training (a random split of the grown dataset would)."""
-    if len(dataset) == 0:
-        raise ValueError("expected a non-empty training dataset, got an empty dataset")
+def _training_columns(dataset, source):
+    """`dataset` reduced to the training columns, cast to [`TRAINING_FEATURES`] (so that sources concatenate); a
+    `ValueError` naming `source` when one of them is missing. A stream whose features are unknown until read (a
+    streamed json file) shows its columns in its first row."""
+    columns = dataset.column_names
+    if columns is None:
+        first = next(iter(dataset.take(1)), {})
+        columns = list(first)
+    missing = [name for name in TRAINING_COLUMNS if name not in columns]
+    if missing:
+        raise ValueError(f"expected the columns {TRAINING_COLUMNS} in {source}, got {sorted(columns)} (missing "
+                         f"{missing})")
+    dataset = dataset.select_columns(TRAINING_COLUMNS)
+    return dataset if dataset.features == TRAINING_FEATURES else dataset.cast(TRAINING_FEATURES)
+
+
+def _row_name(row: dict) -> str:
+    """What a row is hashed by for the split: its id (its token ids for rows without one)."""
+    return str(row["id"]) if "id" in row else str(row["input_ids"])
+
+
+def _held_draw(name: str, seed: int) -> float:
+    """A uniform draw in [0, 1) fixed by the row's name and the seed: rows below `eval_fraction` are held out."""
+    return zlib.crc32(f"{seed}:{name}".encode("utf-8")) / 2**32
+
+
+def _is_training_row(row: dict, eval_fraction: float, seed: int, forced: Optional[str]) -> bool:
+    name = _row_name(row)
+    return _held_draw(name, seed) >= eval_fraction and name != forced
+
+
+def split_train_eval(dataset, eval_fraction: float, seed: int, stream_eval_rows: int = 1000):
+    """
+    `(train, eval)`: the rows whose seeded id hash falls below `eval_fraction` are held out (at least one; eval is
+    None for 0). A row's side depends only on its id and the seed, so data regenerated later never moves a held-out
+    row into training (a random split of the grown dataset would).
+
+    Args:
+        dataset (`datasets.Dataset` or `datasets.IterableDataset`): the rows.
+        eval_fraction (`float`): the share held out, in [0, 1).
+        seed (`int`): the seed of the hash.
+        stream_eval_rows (`int`, *optional*, defaults to 1000): for an `IterableDataset`, the evaluation set holds
+            the first this many held-out rows of the stream (read once, here), as a `Dataset`; the other held-out
+            rows are read past in training and never trained on. The training rows stay a stream (filtered).
+
+    Returns:
+        `(train, eval)`: `train` of the kind of `dataset`, `eval` a `datasets.Dataset` or None.
+    """
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"expected eval_fraction in [0, 1), got {eval_fraction}")
+    if isinstance(dataset, datasets.IterableDataset):
+        return _split_stream(dataset, eval_fraction, seed, stream_eval_rows)
+    if len(dataset) == 0:
+        raise ValueError("expected a non-empty training dataset, got an empty dataset")
     if eval_fraction == 0:
         return dataset, None
     names = dataset["id"] if "id" in dataset.column_names else [str(ids) for ids in dataset["input_ids"]]
-    draws = [zlib.crc32(f"{seed}:{name}".encode("utf-8")) / 2**32 for name in names]
+    draws = [_held_draw(name, seed) for name in names]
     held = [i for i, u in enumerate(draws) if u < eval_fraction] or [int(np.argmin(draws))]
     if len(held) >= len(dataset):
         raise ValueError(
@@ -197,3 +340,39 @@ def split_train_eval(dataset: datasets.Dataset, eval_fraction: float, seed: int)
         )
     held_set = set(held)
     return dataset.select([i for i in range(len(dataset)) if i not in held_set]), dataset.select(held)
+
+
+def _split_stream(stream: datasets.IterableDataset, eval_fraction: float, seed: int, eval_rows: int):
+    """[`split_train_eval`] of a stream: the held-out rows are collected from its start (until `eval_rows` are found,
+    or, when none is, the whole stream is read and its lowest draw is held out, as for a map-style dataset)."""
+    if not isinstance(eval_rows, int) or eval_rows < 1:
+        raise ValueError(f"expected stream_eval_rows to be a positive int, got {eval_rows!r}")
+    if eval_fraction == 0:
+        return stream, None
+    held, lowest = [], None
+    for row in stream:
+        draw = _held_draw(_row_name(row), seed)
+        if draw < eval_fraction:
+            held.append(row)
+            if len(held) == eval_rows:
+                break
+        elif not held and (lowest is None or draw < lowest[0]):
+            lowest = (draw, row)
+    if not held and lowest is None:
+        raise ValueError("expected a non-empty training stream, got an empty one")
+    forced = None
+    if not held:
+        held, forced = [lowest[1]], _row_name(lowest[1])
+    train = stream.filter(functools.partial(_is_training_row, eval_fraction=eval_fraction, seed=seed, forced=forced))
+    if next(iter(train.take(1)), None) is None:
+        raise ValueError(f"expected a stream with rows left for training after eval_fraction={eval_fraction}, got "
+                         f"only the {len(held)} held-out rows")
+    return train, datasets.Dataset.from_list(held, features=stream.features)
+
+
+def first_rows(dataset, count: int) -> datasets.Dataset:
+    """The first `count` rows (fewer when there are fewer) of a `Dataset` or an `IterableDataset`, as a `Dataset`:
+    what needs random access (the lookup prior's sample, the draft vocabulary's counts) reads a stream's head."""
+    if isinstance(dataset, datasets.IterableDataset):
+        return datasets.Dataset.from_list(list(dataset.take(count)), features=dataset.features)
+    return dataset.select(range(min(count, len(dataset))))

@@ -34,6 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: the repository root, as `python -m` would have it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import datasets  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
@@ -45,11 +46,12 @@ from modeling_jetspec.configuration_jetspec import BLOCK_ATTENTIONS  # noqa: E40
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
-from training.rows import load_rows, split_train_eval  # noqa: E402
+from training.rows import first_rows, load_rows, split_train_eval  # noqa: E402
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import JetSpecTrainer, JetSpecTrainingArguments, unwrap_head  # noqa: E402
 
 LOOKUP_PRIOR_ROWS = 1000  # training rows the lookup prior is measured on (about 5 s per 1,000 rows)
+DRAFT_VOCAB_ROWS = 1_000_000  # training rows whose answer tokens choose a draft vocabulary (a stream's first ones)
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 LOSS_NAMES = {
     "fkl": "forward KL(p_target || q_draft) on every MASK slot (soft labels)",
@@ -150,11 +152,24 @@ class DataArguments:
 
     data: list[str] = field(
         default_factory=lambda: ["data/regen"],
-        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), or compact .npz files from "
-                          "`regenerate.py --export`; concatenated in order."},
+        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), compact .npz files from "
+                          "`regenerate.py --export`, save_to_disk folders, local .jsonl / .parquet files or Hub "
+                          "dataset ids, with columns id, input_ids and prompt_length; concatenated in order."},
+    )
+    streaming: bool = field(
+        default=False,
+        metadata={"help": "Read the data as a datasets IterableDataset (data files and Hub datasets are never loaded "
+                          "whole); needs --max_steps. Training rows are shuffled in a buffer of shuffle_buffer rows."},
+    )
+    shuffle_buffer: int = field(
+        default=10_000, metadata={"help": "With --streaming: rows of the shuffle buffer (0 keeps the stream's order)."}
     )
     eval_fraction: float = field(
         default=0.02, metadata={"help": "Fraction of the rows held out for evaluation (at least one if > 0)."}
+    )
+    stream_eval_rows: int = field(
+        default=1000,
+        metadata={"help": "With --streaming: evaluate on the first this many held-out rows of the stream."},
     )
     feature_store: str | None = field(
         default=None,
@@ -169,6 +184,10 @@ class DataArguments:
             raise ValueError("expected at least one data folder, got none")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"expected eval_fraction in [0, 1), got {self.eval_fraction}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"expected shuffle_buffer >= 0 (0 keeps the stream's order), got {self.shuffle_buffer}")
+        if self.stream_eval_rows < 1:
+            raise ValueError(f"expected stream_eval_rows >= 1, got {self.stream_eval_rows}")
 
 
 ARGUMENTS = (HeadArguments, DataArguments, JetSpecTrainingArguments)
@@ -291,8 +310,33 @@ def build_head(head_args: HeadArguments, target, block_size: int | None = None, 
 
 
 def load_data(data_args: DataArguments, seed: int):
-    """`(train, eval)` datasets of the regenerated rows `data_args.data` (eval is None without a held-out split)."""
-    return split_train_eval(load_rows(data_args.data), data_args.eval_fraction, seed)
+    """`(train, eval)` datasets of the regenerated rows `data_args.data` (eval is None without a held-out split).
+    Streamed, `train` is an `IterableDataset` (shuffled in a buffer) and `eval` the stream's first held-out rows."""
+    train, held_out = split_train_eval(load_rows(data_args.data, streaming=data_args.streaming),
+                                       data_args.eval_fraction, seed, data_args.stream_eval_rows)
+    if data_args.streaming and data_args.shuffle_buffer > 0:
+        train = train.shuffle(seed=seed, buffer_size=data_args.shuffle_buffer)
+    return train, held_out
+
+
+def check_streaming(data_args: DataArguments, args: JetSpecTrainingArguments) -> None:
+    """A stream has no length: the run needs `max_steps`. Its batches are collated on each process (accelerate's
+    default for an iterable dataset, dispatching batches from the main process, would concatenate batches padded
+    to different widths)."""
+    if not data_args.streaming:
+        return
+    if args.max_steps is None or args.max_steps <= 0:
+        raise ValueError(f"expected --max_steps > 0 with --streaming (a stream has no length to count epochs by), "
+                         f"got {args.max_steps}")
+    if args.accelerator_config.dispatch_batches:
+        raise ValueError("expected accelerator_config dispatch_batches unset or false with --streaming (each process "
+                         "collates its own rows), got true")
+    args.accelerator_config.dispatch_batches = False
+
+
+def describe_rows(dataset) -> str:
+    """The row count of a dataset for logs and the card; `streamed` for a stream, which has none."""
+    return "streamed" if isinstance(dataset, datasets.IterableDataset) else str(len(dataset))
 
 
 def measure_tau(head, target, rows, max_new_tokens: int) -> dict:
@@ -360,6 +404,7 @@ def main(argv=None, callbacks=None) -> dict:
         raise ValueError("expected --hub_model_id org/name with --push_to_hub, got none")
     args.push_to_hub = False  # Trainer's own push misses custom_generate/ and adds checkpoints: we ship ourselves
     checkpoint = resolve_checkpoint(args)
+    check_streaming(data_args, args)
     # everything that needs no target is read and checked before the target loads (minutes for a large one)
     train_set, eval_set = load_data(data_args, args.seed)
     store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
@@ -372,8 +417,8 @@ def main(argv=None, callbacks=None) -> dict:
     head.to(torch.float32)  # the head trains in float32 whatever the target's dtype
     coverage = None
     if head_args.draft_vocab_size is not None and checkpoint is None and head_args.init_head is None:
-        ids, coverage = frequent_tokens(answer_token_counts(train_set), head_args.draft_vocab_size,
-                                        head.config.vocab_size)
+        counts = answer_token_counts(first_rows(train_set, DRAFT_VOCAB_ROWS))
+        ids, coverage = frequent_tokens(counts, head_args.draft_vocab_size, head.config.vocab_size)
         unwrap_head(head).set_draft_vocab(ids)
         print(f"jetspec: draft vocabulary of {len(ids)} tokens covers {coverage:.2%} of the training answers' tokens")
     trainer = JetSpecTrainer(
@@ -381,7 +426,7 @@ def main(argv=None, callbacks=None) -> dict:
         target=target, feature_store=store, callbacks=callbacks,
     )
     if trainer.is_world_process_zero():
-        print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {len(train_set)}")
+        print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {describe_rows(train_set)}")
     result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = dict(result.metrics)
     if coverage is not None:
@@ -412,7 +457,7 @@ def ship(trainer, head_args: HeadArguments, data_args: DataArguments, args: JetS
     if head_args.use_lora:
         final = trainer.model.merge_and_unload()  # a plain head: the Hub folder needs no peft to load
     # the odds of prompt-lookup chains on the target's own answers: the head scores its lookup branch with them
-    sample = train_set.select(range(min(LOOKUP_PRIOR_ROWS, len(train_set))))
+    sample = first_rows(train_set, LOOKUP_PRIOR_ROWS)  # a stream's first rows
     depth = max(final.config.tree_depth, final.config.tree_lookup)
     lookup = measure_lookup_prior(zip(sample["input_ids"], sample["prompt_length"]), depth)
     if lookup["prior"] is not None:
@@ -437,7 +482,7 @@ def ship(trainer, head_args: HeadArguments, data_args: DataArguments, args: JetS
         training_data=", ".join(data_args.data) + " (prompts answered by the target itself, greedy)",
         loss=LOSS_NAMES[args.loss] + gamma,
         steps=trainer.state.global_step,
-        num_train_rows=len(train_set),
+        num_train_rows=describe_rows(train_set),
         num_eval_rows=len(eval_set) if eval_set is not None else 0,
         tau_table=tau_table(metrics, measured),
         licence="Apache-2.0 for the head's weights and code. The target's own licence governs the target.",

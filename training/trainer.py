@@ -429,7 +429,8 @@ class JetSpecTrainer(Trainer):
             )
         for name in ("train_dataset", "eval_dataset"):
             dataset = kwargs.get(name)
-            if dataset is not None and len(dataset) == 0:
+            # a stream (`IterableDataset`) has no length; run_trainer checks that it yields a row
+            if dataset is not None and not isinstance(dataset, torch.utils.data.IterableDataset) and len(dataset) == 0:
                 raise ValueError(f"expected a non-empty {name}, got an empty dataset")
         pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
         collator = JetSpecCollator(
