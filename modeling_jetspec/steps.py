@@ -95,7 +95,7 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
     block = torch.full((b, length), head.config.mask_id, dtype=torch.long, device=device)
     block[:, 0] = anchor
     positions = anchor_position + torch.arange(length, device=device).expand(b, length)
-    return head(block, positions, context=context).logits[:, 1 : depth + 1]
+    return head.draft(block, positions, context).logits[:, 1 : depth + 1]
 
 
 def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: list | None = None,
@@ -417,7 +417,7 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     inner[:, n + 1 :, : n + 1] = trees.ancestors[:, 1:]  # probe j sees what node j sees, node j included
     inner[:, n + 1 :, n + 1 :] = torch.eye(n, dtype=torch.bool, device=device)
     mask = torch.cat([state.context.valid[:, None, :].expand(a, t, -1), inner], dim=-1)[:, None]  # (A, 1, t, S+t)
-    out = head(inputs, positions, attention_mask=mask, context=state.context)
+    out = head.draft(inputs, positions, state.context, attention_mask=mask)
     logp = torch.log_softmax(out.logits[:, n + 1 :], dim=-1)  # (A, n, V_draft)
     probe_lp, probe_tok = logp.topk(shape.width, dim=-1)  # (A, n, W)
     probe_tok = head.draft_to_target(probe_tok)  # (A, n, W) target ids
