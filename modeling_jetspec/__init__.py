@@ -5,7 +5,7 @@ from transformers import AutoConfig, AutoModel
 from .candidate_generator import JetSpecCandidateGenerator, chain_generate
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .state import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
-from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput
+from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput, stack_target_states
 from .integration import install_generate_hook, uninstall_generate_hook
 from .tree import Tree, ancestor_mask, build_tree, marginal_children
 
@@ -29,5 +29,6 @@ __all__ = [
     "install_generate_hook",
     "marginal_children",
     "resolve_tree_shape",
+    "stack_target_states",
     "uninstall_generate_hook",
 ]

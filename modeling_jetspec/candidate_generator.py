@@ -185,7 +185,7 @@ def dflash_forward(head, noise_embeds: torch.Tensor, context_hidden_states: torc
     embeds = noise_embeds.to(head.dtype)
     if head.config.mask_source == "head":  # slots 1.. are MASK: the head's trained vector, not the target's row
         embeds = torch.cat([embeds[:, :1], head.mask_embedding.to(embeds.dtype).expand(1, block - 1, -1)], dim=1)
-    out = head(inputs_embeds=embeds, position_ids=positions[:, fresh:], context=context, return_logits=False)
+    out = head.draft(None, positions[:, fresh:], context, inputs_embeds=embeds, return_logits=False)
     return BaseModelOutput(last_hidden_state=out.hidden_states)
 
 
@@ -197,7 +197,7 @@ def chain_generate(model, input_ids, logits_processor, stopping_criteria, genera
     `target.generate(**inputs)` (batch 1; transformers' loop verifies every candidate), drafting with `head`.
     `jetspec_depth` / `jetspec_lookup` override the head's `tree_depth` / `tree_lookup`. The generator of the latest
     call is left on `head.last_candidate_generator` (its `sources` say which chain each round proposed and how many
-    of its tokens were accepted).
+    of its tokens were accepted); its context (the head's keys/values) is released when the call ends.
     """
     if jetspec_head is None:
         raise ValueError("expected jetspec_head=<a JetSpecDraftModel> with custom_generate=chain_generate, got none")
@@ -205,7 +205,10 @@ def chain_generate(model, input_ids, logits_processor, stopping_criteria, genera
         jetspec_head, model, generation_config, logits_processor, depth=jetspec_depth, lookup=jetspec_lookup
     )
     jetspec_head.last_candidate_generator = generator
-    return assisted_decoding_with(
-        model, generator, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
-        **model_kwargs,
-    )
+    try:
+        return assisted_decoding_with(
+            model, generator, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+            **model_kwargs,
+        )
+    finally:
+        generator.context = None  # the head's keys/values of this call go with it; `sources` stay to read

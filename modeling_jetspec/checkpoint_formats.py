@@ -130,6 +130,23 @@ def _reference_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def check_foreign_field_types(config: dict):
+    """Raise a `ValueError` naming the first field of a dflash / muse `config.json` dict of the wrong type, before
+    any of it is converted: `dflash_config` a dict, `mask_token_id`, `block_size` and `num_target_layers` ints,
+    `target_layer_ids` a list of ints (each in `dflash_config` or at the top level)."""
+    extra = config.get("dflash_config")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"expected dflash_config to be a dict, got {type(extra).__name__} {extra!r}")
+    for name in ("mask_token_id", "block_size", "num_target_layers"):
+        value = _field(config, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"expected {name} to be an int, got {type(value).__name__} {value!r}")
+    ids = _field(config, "target_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                              for i in ids)):
+        raise ValueError(f"expected target_layer_ids to be a list of ints, got {ids!r}")
+
+
 def _field(config: dict, name: str, default=None):
     """`dflash_config.<name>` first, then the top level: the DFlash loaders' order."""
     return (config.get("dflash_config") or {}).get(name, config.get(name, default))
@@ -357,6 +374,7 @@ def import_checkpoint(load, path, checkpoint_format: str, config: dict, kwargs: 
     loading options (`dtype`, `device_map`, ...), passed on, and any [`JetSpecConfig`] field, which overrides the
     converted config (e.g. `target_num_hidden_layers` when the checkpoint lacks `num_target_layers`).
     """
+    check_foreign_field_types(config)
     overrides, options = split_import_options(kwargs, checkpoint_format)
     mask_embedding = read_mask_embedding(path, options, _field(config, "mask_token_id"))
     converted = JetSpecConfig(**jetspec_fields(config, checkpoint_format, mask_embedding is not None, overrides))

@@ -47,8 +47,9 @@ def _is_number(value) -> bool:
 
 
 def check_field_types(fields: dict):
-    """Raise a `ValueError` naming the first field of `fields` (config field name -> value) of the wrong type or out
-    of its range; checks that relate several fields come later (`JetSpecConfig._validate`)."""
+    """Raise a `ValueError` naming the first field of `fields` (config field name -> value; names it does not check
+    are ignored) of the wrong type or out of its range; checks that relate several fields come later
+    (`JetSpecConfig._validate`)."""
 
     def refuse(name, expected):
         raise ValueError(f"expected {name} to be {expected}, got {fields[name]!r}")
@@ -223,25 +224,9 @@ class JetSpecConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         **kwargs,
     ):
-        check_field_types(
-            dict(
-                vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                num_key_value_heads=num_key_value_heads, head_dim=head_dim, rms_norm_eps=rms_norm_eps,
-                rope_theta=rope_theta, rope_parameters=rope_parameters, max_position_embeddings=max_position_embeddings,
-                target_hidden_size=target_hidden_size, target_num_hidden_layers=target_num_hidden_layers,
-                target_layer_ids=target_layer_ids, block_size=block_size, mask_token_id=mask_token_id,
-                dflash_mask_token_id=dflash_mask_token_id, tree_depth=tree_depth, path_conditioning=path_conditioning,
-                draft_vocab_size=draft_vocab_size, last_context_input=last_context_input, layer_types=layer_types,
-                sliding_window=sliding_window, layer_block_attention=layer_block_attention,
-                initializer_range=initializer_range,
-            )
-        )
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
+        check_field_types(locals())  # the typed fields, by name, before anything is derived from them
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
         self.rms_norm_eps = rms_norm_eps

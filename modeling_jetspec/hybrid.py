@@ -12,11 +12,14 @@ targets, chosen per call with `tree_verify`:
   window, as transformers' `LinearAttentionCacheLayerMixin.crop` does, per row. A recurrent state has no recording
   (`Cache.is_croppable` is False): a row that rejected part of its path is replayed from the state before the round
   over its accepted tokens, one forward per distinct accepted length.
-- "tree" (`mode="tree"`): the whole tree, scanned depth by depth. Every node's forward starts from its parent's
-  recurrent and convolution states (the row's own for the root) and is batched over all nodes of one depth, so each
-  node is a one-token decode step like plain decoding's; attention layers see the row's past and the node's
-  ancestors under the tree-causal mask. After acceptance the deepest accepted node's states become the row's.
-  It costs depth + 1 target forwards per round instead of one.
+- "tree" (`mode="tree"`): the whole tree, scanned depth by depth. Every node's root-to-node path runs in one forward
+  from its row's recurrent and convolution states before the round, batched over the nodes of one depth, in chunks
+  of at least the batch's size (more while their copies of the states stay small); attention layers see the row's
+  past and the path under the causal mask. No node keeps its states, so memory grows with a chunk, not with the
+  tree (a Qwen3.5 state is megabytes per row and layer). After acceptance a row keeps its root's states, or, where
+  it accepted more, runs its accepted path once more from the states before the round (one forward per distinct
+  accepted length). It costs depth + 1 target forwards per round (more chunks where states are large) plus those
+  reruns, instead of one.
 
 "auto" is "chain": a round of the tree scan costs depth + 1 sequential forwards, a chain one or two, and at batch 1 a
 forward's time is mostly reading the weights, whatever its width; the scan pays only where a tree's tau exceeds the
@@ -46,13 +49,16 @@ from .compat import (
     stop_past_recording,
 )
 from .state import Acceptance, DraftTrees, RoundState
-from .steps import compact, keep_accepted_entries, prefill
+from .steps import compact, keep_accepted_entries, logits_to_keep, prefill
 from .tree import verification_mask
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # keys/values; windows are applied by the mask
 STATE_LAYER_TYPES = ("linear_attention", "conv")  # a recurrent and/or convolution state per row
 CACHELESS_LAYER_TYPES = ("moe", "mlp")  # no token mixing, nothing cached (Nemotron-H's MoE layers)
 TREE_VERIFY = ("auto", "tree", "chain")
+# the tree scan's forwards take at least the batch's nodes at a time, more while their copies of linear states and past
+# keys/values stay under this size
+SCAN_CHUNK_BYTES = 16 * 2**20
 
 
 def layer_types(target) -> list:
@@ -111,13 +117,15 @@ class LinearState:
         return LinearState(*(fn(t) if t is not None else None for t in (self.conv, self.recurrent)))
 
 
-def read_states(cache: DynamicCache) -> dict:
-    """Copies of every linear-attention state: `{(layer, state index): LinearState}`."""
+def read_states(cache: DynamicCache, copy: bool = True) -> dict:
+    """Every linear-attention state, `{(layer, state index): LinearState}`: copies, or with `copy=False` the cache's
+    own tensors."""
     states = {}
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for s in range(linear_state_count(layer)):
-                states[index, s] = LinearState(*linear_state(layer, s)).map(torch.clone)
+                state = LinearState(*linear_state(layer, s))
+                states[index, s] = state.map(torch.clone) if copy else state
     return states
 
 
@@ -182,8 +190,9 @@ class HybridVerifier:
         self.mode = "chain" if mode == "auto" else mode
         self.types = layer_types(target)
         self.attention = [i for i, t in enumerate(self.types) if t in ATTENTION_LAYER_TYPES]
-        # chain: the linear states before the round; tree: every node's, {(layer, s): LinearState (A, n + 1, ...)}
-        self.pending = None
+        # the linear states before the round, {(layer, s): LinearState (A, ...)}: the chain's copies, or the tree's cache
+        # own (its scan leaves them untouched); tree: also the roots' states after the round's scan
+        self.pending = self.root = None
         self.added = 0  # entries the last verify added to the attention layers
         self.target_forwards = 0
 
@@ -212,7 +221,8 @@ class HybridVerifier:
                                 self._masks(state.valid, state.positions, chain.depths, chain.ancestors,
                                             state.anchor_pos))
             return chain, out.logits.float(), self.head.target_features(out.hidden_states)
-        logits, features, tree_kv, self.pending = self._scan(state, trees)
+        self.pending = read_states(state.cache, copy=False)  # the scan leaves the cache's states as they are
+        logits, features, tree_kv = self._scan(state, trees)
         self.added = trees.depths.shape[1]
         for index, (keys, values) in tree_kv.items():  # the cache now holds past + n + 1 entries, as a tree verify's
             state.cache.layers[index].update(keys, values)
@@ -224,11 +234,9 @@ class HybridVerifier:
         accepted nodes."""
         if self.mode == "chain":
             states = self._chain_states(state, trees, acc.count)
-        else:  # the deepest accepted node's states
-            last = acc.nodes.gather(1, (acc.count - 1)[:, None])[:, 0]  # (A,)
-            rows = torch.arange(last.shape[0], device=last.device)
-            states = {key: s.map(lambda t: t[rows, last]) for key, s in self.pending.items()}
-        self.pending = None
+        else:
+            states = self._tree_states(state, trees, acc)
+        self.pending = self.root = None
         keep_entries = functools.partial(keep_accepted_entries, layers=self.attention)
         state = compact(self.head, state, trees, acc, features, keep, keep_entries=keep_entries)
         write_states(state.cache, {key: s.map(lambda t: t[keep]) for key, s in states.items()})
@@ -241,15 +249,15 @@ class HybridVerifier:
         if self.mode == "chain":
             write_states(state.cache, self.pending)
             self._stop_recording(state.cache)
-        self.pending = None
+        self.pending = self.root = None
 
     # -------------------------------------------------------------------------------------------- pieces
-    def _forward(self, cache, tokens, positions, masks):
+    def _forward(self, cache, tokens, positions, masks, **kwargs):
         """One target forward (counted in `target_forwards`)."""
         self.target_forwards += 1
         return self.target(
             input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=cache, use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=True, **kwargs,
         )
 
     def _masks(self, valid, past_positions, depths, ancestors, anchor_pos) -> dict:
@@ -290,76 +298,107 @@ class HybridVerifier:
             states[index, s] = LinearState(conv, rec)
         self._stop_recording(state.cache)
         if any(s.recurrent is not None for s in states.values()):
+            tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
             for v in sorted(set(count[count < k1].tolist())):
-                self._replay(state, chain, (count == v).nonzero()[:, 0], v, states)
+                rows = (count == v).nonzero()[:, 0]
+                self._rerun(state, rows, tokens[rows, :v], states, conv=False)
         return states
 
-    def _replay(self, state, chain, rows: torch.Tensor, v: int, states: dict):
-        """Rows `rows` accepted `v` nodes of their chain: run them again from the states before the round, and put
-        the recurrent states that come out into `states`."""
-        past = state.valid.shape[1]
-        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i]))
-                     for i in self.attention}
-        cache = filled_cache(self.types, attention, {key: s.map(lambda t: t[rows]) for key, s in self.pending.items()})
-        depths, ancestors = chain.depths[rows, :v], chain.ancestors[rows, :v, :v]  # (R, v), (R, v, v)
-        tokens = torch.cat([state.anchors[rows, None], chain.tokens[rows, : v - 1]], dim=1)  # (R, v)
-        masks = self._masks(state.valid[rows], state.positions[rows], depths, ancestors, state.anchor_pos[rows])
-        self._forward(cache, tokens, state.anchor_pos[rows, None] + depths, masks)
-        for (index, s), out in states.items():
-            if out.recurrent is not None:
-                out.recurrent[rows] = linear_state(cache.layers[index], s)[1]
+    def _tree_states(self, state, trees, acc: Acceptance) -> dict:
+        """The linear states after each row's accepted nodes of the tree: the root's (kept by the scan) where only the
+        root was accepted, else its accepted path run again from the states before the round, one forward per
+        distinct accepted length."""
+        states = self.root
+        tokens = torch.cat([state.anchors[:, None], trees.tokens], dim=1).gather(1, acc.nodes)  # (A, K) the paths
+        for v in sorted(set(acc.count[acc.count > 1].tolist())):
+            rows = (acc.count == v).nonzero()[:, 0]
+            self._rerun(state, rows, tokens[rows, :v], states, conv=True)
+        return states
 
-    def _scan(self, state, trees):
-        """The whole tree, depth by depth: one forward per depth over all its nodes (of every row), each node a
-        one-token step from its parent's linear states, attending to the row's past and its ancestors.
+    def _rerun(self, state, rows: torch.Tensor, tokens: torch.Tensor, states: dict, conv: bool):
+        """Run `tokens` `(R, v)` after rows `rows` from the states before the round, and put the recurrent (and with
+        `conv`, the convolution) states that come out into `states` `{(layer, s): LinearState (A, ...)}`."""
+        _, step = self._paths_forward(state, rows, tokens)
+        _put_states(states, rows, step, conv)
+
+    def _paths_forward(self, state, rows: torch.Tensor, tokens: torch.Tensor, last_only: bool = False):
+        """One forward of the paths `tokens` `(R, v)` (a row's anchor, then nodes one depth apart) of rows `rows`
+        `(R,)` (a row may repeat), each after its row's past and its linear states before the round (`pending`).
+
+        Memory per path: its row's linear states and past keys/values, copied once into a new cache.
 
         Returns:
-            `(logits (A, n + 1, V) fp32, features (A, n + 1, kH), tree_kv {layer: (keys, values) (A, H, n + 1, D)},
-            node states {(layer, s): LinearState (A, n + 1, ...)})`.
+            `(output, cache)`: the target's output (with `last_only`, logits of the last position only) and the cache
+            the forward filled (the past, then the path's entries; the linear states after the path).
+        """
+        past, (r, v) = state.valid.shape[1], tokens.shape
+        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
+        cache = filled_cache(self.types, attention, {key: s.map(lambda t: t[rows]) for key, s in self.pending.items()})
+        depths = torch.arange(v, device=tokens.device).expand(r, v)
+        ancestors = torch.ones(v, v, dtype=torch.bool, device=tokens.device).tril().expand(r, v, v)
+        masks = self._masks(state.valid[rows], state.positions[rows], depths, ancestors, state.anchor_pos[rows])
+        out = self._forward(cache, tokens, state.anchor_pos[rows, None] + depths, masks,
+                            **(logits_to_keep(self.target, 1) if last_only else {}))
+        return out, cache
+
+    def _scan(self, state, trees):
+        """The whole tree, depth by depth: every node's root-to-node path in one forward per depth (in chunks of at
+        most `_chunk` nodes), each from its row's states before the round. No node's linear states are kept but the
+        roots' (`self.root`): memory grows with the chunk, not with the tree.
+
+        Returns:
+            `(logits (A, n + 1, V) fp32, features (A, n + 1, kH), tree_kv {layer: (keys, values) (A, H, n + 1, D)})`.
         """
         a, n1 = trees.depths.shape
-        past, cache = state.valid.shape[1], state.cache
-        masks = self._masks(state.valid, state.positions, trees.depths, trees.ancestors,
-                            state.anchor_pos)  # (A, 1, n + 1, S + n + 1)
-        positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
         tokens = torch.cat([state.anchors[:, None], trees.tokens], dim=1)  # (A, n + 1)
-        parents = torch.cat([torch.zeros_like(trees.parents[:, :1]), trees.parents], dim=1)  # (A, n + 1)
-        row_states = read_states(cache)
-        nodes = {key: s.map(lambda t: t.new_zeros(a, n1, *t.shape[1:])) for key, s in row_states.items()}
-        tree_kv = {i: tuple(t.new_zeros(*t.shape[:2], n1, t.shape[-1]) for t in kv_layer_entries(cache.layers[i]))
-                   for i in self.attention}
+        tree_kv = {i: tuple(t.new_zeros(*t.shape[:2], n1, t.shape[-1])
+                            for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
+        self.root = {key: s.map(torch.empty_like) for key, s in self.pending.items()}
         logits = features = None
+        chunk = self._chunk(state)
         for d in range(int(trees.depths.max()) + 1):
             r, j = (trees.depths == d).nonzero(as_tuple=True)  # (N_d,) row and node of every node at depth d
-            start = {key: s.map(lambda t: t[r]) for key, s in row_states.items()} if d == 0 else \
-                {key: s.map(lambda t: t[r, parents[r, j]]) for key, s in nodes.items()}
-            attention = {i: tuple(torch.cat([c[r], t[r]], dim=2) for c, t in zip(  # (N, H, S + n + 1, D)
-                kv_layer_entries(cache.layers[i]), tree_kv[i])) for i in self.attention}
-            step = filled_cache(self.types, attention, start)
-            out = self._forward(step, tokens[r, j][:, None], positions[r, j][:, None],
-                                {t: m if m is None else _node_mask(m, r, j, past) for t, m in masks.items()})
-            if logits is None:
-                logits = out.logits.new_zeros(a, n1, out.logits.shape[-1], dtype=torch.float32)
-                feats = self.head.target_features(out.hidden_states)
-                features = feats.new_zeros(a, n1, feats.shape[-1])
-            logits[r, j] = out.logits[:, -1].float()
-            features[r, j] = self.head.target_features(out.hidden_states)[:, -1]
-            for i, (keys, values) in tree_kv.items():
-                step_keys, step_values = kv_layer_entries(step.layers[i])
-                keys[r, :, j], values[r, :, j] = step_keys[:, :, -1], step_values[:, :, -1]
-            for (i, s), node in nodes.items():
-                conv, recurrent = linear_state(step.layers[i], s)
-                if node.conv is not None:
-                    node.conv[r, j] = conv
-                if node.recurrent is not None:
-                    node.recurrent[r, j] = recurrent
-        return logits, features, tree_kv, nodes
+            paths = tokens[r[:, None], path_nodes(trees, r, j, d)]  # (N_d, d + 1)
+            for c in range(0, r.shape[0], chunk):
+                rc, jc = r[c : c + chunk], j[c : c + chunk]
+                out, step = self._paths_forward(state, rc, paths[c : c + chunk], last_only=True)
+                feats = self.head.target_features(out.hidden_states)[:, -1]  # (N, kH)
+                if logits is None:
+                    logits = out.logits.new_zeros(a, n1, out.logits.shape[-1], dtype=torch.float32)
+                    features = feats.new_zeros(a, n1, feats.shape[-1])
+                logits[rc, jc], features[rc, jc] = out.logits[:, -1].float(), feats
+                for i, (keys, values) in tree_kv.items():
+                    step_keys, step_values = kv_layer_entries(step.layers[i])
+                    keys[rc, :, jc], values[rc, :, jc] = step_keys[:, :, -1], step_values[:, :, -1]
+                if d == 0:  # the roots, in row order: their states are a row's when only the root is accepted
+                    _put_states(self.root, rc, step, conv=True)
+        return logits, features, tree_kv
+
+    def _chunk(self, state) -> int:
+        """Nodes per scan forward: the batch, or more where their linear states and past keys/values fit in
+        `SCAN_CHUNK_BYTES` (so a tree costs about the memory of a chain verify, whatever its size)."""
+        a = state.valid.shape[0]
+        batch_bytes = sum(t.numel() * t.element_size() for s in self.pending.values() for t in (s.conv, s.recurrent)
+                          if t is not None)  # the batch's linear states
+        batch_bytes += sum(t[:, :, : state.valid.shape[1]].numel() * t.element_size() for i in self.attention
+                           for t in kv_layer_entries(state.cache.layers[i]))  # and its past keys/values
+        return max(a, SCAN_CHUNK_BYTES * a // max(batch_bytes, 1))
 
 
-def _node_mask(mask: torch.Tensor, r: torch.Tensor, j: torch.Tensor, past: int) -> torch.Tensor:
-    """One node's row of the tree verify mask `(A, 1, n + 1, S + n + 1)`, for a cache holding the past, then the
-    tree's slots (the node's own still empty), then the node itself appended: `(N, 1, 1, S + n + 2)`."""
-    rows = mask[r, 0, j].clone()  # (N, S + n + 1)
-    own = rows[torch.arange(r.shape[0], device=r.device), past + j].clone()  # 0: a node sees itself
-    rows[torch.arange(r.shape[0], device=r.device), past + j] = torch.finfo(mask.dtype).min
-    return torch.cat([rows, own[:, None]], dim=1)[:, None, None, :]
+def path_nodes(trees: DraftTrees, rows: torch.Tensor, nodes: torch.Tensor, depth: int) -> torch.Tensor:
+    """The root-to-node path of each node `nodes[i]` (at `depth`) of row `rows[i]`: its ancestors ordered by depth,
+    of shape `(N, depth + 1)`, the root first and the node last."""
+    seen = trees.ancestors[rows, nodes]  # (N, n + 1): the node and its ancestors
+    at = trees.depths[rows][:, None, :] == torch.arange(depth + 1, device=rows.device)[None, :, None]  # (N, d + 1, n + 1)
+    return (seen[:, None, :] & at).long().argmax(-1)  # (N, d + 1): the one ancestor at each depth
+
+
+def _put_states(states: dict, rows: torch.Tensor, cache, conv: bool):
+    """Write the linear states of `cache` (one per row of `rows` `(R,)`) into rows `rows` of `states`
+    `{(layer, s): LinearState (A, ...)}`: the recurrent states, and with `conv` the convolution states."""
+    for (index, s), out in states.items():
+        new_conv, new_recurrent = linear_state(cache.layers[index], s)
+        if out.recurrent is not None:
+            out.recurrent[rows] = new_recurrent
+        if conv and out.conv is not None:
+            out.conv[rows] = new_conv

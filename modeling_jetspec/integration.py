@@ -99,6 +99,12 @@ def tree_generate(head, target, *args, **kwargs):
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
         raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
+    mask = kwargs.get("attention_mask")
+    # checked here: `generate` drops an all-ones mask before the loop sees it, whatever its shape
+    if isinstance(prompt, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.shape != prompt.shape:
+        raise ValueError(
+            f"expected an attention_mask of the shape of input_ids {tuple(prompt.shape)}, got {tuple(mask.shape)}"
+        )
     if head.device != target.device:
         raise ValueError(
             f"expected the head on the target's device {target.device}, got {head.device}: move it with "

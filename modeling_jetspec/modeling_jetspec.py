@@ -75,13 +75,15 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             self.d2t = None
         self._draft_lm = None  # (key, weight (V_draft, H), bias) rows of the target's LM head, gathered lazily
         self._target_io = None  # (input embeddings, LM head) of the attached target; deliberately not submodules
-        # convenience: JetSpecStats of the latest generate call (also returned as `jetspec_stats` of the output
-        # with `return_dict_in_generate=True`, which is safe when one head serves several threads)
+        # convenience: JetSpecStats of the latest generate call, host numbers only (no tensor, cache or context
+        # outlives the call); the call's own copy is `jetspec_stats` of its output with `return_dict_in_generate=True`,
+        # which is the one to read when a head serves several threads
         self.last_stats = None
         # target -> {(device, dtype, batch, budgets): verify seconds}, for tree_budget="auto"; weak, so an entry goes
         # with its target and a new target never inherits a freed one's costs
         self.verify_cost_cache = weakref.WeakKeyDictionary()
-        # transformers' DFlash generator's cache -> this head's context in that generation (`dflash_forward`)
+        # transformers' DFlash generator's cache -> this head's context in that generation (`dflash_forward`); weak,
+        # so a generation's context goes with its cache when the call ends
         self.dflash_contexts = weakref.WeakKeyDictionary()
         self.post_init()
 
@@ -153,6 +155,17 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
                 raise ValueError(
                     f"this JetSpec head was built for a target with {name} {want}, got a target with {name} {have}"
                 )
+        ids, fc_width = self.config.target_layer_ids, self.fc.in_features
+        if not ids or not all(0 <= i < text.num_hidden_layers for i in ids):
+            raise ValueError(
+                f"expected target_layer_ids within [0, {text.num_hidden_layers - 1}] (the target has "
+                f"{text.num_hidden_layers} layers), got {ids}"
+            )
+        if len(ids) * self.config.target_hidden_size != fc_width:
+            raise ValueError(
+                f"expected {fc_width // self.config.target_hidden_size} target_layer_ids (the head's fc reads "
+                f"{fc_width} features), got {len(ids)}: {ids}"
+            )
         if self.config.hidden_size != text.hidden_size:
             raise ValueError(
                 f"expected the head's hidden_size to equal the target's ({text.hidden_size}) since it reuses the "
@@ -273,12 +286,13 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
 
     # --------------------------------------------------------------------------------------------------- context
     def target_features(self, hidden_states: tuple) -> torch.Tensor:
-        """Concatenate the selected target layers from a model's `hidden_states` output (index i + 1 is layer i).
+        """The head's input features: the target layers `config.target_layer_ids` of a forward's `hidden_states`
+        ([`stack_target_states`]).
 
         Returns:
             `torch.Tensor` of shape `(B, S, k * target_hidden_size)`.
         """
-        return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+        return stack_target_states(hidden_states, self.config.target_layer_ids)
 
     def extend_context(
         self,
@@ -378,74 +392,107 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         real = embed(input_ids.masked_fill(is_mask, 0)).to(self.dtype)
         return torch.where(is_mask.unsqueeze(-1), self.mask_embedding.to(real.dtype), real)
 
+    def draft(
+        self,
+        input_ids: torch.LongTensor | None,
+        position_ids: torch.LongTensor,
+        context: JetSpecContext,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        return_logits: bool = True,
+    ) -> JetSpecOutput:
+        r"""Decoding: the head's outputs for slots after a cached `context` (the tree loop, the chain drafter).
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(B, T)`):
+                Real tokens and MASK slots (`config.mask_id`) in any arrangement: a block `[anchor, MASK x D]`,
+                several packed blocks, or tree nodes with MASK probes under them. `None` with `inputs_embeds`.
+            position_ids (`torch.LongTensor` of shape `(B, T)`):
+                Absolute positions (the anchor's position is the number of tokens before it).
+            context (`JetSpecContext`):
+                Cached context keys/values, from [`extend_context`].
+            attention_mask (`torch.BoolTensor` of shape `(B, 1, T, S + T)`, *optional*):
+                True where query t may attend key s; keys are the S context positions, then the T inputs.
+                Defaults to [`block_mask`] (a single block after the whole context).
+            inputs_embeds (`torch.Tensor` of shape `(B, T, H)`, *optional*):
+                The slots already embedded, instead of `input_ids`.
+            return_logits (`bool`, *optional*, defaults to `True`):
+                Apply the draft LM head (the target's, restricted to the draft vocabulary when
+                `config.draft_vocab_size` is smaller than the vocabulary); otherwise only the normed hidden states
+                are returned.
+        """
+        if (input_ids is None) == (inputs_embeds is None) or position_ids is None or context is None:
+            raise ValueError(
+                "expected position_ids, a context and exactly one of input_ids / inputs_embeds, got "
+                f"input_ids={_shape(input_ids)}, inputs_embeds={_shape(inputs_embeds)}, "
+                f"position_ids={_shape(position_ids)}, context={'None' if context is None else 'given'}"
+            )
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        if self.config.last_context_input:  # every slot reads the context's last fused position
+            x = x + self.last_context_proj(context.last[:, None, :].to(self.dtype))  # (B, 1, H)
+        return self._blocks(x, position_ids, self.layer_masks(attention_mask, position_ids, context), context,
+                            return_logits)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        context: JetSpecContext | None = None,
         context_features: torch.Tensor | None = None,
         context_position_ids: torch.LongTensor | None = None,
         context_valid: torch.Tensor | None = None,
         last_context_index: torch.LongTensor | None = None,
-        return_logits: bool = True,
-        inputs_embeds: torch.Tensor | None = None,
-        noise_embeds: torch.Tensor | None = None,
-        context_hidden_states: torch.Tensor | None = None,
-        past_key_values=None,
+        **dflash_inputs,
     ) -> JetSpecOutput:
-        r"""
-        Called with `noise_embeds` (and `context_hidden_states`, `position_ids`, `attention_mask`,
-        `past_key_values`), this is the head answering transformers' own DFlash generator
-        ([`candidate_generator.dflash_forward`]).
+        r"""Training (what the Trainer calls): packed blocks over raw target features, projected on the fly.
+
+        Called with transformers' DFlash keywords (`noise_embeds`, `context_hidden_states`, `past_key_values`), this
+        is [`dflash_step`]. Decoding over a cached context is [`draft`].
 
         Args:
-            input_ids (`torch.LongTensor` of shape `(B, T)`):
-                Real tokens and MASK slots (`config.mask_id`) in any arrangement: a block
-                `[anchor, MASK x D]`, several packed blocks, or tree nodes with MASK probes under them.
-            position_ids (`torch.LongTensor` of shape `(B, T)`):
-                Absolute positions (the anchor's position is the number of tokens before it).
+            input_ids (`torch.LongTensor` of shape `(B, T)`): blocks of real tokens and MASK slots.
+            position_ids (`torch.LongTensor` of shape `(B, T)`): their absolute positions.
             attention_mask (`torch.BoolTensor` of shape `(B, 1, T, S + T)`, *optional*):
-                True where query t may attend key s; keys are the S context positions, then the T inputs.
-                Defaults to [`block_mask`] (a single block after the whole context).
-            context (`JetSpecContext`, *optional*):
-                Cached context keys/values (decoding).
-            context_features (`torch.Tensor` of shape `(B, S, k * target_hidden_size)`, *optional*):
-                Raw target features, projected on the fly when `context` is not given (training).
+                As in [`draft`]; defaults to [`block_mask`].
+            context_features (`torch.Tensor` of shape `(B, S, k * target_hidden_size)`):
+                Raw target features ([`stack_target_features`]).
             context_position_ids (`torch.LongTensor` of shape `(B, S)`, *optional*):
                 Positions of `context_features`, defaults to `0..S-1`.
             context_valid (`torch.BoolTensor` of shape `(B, S)`, *optional*):
                 Validity of `context_features`, defaults to all True.
             last_context_index (`torch.LongTensor` of shape `(B, T)`, *optional*):
-                With `config.last_context_input` and `context_features` (training, packed blocks): the context
-                position whose fused features are added to each input slot. Defaults to the context's last valid
-                position for every slot (a single block after the whole context, as in decoding).
-            return_logits (`bool`, *optional*, defaults to `True`):
-                Apply the draft LM head (the target's, restricted to the draft vocabulary when
-                `config.draft_vocab_size` is smaller than the vocabulary); otherwise only the normed hidden states
-                are returned.
-            inputs_embeds (`torch.Tensor` of shape `(B, T, H)`, *optional*):
-                The slots already embedded, instead of `input_ids` (decoding with a `context` only).
+                With `config.last_context_input`: the context position whose fused features are added to each input
+                slot. Defaults to the context's last valid position for every slot.
         """
-        if noise_embeds is not None:
-            return dflash_forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask,
-                                  past_key_values)
-        if (input_ids is None) == (inputs_embeds is None) or position_ids is None:
+        if dflash_inputs:
+            return self.dflash_step(position_ids=position_ids, attention_mask=attention_mask, **dflash_inputs)
+        if input_ids is None or position_ids is None:
             raise ValueError(
-                "expected position_ids and exactly one of input_ids / inputs_embeds, got "
-                f"input_ids={_shape(input_ids)}, inputs_embeds={_shape(inputs_embeds)}, position_ids={_shape(position_ids)}"
+                f"expected input_ids and position_ids, got input_ids={_shape(input_ids)}, "
+                f"position_ids={_shape(position_ids)}"
             )
-        if inputs_embeds is not None and (context is None or last_context_index is not None):
-            raise ValueError("expected inputs_embeds only with a decoding context (no last_context_index), got it without")
-        fused = None
-        if context is None:
-            fused, context = self._training_context(input_ids, context_features, context_position_ids, context_valid)
-        elif last_context_index is not None:
-            raise ValueError("expected last_context_index only with context_features (training), got it with context")
+        fused, context = self._training_context(input_ids, context_features, context_position_ids, context_valid)
         masks = self.layer_masks(attention_mask, position_ids, context)
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        x = self.embed(input_ids)
         if self.config.last_context_input:
             x = x + self._last_context(input_ids, context, fused, last_context_index)
+        return self._blocks(x, position_ids, masks, context, return_logits=True)
+
+    def dflash_step(self, noise_embeds=None, context_hidden_states=None, position_ids=None, attention_mask=None,
+                    past_key_values=None, **unknown):
+        """The head as transformers' own DFlash generator calls it (`speculation_type="dflash"`, generate hook
+        uninstalled): see [`candidate_generator.dflash_forward`]. Its context lives in the generator's cache's
+        entry of `dflash_contexts`, which goes with that cache at the end of the generation."""
+        if unknown or noise_embeds is None:
+            raise ValueError(
+                "expected either training inputs (context_features) or transformers' DFlash call (noise_embeds, "
+                f"context_hidden_states, position_ids, past_key_values), got also {sorted(unknown)}; decode over a "
+                "cached context with `head.draft(...)`"
+            )
+        return dflash_forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask, past_key_values)
+
+    def _blocks(self, x, position_ids, masks, context, return_logits: bool) -> JetSpecOutput:
+        """The head's layers over embedded slots `x` `(B, T, H)`, then its norm and (optionally) the draft LM head."""
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer, k, v, mask in zip(self.layers, context.keys, context.values, masks):
             x = layer(x, cos, sin, k, v, mask)
@@ -459,7 +506,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def _training_context(self, input_ids, features, positions, valid) -> tuple[torch.Tensor, JetSpecContext]:
         """`(fused features (B, S, H), context)` of raw target `features` `(B, S, k * target_hidden_size)`."""
         if features is None:
-            raise ValueError("expected `context` or `context_features` (the target's hidden states), got neither")
+            raise ValueError("expected `context_features` (the target's hidden states), got none")
         b, s, _ = features.shape
         if positions is None:
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
@@ -469,7 +516,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         return fused, self._extend_fused(None, fused, positions, valid)
 
     def _last_context(self, input_ids, context, fused, last_context_index) -> torch.Tensor:
-        """The projected last-context input added to every slot: `(B, T, H)`, or `(B, 1, H)` in decoding."""
+        """The projected last-context input added to every training slot: `(B, T, H)`, or `(B, 1, H)` by default."""
         if last_context_index is None:
             return self.last_context_proj(context.last[:, None, :].to(self.dtype))  # (B, 1, H)
         if tuple(last_context_index.shape) != tuple(input_ids.shape):
@@ -542,6 +589,31 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         (folder / "generate.py").write_text(CUSTOM_GENERATE_SOURCE)
         if push:  # into a fresh folder, so every file (custom_generate/ included) is new and uploaded
             return self.push_to_hub(repo_id, **hub)
+
+
+def stack_target_states(hidden_states: tuple, layer_ids, final: bool = False) -> torch.Tensor:
+    """The selected layers of a target forward's `hidden_states` (index i + 1 is layer i's output; the last entry is
+    the final normed state), concatenated on the last axis, then with `final` the final state.
+
+    The head's input features ([`JetSpecDraftModel.target_features`]) and the training feature store's rows (the
+    same layers, then the final state) both come from here.
+
+    Args:
+        hidden_states (`tuple` of `torch.Tensor` of shape `(..., H)`): a forward's `hidden_states`, embeddings first;
+            entries the forward did not return (`output_hidden_states` given as indices) may be `None`.
+        layer_ids (`list[int]`): target layers, `0 <= i < len(hidden_states) - 1`.
+        final (`bool`, *optional*, defaults to `False`): append the final state.
+
+    Returns:
+        `torch.Tensor` of shape `(..., (len(layer_ids) + final) * H)`.
+    """
+    missing = [i for i in layer_ids if not 0 <= i < len(hidden_states) - 1 or hidden_states[i + 1] is None]
+    if missing:
+        raise ValueError(
+            f"expected hidden states of target layers {list(layer_ids)}, got a forward with "
+            f"{len(hidden_states) - 1} layers that returned none for layers {missing}"
+        )
+    return torch.cat([hidden_states[i + 1] for i in layer_ids] + ([hidden_states[-1]] if final else []), dim=-1)
 
 
 def _shape(tensor) -> str:

@@ -107,7 +107,7 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
     block = torch.full((b, length), head.config.mask_id, dtype=torch.long, device=device)
     block[:, 0] = anchor
     positions = anchor_position + torch.arange(length, device=device).expand(b, length)
-    return head(block, positions, context=context).logits[:, 1 : depth + 1]
+    return head.draft(block, positions, context).logits[:, 1 : depth + 1]
 
 
 def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dict | None = None,
@@ -535,7 +535,7 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     inner[:, n + 1 :, : n + 1] = trees.ancestors[:, 1:]  # probe j sees what node j sees, node j included
     inner[:, n + 1 :, n + 1 :] = torch.eye(n, dtype=torch.bool, device=device)
     mask = torch.cat([state.context.valid[:, None, :].expand(a, t, -1), inner], dim=-1)[:, None]  # (A, 1, t, S+t)
-    out = head(inputs, positions, attention_mask=mask, context=state.context)  # probes at slots n + 1 ..
+    out = head.draft(inputs, positions, state.context, attention_mask=mask)  # probes at slots n + 1 ..
     rebuilt = []
     for tree, (lps, toks, ents), marginal in zip(trees.host, _top_candidates(head, out.logits[:, n + 1 :], shape),
                                                marginals):

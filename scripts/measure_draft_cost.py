@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from modeling_jetspec import JetSpecDraftModel
+from modeling_jetspec.steps import draft_block
 from modeling_jetspec.timing import median_seconds
 
 
@@ -29,18 +30,15 @@ def draft_cost(target, head, depth: int, context: int, repeats: int) -> dict:
     positions = torch.arange(context)[None]
     ctx = head.extend_context(None, head.target_features(out.hidden_states), positions, torch.ones(1, context, dtype=torch.bool))
     step_ids = torch.randint(0, vocab, (1, 1), generator=g)
+    anchor = torch.tensor([5])
 
     def target_step():
         target(input_ids=step_ids, position_ids=torch.tensor([[context]]), past_key_values=cache, use_cache=True)
         cache.crop(-1)
 
-    block = torch.full((1, depth + 1), head.config.mask_id)
-    block[0, 0] = 5
-    block_pos = context + torch.arange(depth + 1)[None]
-
-    def draft():
-        logits = head(block, block_pos, context=ctx).logits
-        torch.log_softmax(logits[:, 1:], dim=-1).topk(4, dim=-1)
+    def draft():  # the round's own draft forward, then the tree's top-W per depth
+        logits = draft_block(head, ctx, anchor, context, depth)
+        torch.log_softmax(logits, dim=-1).topk(4, dim=-1)
 
     t_step = median_seconds(target_step, repeats=repeats)
     t_draft = median_seconds(draft, repeats=repeats)

@@ -386,7 +386,8 @@ def test_reduced_draft_vocabulary_export_needs_the_target(tmp_path):
 def broken(config=None, weights=None, **dflash_fields):
     config = config if config is not None else dflash_config_dict("jetspec_reference", True)
     config = json.loads(json.dumps(config))
-    config["dflash_config"].update(dflash_fields)
+    if dflash_fields:
+        config["dflash_config"].update(dflash_fields)
     return config, weights if weights is not None else dflash_weights()
 
 
@@ -428,6 +429,13 @@ BAD_CHECKPOINTS = {
     "other architecture": (broken(config={**dflash_config_dict("zlab", False),
                                           "architectures": ["DFlash2DraftModel"]}), "architectures"),
     "not a head": (broken(config={**dflash_config_dict("zlab", False), "model_type": "llama"}), "model_type"),
+    # an outside campaign's inputs that crashed inside the conversion: refused by name before it
+    "mask id a string": (broken(config={**dflash_config_dict("zlab", False), "dflash_config": {
+        "target_layer_ids": LAYER_IDS, "mask_token_id": str(MASK_ID)}}), f"mask_token_id to be an int, got str '{MASK_ID}'"),
+    "dflash_config a list": (broken(config={**dflash_config_dict("zlab", False), "dflash_config": [LAYER_IDS]}),
+                             "dflash_config to be a dict, got list"),
+    "layer ids a string": (broken(config={**dflash_config_dict("zlab", False), "dflash_config": {
+        "target_layer_ids": "0,1", "mask_token_id": MASK_ID}}), "target_layer_ids to be a list of ints"),
 }
 
 

@@ -45,8 +45,8 @@ class SubsetMarginalHead(JetSpecDraftModel):
 
     marginals: torch.Tensor = None  # (NEW, VOCAB) log-probs
 
-    def forward(self, input_ids, position_ids, *args, **kwargs):
-        out = super().forward(input_ids, position_ids, *args, **kwargs)
+    def draft(self, input_ids, position_ids, *args, **kwargs):
+        out = super().draft(input_ids, position_ids, *args, **kwargs)
         depth = (position_ids - position_ids[:, :1]).clamp(max=NEW - 1)
         out.logits = self.marginals[depth][..., self.draft_token_ids()]  # (B, T, V_draft)
         return out
@@ -111,7 +111,7 @@ def test_last_context_input_training_forward_equals_decoding_forward():  # (d)
         packed = head(ids, positions, attention_mask=mask, context_features=features, last_context_index=last_index)
         for j, a in enumerate(anchors):
             context = head.extend_context(None, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
-            single = head(ids[:, j * bs : (j + 1) * bs], positions[:, j * bs : (j + 1) * bs], context=context)
+            single = head.draft(ids[:, j * bs : (j + 1) * bs], positions[:, j * bs : (j + 1) * bs], context)
             # same math, different reduction order in attention over a longer masked key set: float32 rounding
             torch.testing.assert_close(packed.logits[:, j * bs : (j + 1) * bs], single.logits, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # the slot input matters: zeroing the projection changes the drafts

@@ -256,3 +256,39 @@ def test_a_saved_config_without_the_targets_depth_is_refused_and_always_written(
         JetSpecConfig.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="expected target_num_hidden_layers"):
         JetSpecDraftModel.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------- inputs an outside campaign still caught, refused by name
+def test_all_ones_attention_mask_shorter_than_the_prompt(pair):
+    # plain `generate` fails inside the model; `generate` drops an all-ones mask before the tree loop could see it
+    target, head = pair
+    ids, _ = prompts(2)
+    short = torch.ones(2, ids.shape[1] - 1, dtype=torch.long)
+    with pytest.raises(Exception):
+        target.generate(input_ids=ids, attention_mask=short, max_new_tokens=4, do_sample=False)
+    calls = []
+    hook = target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"attention_mask of the shape of input_ids \(2, 9\), got \(2, 8\)"):
+            target.generate(input_ids=ids, attention_mask=short, max_new_tokens=4, assistant_model=head)
+    finally:
+        hook.remove()
+    assert calls == []  # before any forward
+
+
+@pytest.mark.parametrize("layer_ids,message", [
+    ([0, 2], r"target_layer_ids within \[0, 1\] \(the target has 2 layers\), got \[0, 2\]"),
+    ([0, 1, 1], r"expected 2 target_layer_ids \(the head's fc reads 128 features\), got 3"),
+])
+def test_head_layer_ids_beyond_the_target(layer_ids, message):
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    head.config.target_layer_ids = layer_ids  # changed after the head was built: its config check has passed
+    calls = []
+    hook = target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            run(target, head)
+    finally:
+        hook.remove()
+    assert calls == []

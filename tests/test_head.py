@@ -56,7 +56,7 @@ def test_incremental_context_equals_one_shot_context():
     m = head.config.mask_id
     block, bpos = torch.tensor([[3, m, m]] * 2), torch.arange(8, 11).expand(2, 3)
     # same projections of the same rows, concatenated: identical up to fp32 rounding of the matmuls (~1e-7)
-    torch.testing.assert_close(head(block, bpos, context=whole).logits, head(block, bpos, context=parts).logits)
+    torch.testing.assert_close(head.draft(block, bpos, whole).logits, head.draft(block, bpos, parts).logits)
 
 
 def test_mask_probes_under_tree_branches_equal_linear_blocks():
@@ -175,3 +175,100 @@ def test_a_saved_head_with_missing_or_extra_weights_is_refused_by_name(tmp_path)
     head.save_pretrained(tmp_path / "whole")
     again, info = JetSpecDraftModel.from_pretrained(tmp_path / "whole", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+# --------------------------------------------------------------------------------- calling conventions and state
+def test_training_forward_equals_decoding_draft_over_the_same_context():
+    """`forward` (the Trainer's call: raw features, projected on the fly) and `draft` (decoding: a cached context)
+    compute the same network: one block after the whole context gives the same logits either way."""
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = head.target_features(target(ids, output_hidden_states=True).hidden_states)  # (2, 7, kH)
+        positions = torch.arange(7).expand(2, 7)
+        context = head.extend_context(None, features, positions, torch.ones(2, 7, dtype=torch.bool))
+        block = torch.full((2, 5), head.config.mask_id)
+        block[:, 0] = ids[:, -1]
+        block_positions = 7 + torch.arange(5).expand(2, 5)
+        trained = head(input_ids=block, position_ids=block_positions, context_features=features)
+        drafted = head.draft(block, block_positions, context)
+    # same operations in the same order: equal up to fp32 rounding of the fused projection done twice
+    torch.testing.assert_close(trained.logits, drafted.logits, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(drafted.logits[:, 1], drafted.logits[:, 2])  # the depths differ: the test can fail
+
+
+def test_decoding_through_forward_is_refused_by_name():
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    features = random_context(head, batch=1, length=4)
+    context = head.extend_context(None, features, torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool))
+    block = torch.full((1, 3), head.config.mask_id)
+    with pytest.raises(ValueError, match=r"got also \['context'\]; decode over a cached context with `head.draft"):
+        head(block, torch.arange(4, 7)[None], context=context)
+    with pytest.raises(ValueError, match="expected position_ids, a context and exactly one of input_ids"):
+        head.draft(block, torch.arange(4, 7)[None], None)
+
+
+def test_stack_target_states_selects_layers_then_the_final_state():
+    from modeling_jetspec import stack_target_states
+
+    target = tiny_target("llama")
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        states = target(ids, output_hidden_states=True).hidden_states  # embeddings, layer 0, layer 1 (final, normed)
+        only = target(ids, output_hidden_states=[2]).hidden_states  # the others come back as None
+    stacked = stack_target_states(states, [1, 0], final=True)  # (1, 5, 3 * 64)
+    torch.testing.assert_close(stacked, torch.cat([states[2], states[1], states[-1]], dim=-1), rtol=0, atol=0)
+    torch.testing.assert_close(stack_target_states(only, [1]), states[2], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"hidden states of target layers \[0\], got a forward with 2 layers that "
+                                         r"returned none for layers \[0\]"):
+        stack_target_states(only, [0])
+    with pytest.raises(ValueError, match=r"returned none for layers \[2\]"):
+        stack_target_states(states, [0, 2])
+
+
+def _tensors_in(value) -> list:
+    """Every tensor reachable through the fields, lists, tuples and dicts of `value`."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if hasattr(value, "__dict__"):
+        return [t for v in vars(value).values() for t in _tensors_in(v)]
+    return []
+
+
+def test_no_call_leaves_tensors_on_the_head():
+    """Per-call state: a tree call's statistics (`last_stats`) are host numbers; the chain drafter's context (the
+    head's keys/values) is released when `chain_generate` returns, its record of sources kept; transformers' DFlash
+    generator's context goes with that generator's cache (a weak key) when its call ends."""
+    import gc
+
+    from modeling_jetspec import chain_generate, install_generate_hook, uninstall_generate_hook
+
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    ids = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=head)
+    assert head.last_stats.rounds >= 1 and _tensors_in(head.last_stats) == []
+    target.generate(ids, max_new_tokens=6, do_sample=False, custom_generate=chain_generate, jetspec_head=head)
+    generator = head.last_candidate_generator
+    assert generator.sources and generator.context is None
+    during = []
+    draft = head.draft
+    head.draft = lambda *args, **kwargs: (during.append(len(head.dflash_contexts)), draft(*args, **kwargs))[1]
+    uninstall_generate_hook()
+    try:
+        target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=head, speculation_type="dflash")
+    finally:
+        install_generate_hook()
+        del head.draft
+    gc.collect()
+    assert during and min(during) == 1  # the generation held its context while it ran
+    assert len(head.dflash_contexts) == 0
+    kept = {name: _tensors_in(value) for name, value in vars(head).items()
+            if name not in ("_parameters", "_buffers", "_modules", "_target_io", "config")}
+    assert {name: t for name, t in kept.items() if t} == {}

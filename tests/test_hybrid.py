@@ -67,8 +67,9 @@ def test_always_right_drafter_commits_whole_paths(family, mode):  # (b)
     tree = greedy(target, ids, mask, max_new_tokens=13, assistant_model=head, tree_verify=mode)
     assert torch.equal(tree, plain)
     assert head.last_stats.tau == 4.0 and head.last_stats.rounds == 3  # 1 from the prefill, 3 rounds of 3 + bonus
-    # chain: one forward per round, nothing to replay; tree: one forward per depth 0..3
-    assert count.calls == 1 + 3 * (1 if mode == "chain" else 4)
+    # chain: one forward per round, nothing to replay; tree: one forward per depth 0..3 (the tiny states fit in one
+    # chunk), then the accepted path once more for the states the rows keep (every row accepted all 3 depths)
+    assert count.calls == 1 + 3 * (1 if mode == "chain" else 5)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,7 +157,8 @@ def test_tree_accepts_more_than_chain_and_costs_more_forwards():
     (chain_tau, chain_rounds, chain_forwards), (tree_tau, tree_rounds, tree_forwards) = result.values()
     assert tree_tau > chain_tau  # a tree accepts through later siblings, a chain stops at its first miss
     assert chain_rounds <= chain_forwards <= 2 * chain_rounds  # one verify, plus at most one replay at batch 1
-    assert tree_forwards == 5 * tree_rounds  # depths 0..4, every round
+    # depths 0..4 every round, and a rerun of the accepted path in the rounds that accepted more than the root
+    assert 5 * tree_rounds < tree_forwards <= 6 * tree_rounds
 
 
 # family, mode, gain on the (tied) output embeddings: peaked enough that drafts are accepted often, flat enough

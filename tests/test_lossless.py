@@ -394,7 +394,7 @@ def test_head_drafts_depend_only_on_relative_positions(rope):
 
     def drafts(offset):
         context = head.extend_context(None, features, torch.arange(s)[None] + offset, torch.ones(1, s, dtype=bool))
-        return head(block, torch.arange(s, s + b)[None] + offset, context=context).logits
+        return head.draft(block, torch.arange(s, s + b)[None] + offset, context).logits
 
     # fp32 rotations at other angles round differently: the logits (of size ~0.5) stay ~1e-7 apart; keys left
     # unrotated, or rotated at other positions than the block's, move them by ~0.1

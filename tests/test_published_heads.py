@@ -228,7 +228,7 @@ def head_draft_logits(head, target, prompt):
     context = head.extend_context(None, head.target_features(out.hidden_states), torch.arange(s)[None],
                                   torch.ones(1, s, dtype=torch.bool))
     block = torch.tensor([[int(out.logits[0, -1].argmax())] + [head.config.mask_token_id] * (b - 1)])
-    return head(input_ids=block, position_ids=torch.arange(s, s + b)[None], context=context).logits[0, 1:]
+    return head.draft(block, torch.arange(s, s + b)[None], context).logits[0, 1:]
 
 
 # ---------------------------------------------------------------------------------------------------- targets

@@ -29,8 +29,8 @@ class MarginalHead(JetSpecDraftModel):
 
     marginals: torch.Tensor = None  # (NEW, VOCAB) log-probs
 
-    def forward(self, input_ids, position_ids, *args, **kwargs):
-        out = super().forward(input_ids, position_ids, *args, **kwargs)
+    def draft(self, input_ids, position_ids, *args, **kwargs):
+        out = super().draft(input_ids, position_ids, *args, **kwargs)
         depth = (position_ids - position_ids[:, :1]).clamp(max=NEW - 1)  # slot d drafts new token d
         out.logits = self.marginals[depth]
         return out

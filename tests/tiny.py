@@ -78,8 +78,8 @@ class OracleHead(JetSpecDraftModel):
     pads: list = None  # left pads per row
     mode: str = "always"
 
-    def forward(self, input_ids, position_ids, *args, **kwargs):
-        out = super().forward(input_ids, position_ids, *args, **kwargs)
+    def draft(self, input_ids, position_ids, *args, **kwargs):
+        out = super().draft(input_ids, position_ids, *args, **kwargs)
         # always: the right token holds all the mass; never: the right token is the least likely of all, so no
         # top-W set (W < vocab) contains it
         logits = torch.full_like(out.logits, 0.0 if self.mode == "never" else -1e4)

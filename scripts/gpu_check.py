@@ -1,0 +1,241 @@
+"""GPU check of the round: verify cost per token count, host reads per round, the round outside its forwards, tau.
+
+    python scripts/gpu_check.py                                   # CUDA: a tiny random Qwen3 and SmolLM2-135M
+    python scripts/gpu_check.py --targets tiny-qwen3 --dtype bfloat16
+    python scripts/gpu_check.py --device cpu --targets tiny-qwen3 --sizes 1,2,4 --new-tokens 8   # the pieces, on a CPU
+
+For each target it prints one JSON line:
+
+- `verify_ratio`: t(B) / t(1), the target's verify forward over B tokens (root + B - 1 tree nodes, the round's own
+  `draft` trees and verifier, `verifiers.measure_verify_seconds`) after a 128-token context, batch 1;
+- `host_reads_per_round`: per batch size, the host reads of a `generate` call divided by its rounds, with their
+  kinds (`.item()`, `.tolist()`, `bool` / `int` / `float` of a tensor, `.cpu()`, `nonzero`, boolean-mask indexing,
+  explicit synchronizes), counted by a `TorchFunctionMode` (every read stalls the launch queue on a GPU);
+- `outside_forwards_ms_per_round`: wall time of the call minus the time inside target forwards and head drafts
+  (CUDA events on a GPU), per round: the Python and small kernels of the round while the forwards do not run;
+- `tau`: committed tokens per row and verify round, from the call's `jetspec_stats`.
+
+SmolLM2 uses the head committed in `jetspec/heads/smollm2-135m` and `jetspec.targets.load_target`; where its weights
+cannot be loaded (no network, no cache) its line says why and the other targets go on. Without a CUDA device the
+script exits with status 2, unless `--device cpu` is given.
+"""
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file from any folder: the repository's packages first
+
+from modeling_jetspec import JetSpecDraftModel, resolve_tree_shape  # noqa: E402
+from modeling_jetspec.verifiers import measure_verify_seconds  # noqa: E402
+
+NO_CUDA_EXIT = 2
+TARGETS = ("tiny-qwen3", "smollm2-135m")
+HEAD_FOLDER = ROOT / "jetspec" / "heads" / "smollm2-135m"
+PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",
+           "What is 17 * 23? Explain each step.", "List three uses of a binary search tree.",
+           "def quicksort(items):", "The capital of France is")
+# tensor methods and functions whose result the host must wait for
+READS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.__bool__: "bool",
+         torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
+         torch.Tensor.cpu: "cpu", torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero",
+         torch.Tensor.unique: "unique", torch.unique: "unique", torch.masked_select: "masked_select"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts host reads of tensors inside the `with` block, by kind (`counts`), explicit synchronizes included."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self._patched = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = READS.get(func)
+        if kind is None and func is torch.Tensor.__getitem__ and _has_mask_index(args[1]):
+            kind = "mask index"
+        if kind is None and func is torch.Tensor.to and any(_is_cpu(a) for a in (*args[1:], *kwargs.values())):
+            kind = "cpu"
+        if kind is not None:
+            self.counts[kind] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        for module in (torch.cuda, torch.accelerator):
+            original = module.synchronize
+            self._patched.append((module, original))
+            module.synchronize = lambda *a, _original=original, **k: (self.counts.update(["synchronize"]),
+                                                                        _original(*a, **k))[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for module, original in self._patched:
+            module.synchronize = original
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+
+def _has_mask_index(index) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+
+def _is_cpu(value) -> bool:
+    return (isinstance(value, str) and value.startswith("cpu")) or (isinstance(value, torch.device)
+                                                                   and value.type == "cpu")
+
+
+def build(name: str, device: str, dtype: torch.dtype):
+    """`(target, head, prompts)` of a check target on `device`; `prompts(batch)` gives `(input_ids, attention_mask)`."""
+    if name == "tiny-qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        target = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+            attn_implementation="sdpa")).to(device, dtype).eval()
+        head = JetSpecDraftModel.from_target(target).eval()
+
+        def prompts(batch):
+            ids = torch.randint(1, 128, (batch, 32), generator=torch.Generator().manual_seed(0)).to(device)
+            return ids, torch.ones_like(ids)
+
+        return target, head, prompts
+    if name == "smollm2-135m":
+        from jetspec.targets import load_target
+
+        target, tokenizer = load_target(name, dtype=dtype)
+        target = target.to(device)
+        head = JetSpecDraftModel.from_pretrained(HEAD_FOLDER).to(device, dtype).eval()
+        tokenizer.padding_side = "left"
+
+        def prompts(batch):
+            inputs = tokenizer([PROMPTS[i % len(PROMPTS)] for i in range(batch)], return_tensors="pt", padding=True)
+            return inputs["input_ids"].to(device), inputs["attention_mask"].to(device)
+
+        return target, head, prompts
+    raise ValueError(f"expected a target among {TARGETS}, got {name!r}")
+
+
+def verify_ratios(target, head, sizes) -> dict:
+    """t(B) / t(1) of the verify forward over B tokens (B - 1 tree nodes), batch 1, after 128 tokens."""
+    shape = resolve_tree_shape(head.config)
+    seconds = measure_verify_seconds(target, head, shape, [size - 1 for size in sizes], context_length=128,
+                                     repeats=5)
+    one = seconds[0] if 0 in seconds else measure_verify_seconds(target, head, shape, [0], context_length=128)[0]
+    return {size: round(seconds[size - 1] / one, 3) for size in sizes}
+
+
+def host_reads(target, head, ids, mask, new_tokens: int) -> dict:
+    """Host reads per round of one greedy `generate` call with the head, by kind."""
+    with HostReads() as reads:
+        out = generate(target, head, ids, mask, new_tokens)
+    rounds = max(out.jetspec_stats.rounds, 1)
+    return {"per_round": round(sum(reads.counts.values()) / rounds, 2),
+            "kinds": {k: round(v / rounds, 2) for k, v in reads.counts.most_common()}, "rounds": rounds}
+
+
+def outside_forwards(target, head, ids, mask, new_tokens: int) -> dict:
+    """Milliseconds per round outside target forwards and head drafts, and tau, of one greedy `generate` call."""
+    spans = []  # (start, end) per forward: CUDA events, or perf_counter seconds on a CPU
+    cuda = ids.device.type == "cuda"
+
+    def mark():
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    starts = []
+    handles = [target.register_forward_pre_hook(lambda *a: starts.append(mark())),
+               target.register_forward_hook(lambda *a: spans.append((starts.pop(), mark())))]
+    draft = head.draft
+
+    def timed_draft(*args, **kwargs):
+        start = mark()
+        out = draft(*args, **kwargs)
+        spans.append((start, mark()))
+        return out
+
+    head.draft = timed_draft
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = generate(target, head, ids, mask, new_tokens)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        del head.draft
+        for handle in handles:
+            handle.remove()
+    inside = sum(a.elapsed_time(b) / 1000 if cuda else b - a for a, b in spans)
+    stats = out.jetspec_stats
+    return {"outside_forwards_ms_per_round": round(1000 * (wall - inside) / max(stats.rounds, 1), 3),
+            "forwards_ms_per_round": round(1000 * inside / max(stats.rounds, 1), 3), "tau": round(stats.tau, 3),
+            "rounds": stats.rounds}
+
+
+@torch.no_grad()
+def generate(target, head, ids, mask, new_tokens: int):
+    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, assistant_model=head, return_dict_in_generate=True)
+
+
+@torch.no_grad()
+def check(name: str, args) -> dict:
+    """Every measurement of one target, as one JSON-ready record."""
+    record = {"target": name, "device": args.device, "dtype": args.dtype}
+    dtype = getattr(torch, args.dtype)
+    try:
+        target, head, prompts = build(name, args.device, dtype)
+    except (OSError, ImportError, ValueError) as error:  # weights out of reach: say so, go on with the others
+        return {**record, "skipped": f"{type(error).__name__}: {error}"}
+    record["verify_ratio"] = verify_ratios(target, head, args.sizes)
+    record["host_reads_per_round"] = {}
+    for batch in args.batches:
+        ids, mask = prompts(batch)
+        generate(target, head, ids, mask, 4)  # warm-up: kernels, allocator
+        record["host_reads_per_round"][batch] = host_reads(target, head, ids, mask, args.new_tokens)
+        record[f"batch_{batch}"] = outside_forwards(target, head, ids, mask, args.new_tokens)
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: test the pieces only")
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, among {TARGETS}")
+    parser.add_argument("--sizes", default="1,2,4,8,16,32", help="verify token counts B for t(B) / t(1)")
+    parser.add_argument("--batches", default="1,4", help="batch sizes of the generate calls")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a machine with a GPU, "
+              "or pass --device cpu to exercise its pieces", file=sys.stderr)
+        return NO_CUDA_EXIT
+    args.sizes = [int(x) for x in args.sizes.split(",")]
+    args.batches = [int(x) for x in args.batches.split(",")]
+    if 1 not in args.sizes or min(args.sizes) < 1:
+        raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base), got {args.sizes}")
+    names = args.targets.split(",")
+    if set(names) - set(TARGETS):
+        raise ValueError(f"expected targets among {TARGETS}, got {sorted(set(names) - set(TARGETS))}")
+    for name in names:
+        print(json.dumps(check(name, args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
