@@ -30,6 +30,7 @@ so a breakdown says which line of the round reads.
 
 import collections
 import contextlib
+import inspect
 import os
 import sys
 
@@ -107,7 +108,7 @@ def read_kind(func, args, kwargs) -> str | None:
 
 def _caller() -> str:
     """`"file:line function"` of the innermost frame outside torch and this module."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe().f_back.f_back  # past this function and its caller in this module
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if path != _HERE and not path.startswith(_TORCH):

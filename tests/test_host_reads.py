@@ -51,14 +51,14 @@ class RoundReads:
                 return original(*args, **kwargs)
 
         monkeypatch.setattr(decode, "_round", counted)
-        if oracle is not None:  # a test oracle's own reads are not the round's: its forward is not counted
-            forward = oracle.forward
+        if oracle is not None:  # a test oracle's own reads are not the round's: its draft forward is not counted
+            draft = oracle.draft
 
-            def quiet_forward(*args, **kwargs):
+            def quiet_draft(*args, **kwargs):
                 with self.rounds.paused():
-                    return forward(*args, **kwargs)
+                    return draft(*args, **kwargs)
 
-            monkeypatch.setattr(oracle, "forward", quiet_forward)
+            monkeypatch.setattr(oracle, "draft", quiet_draft)
 
     def generate(self, target, ids, mask, **kwargs):
         with torch.no_grad(), self.call:
