@@ -442,6 +442,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         context_position_ids: torch.LongTensor | None = None,
         context_valid: torch.Tensor | None = None,
         last_context_index: torch.LongTensor | None = None,
+        return_logits: bool = True,
         **dflash_inputs,
     ) -> JetSpecOutput:
         r"""Training (what the Trainer calls): packed blocks over raw target features, projected on the fly.
@@ -463,6 +464,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             last_context_index (`torch.LongTensor` of shape `(B, T)`, *optional*):
                 With `config.last_context_input`: the context position whose fused features are added to each input
                 slot. Defaults to the context's last valid position for every slot.
+            return_logits (`bool`, *optional*, defaults to `True`):
+                False leaves the LM head to the caller (the trainer applies it a chunk of slots at a time).
         """
         if dflash_inputs:
             return self.dflash_step(position_ids=position_ids, attention_mask=attention_mask, **dflash_inputs)
@@ -476,7 +479,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         x = self.embed(input_ids)
         if self.config.last_context_input:
             x = x + self._last_context(input_ids, context, fused, last_context_index)
-        return self._blocks(x, position_ids, masks, context, return_logits=True)
+        return self._blocks(x, position_ids, masks, context, return_logits)
 
     def dflash_step(self, noise_embeds=None, context_hidden_states=None, position_ids=None, attention_mask=None,
                     past_key_values=None, **unknown):
