@@ -214,7 +214,7 @@ def wait_for(url: str, process: subprocess.Popen, seconds: float) -> None:
 def llama_server():
     """llama-cpp-python's OpenAI-compatible server on the SmolLM2 Q4_1 GGUF, on a free loopback port, one thread."""
     pytest.importorskip("llama_cpp.server", reason="needs llama-cpp-python[server] (pip install "
-                                                   "'llama-cpp-python[server]'; .ci/run installs it)")
+                                                   "'llama-cpp-python[server]'; not yet installed by .ci/run)")
     from jetspec.targets import SMOLLM2_GGUF_FILE, smollm2_gguf_folder
 
     gguf = smollm2_gguf_folder() / SMOLLM2_GGUF_FILE
