@@ -862,3 +862,74 @@ def test_each_process_loads_the_target_straight_to_its_device(tmp_path, monkeypa
         run_trainer.main(["--data", str(data), "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to",
                           "none", "--target", str(folder), "--eval_fraction", "0"])
     assert asked == [torch.device("cpu")]  # the Trainer's device of this process
+
+
+def test_a_store_missing_rows_is_refused_by_file_and_a_covered_run_keeps_its_head_in_bf16(tmp_path):
+    """The trainer refuses a feature store that misses rows of a data source, naming the source and the count,
+    before the target loads; with every row stored it trains, and `keep_head_dir` receives the final head with bf16
+    weights that reload and decode exactly as plain generate."""
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    rows = regenerated_rows(target)
+    first, second = write_shards(tmp_path / "a", rows[:10]), write_shards(tmp_path / "b", rows[10:])
+    from modeling_jetspec import JetSpecDraftModel
+
+    head = JetSpecDraftModel.from_target(target, num_hidden_layers=1, block_size=6)
+    from training.feature_store import build_feature_store
+    from training.rows import load_regenerated
+
+    only_first = [{"id": r["id"], "input_ids": r["input_ids"], "prompt_length": r["prompt_length"]}
+                  for r in load_regenerated(first)]
+    build_feature_store(target, head.config.target_layer_ids, only_first, tmp_path / "store", progress=False)
+    common = ["--target", str(target_dir), "--data", str(first), str(second), "--feature_store",
+              str(tmp_path / "store"), "--max_steps", "3", "--per_device_train_batch_size", "4", "--block_size", "6",
+              "--num_hidden_layers", "1", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+              "--save_strategy", "no", "--eval_fraction", "0.2", "--train_precision", "fp32"]
+    with pytest.raises(ValueError, match=rf"{second}: 6 of 6 rows") as raised:
+        run_trainer.main(common + ["--output_dir", str(tmp_path / "refused")])
+    assert str(first) not in str(raised.value).split("got rows missing from it:")[1].split(". Add")[0]
+    assert not (tmp_path / "refused").exists()  # refused before any work
+
+    build_feature_store(target, head.config.target_layer_ids,
+                        [{"id": r["id"], "input_ids": r["input_ids"], "prompt_length": r["prompt_length"]}
+                         for r in load_regenerated(second)], tmp_path / "store", progress=False)
+    kept = tmp_path / "kept" / "head"
+    run_trainer.main(common + ["--output_dir", str(tmp_path / "out"), "--keep_head_dir", str(kept)])
+    from safetensors.torch import load_file
+
+    weights = load_file(kept / "model.safetensors")
+    assert weights and all(v.dtype == torch.bfloat16 for v in weights.values() if v.is_floating_point())
+    args = json.loads((kept / "training_args.json").read_text())
+    assert args["training"]["train_precision"] == "fp32" and args["training"]["bf16"] is False
+    assert (kept / "metrics.json").is_file() and not list(kept.parent.glob("*.partial"))
+    reloaded = AutoModel.from_pretrained(kept, trust_remote_code=True).eval()
+    prompt = torch.tensor([rows[0]["input_ids"][:6]])
+    mask = torch.ones_like(prompt)
+    plain = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=16)
+    tree = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                           assistant_model=reloaded)
+    assert tree.tolist() == plain.tolist()
+
+
+def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, monkeypatch):
+    """`auto` takes bf16 autocast exactly where the host probe picks bfloat16; `fp32`/`bf16` are obeyed; `fp32`
+    with `bf16=True` is a contradiction refused by name; a short keep threshold decides whether `auto` keeps."""
+    from jetspec.host import HostKind
+
+    for dtype, expected in (("bfloat16", True), ("float32", False)):
+        kind = HostKind(name="test host", dtype=dtype, reason=f"probe says {dtype}", capability="AVX512")
+        monkeypatch.setattr(run_trainer, "host_kind", lambda kind=kind: kind)
+        args = training_args(tmp_path)
+        reason = run_trainer.resolve_precision(args)
+        assert args.bf16 is expected and "test host" in reason
+    args = training_args(tmp_path, train_precision="bf16")
+    run_trainer.resolve_precision(args)
+    assert args.bf16 is True
+    with pytest.raises(ValueError, match="train_precision"):
+        training_args(tmp_path, train_precision="fp16")
+    with pytest.raises(ValueError, match="bf16=False with train_precision='fp32'"):
+        training_args(tmp_path, train_precision="fp32", bf16=True)
+    args = training_args(tmp_path, output_dir=str(tmp_path / "run-x"))
+    assert run_trainer.keep_folder(args, 19.0) is None
+    assert run_trainer.keep_folder(args, 25.0) == Path("training/checkpoints/run-x")
+    assert run_trainer.keep_folder(training_args(tmp_path, keep_head_dir="none"), 90.0) is None

@@ -27,6 +27,8 @@ after its last collective (the final evaluation); only then does the main proces
 
 import dataclasses
 import json
+import shutil
+import time
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,18 +37,20 @@ if __package__ in (None, ""):  # run as a file: the repository root, as `python 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import datasets  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+from jetspec.host import host_kind  # noqa: E402
 from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from modeling_jetspec.configuration_jetspec import BLOCK_ATTENTIONS  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
-from training.rows import first_rows, load_rows, split_train_eval  # noqa: E402
+from training.rows import first_rows, load_rows, load_source, row_key, split_train_eval  # noqa: E402
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import JetSpecTrainer, JetSpecTrainingArguments, unwrap_head  # noqa: E402
 
@@ -395,6 +399,80 @@ def write_learning_curve(log_history: list, path: Path) -> Path | None:
     return path
 
 
+def resolve_precision(args: JetSpecTrainingArguments) -> str:
+    """Sets `args.bf16` from `args.train_precision` and says why: `auto` takes bf16 autocast where the host probe
+    (jetspec.host) finds bf16 matmuls faster than float32 (or on a CUDA device), float32 elsewhere. An explicit
+    `bf16=True` is kept. Called before the Trainer is built, which reads `bf16` for its autocast."""
+    if args.bf16:
+        return "bf16 autocast (bf16=True given)"
+    if args.train_precision == "bf16":
+        args.bf16 = True
+        return "bf16 autocast (train_precision=bf16)"
+    if args.train_precision == "fp32":
+        return "float32 (train_precision=fp32)"
+    if torch.cuda.is_available() and not args.use_cpu:
+        args.bf16 = True
+        return "bf16 autocast (auto: a CUDA device)"
+    host = host_kind()
+    args.bf16 = host.torch_dtype == torch.bfloat16
+    return f"{'bf16 autocast' if args.bf16 else 'float32'} (auto: {host.reason}; host kind {host.name})"
+
+
+def check_store_coverage(store: FeatureStore, sources: list, max_length: int) -> dict:
+    """Every row of every data source must be in the feature store with its first `max_length` positions, else
+    `ValueError` naming each source that misses rows and how many (a missing row would run the target inside the
+    training step, slowly, and with `cache_features` keep its features in memory). Returns rows per source."""
+    counts, missing = {}, []
+    for source in sources:
+        rows = load_source(source)
+        keys = [row_key(i) for i in rows["id"]]
+        lengths = np.minimum(np.array([len(r) for r in rows["input_ids"]], dtype=np.int64), max_length)
+        found, _, stored = store._lookup(keys)
+        absent = int((~(found & (stored >= lengths))).sum())
+        counts[str(source)] = len(keys)
+        if absent:
+            missing.append(f"{source}: {absent} of {len(keys)} rows")
+    if missing:
+        raise ValueError(
+            f"expected every training row in the feature store {store.path} (max_length {max_length}), got rows "
+            f"missing from it: {'; '.join(missing)}. Add them with `python -m training.feature_store --data "
+            f"{' '.join(map(str, sources))} --out {store.path} --max_length {max_length}` (it resumes and computes only "
+            "the missing rows), or train without --feature_store"
+        )
+    return counts
+
+
+def keep_folder(args: JetSpecTrainingArguments, minutes: float) -> Path | None:
+    """Where the final head is kept for the next session (see `keep_head_dir`), or None."""
+    value = args.keep_head_dir
+    if value is None or str(value).lower() in ("", "none", "false"):
+        return None
+    if str(value).lower() == "auto":
+        if minutes < args.keep_head_minutes:
+            return None
+        return Path("training/checkpoints") / Path(args.output_dir).name
+    return Path(value)
+
+
+def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
+    """Copies the shipped head in `out` (config, code, card, metrics, log, curve; no `checkpoint-*`) to `folder`
+    with its weights cast to bf16 (half the float32 size) and the run's arguments as `training_args.json`,
+    atomically: a temporary folder renamed into place, so a killed run never leaves half a head there."""
+    from safetensors.torch import load_file, save_file
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(out, staging, ignore=shutil.ignore_patterns("checkpoint-*", "runs", "*.partial"))
+    for weights in staging.glob("*.safetensors"):
+        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(weights).items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+    (staging / "training_args.json").write_text(json.dumps(run_config, indent=1, default=str) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return folder
+
+
 def main(argv=None, callbacks=None) -> dict:
     """Trains a head as the command line asks; `callbacks` are extra `TrainerCallback`s (e.g. a timer). Returns the
     run's metrics (training, then held-out evaluation)."""
@@ -408,6 +486,10 @@ def main(argv=None, callbacks=None) -> dict:
     # everything that needs no target is read and checked before the target loads (minutes for a large one)
     train_set, eval_set = load_data(data_args, args.seed)
     store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
+    if store is not None and not data_args.streaming:
+        covered = check_store_coverage(store, data_args.data, args.max_length)
+        print(f"jetspec: the feature store covers all {sum(covered.values())} rows of {len(covered)} data sources")
+    print(f"jetspec: the head trains in {resolve_precision(args)}")
 
     dtype, reason = resolve_dtype(head_args.target_dtype)
     print(f"jetspec: target in {dtype} ({reason})")
@@ -427,7 +509,9 @@ def main(argv=None, callbacks=None) -> dict:
     )
     if trainer.is_world_process_zero():
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {describe_rows(train_set)}")
+    started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=checkpoint)
+    train_minutes = (time.perf_counter() - started) / 60.0
     metrics = dict(result.metrics)
     if coverage is not None:
         metrics["draft_vocab_coverage"] = coverage
@@ -446,6 +530,13 @@ def main(argv=None, callbacks=None) -> dict:
     trainer.accelerator.end_training()
     if trainer.is_world_process_zero():
         ship(trainer, head_args, data_args, args, metrics, eval_set, train_set, target, push, repo_id)
+        folder = keep_folder(args, train_minutes)
+        if folder is not None:
+            run_config = {"head": dataclasses.asdict(head_args), "data": dataclasses.asdict(data_args),
+                          "training": args.to_dict(), "train_minutes": round(train_minutes, 2)}
+            kept = keep_head(Path(args.output_dir), folder, run_config)
+            print(f"jetspec: the final head is kept in {kept} (bf16; commit it: the next run can start from it with "
+                  f"--init_head {kept})")
     return metrics
 
 

@@ -29,6 +29,9 @@ from .losses import LOSS_CHUNK_SLOTS, LOSS_KINDS, chain_accept_length, check_los
 from .rows import row_key
 
 
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
+
+
 @dataclass
 class JetSpecTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus how blocks are drawn and scored, where the target's features come from, and what the
@@ -78,6 +81,21 @@ class JetSpecTrainingArguments(TrainingArguments):
         metadata={"help": "Stop training after this many minutes of wall time (and evaluate once more); the "
                           "schedule still follows max_steps."},
     )
+    train_precision: str = field(
+        default="auto",
+        metadata={"help": "The head's training step: `fp32`, `bf16` (autocast, the Trainer's `bf16`) or `auto`: bf16 "
+                          "where jetspec.host measures bf16 matmuls faster than float32 on this host (native bf16: "
+                          "AVX-512 BF16, AMX, a GPU), else fp32. An explicit `--bf16 true` always wins."},
+    )
+    keep_head_dir: str | None = field(
+        default="auto",
+        metadata={"help": "A tracked folder that receives the final head (bf16 weights, config, metrics, learning "
+                          "curve, about 11 MB) whether or not it ships: `auto` = training/checkpoints/<output_dir's "
+                          "name> for runs of keep_head_minutes or more, a path = always there, `none` = never."},
+    )
+    keep_head_minutes: float = field(
+        default=20.0, metadata={"help": "With keep_head_dir=auto: the training minutes from which a run keeps its head."}
+    )
     measure_tau_prompts: int = field(
         default=0,
         metadata={"help": "After training, decode this many held-out prompts with the head and report the "
@@ -126,6 +144,12 @@ class JetSpecTrainingArguments(TrainingArguments):
             raise ValueError(f"expected max_train_minutes > 0 or None, got {self.max_train_minutes}")
         if self.loss_chunk_slots < 1:
             raise ValueError(f"expected loss_chunk_slots >= 1, got {self.loss_chunk_slots}")
+        if self.train_precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"expected train_precision in {TRAIN_PRECISIONS}, got {self.train_precision!r}")
+        if self.train_precision == "fp32" and self.bf16:
+            raise ValueError("expected bf16=False with train_precision='fp32', got bf16=True")
+        if not self.keep_head_minutes >= 0:
+            raise ValueError(f"expected keep_head_minutes >= 0, got {self.keep_head_minutes}")
         if self.max_length < 3:
             raise ValueError(f"expected max_length >= 3 (an anchor needs a token before and after it), got "
                              f"{self.max_length}")
