@@ -226,3 +226,30 @@ def test_cli_refuses_unknown_heads_and_rows_missing_from_the_store(cli_setup, mo
     with pytest.raises(ValueError, match="missing"):
         evaluate_head.main(cli(tmp_path, write_npz(tmp_path / "fresh.npz", fresh)))
     assert row_key(fresh[0]["id"]) != row_key(rows[0]["id"])
+
+
+def test_offline_tau_reaches_the_trainers_evaluation(tmp_path):
+    """`OfflineTauCallback` puts the head's offline tau at its defaults next to the agreement; `offline_tau` hands
+    the head back in the mode it came in."""
+    import datasets
+
+    from test_training import training_args
+    from training.trainer import JetSpecTrainer
+
+    target = sharp_target()
+    rows = greedy_rows(target, count=6, new_tokens=20)
+    head = tiny_head(target, **LOOKUP).train()
+    fetch = forward_features(target, head)
+    callback = evaluate_head.OfflineTauCallback(rows[:3], fetch=fetch, max_new_tokens=16)
+    trainer = JetSpecTrainer(model=head, train_dataset=datasets.Dataset.from_list(rows[3:]),
+                             eval_dataset=datasets.Dataset.from_list(rows[:3]), target=target,
+                             args=training_args(tmp_path, max_steps=1), callbacks=[callback])
+    metrics = trainer.evaluate()
+    head.train()
+    expected = evaluate_head.offline_tau(head, rows[:3], fetch=fetch, max_new_tokens=16)
+    assert head.training  # evaluated in eval mode, handed back as it came
+    assert metrics["eval_offline_tau"] == expected["tau"] >= 1.0
+    assert "eval_acc_depth_1" in metrics
+    assert trainer.state.log_history[-1]["eval_offline_tau"] == expected["tau"]
+    with pytest.raises(ValueError, match="exactly one of a feature store or a features function"):
+        evaluate_head.offline_tau(head, rows[:3])

@@ -82,6 +82,7 @@ class EvalRow:
     end: int  # committed length at which decoding stops: min(row length, prompt + max_new_tokens, stored + 1)
     features: torch.Tensor  # (>= end - 1, k * H) the target's selected-layer features of the first positions
     final: torch.Tensor | None = None  # (S, H) final hidden states of the first positions (first-round statistics)
+    normalisers: dict = field(default_factory=dict)  # position -> the target's log-normaliser there (kept)
 
 
 def held_out_rows(data: list, eval_fraction: float = 0.02, seed: int = 0, rows: int | None = None):
@@ -396,9 +397,7 @@ def _first_round(head, tree, n: int, row: EvalRow, m: int, shape: TreeShape) -> 
         for d, node in enumerate(path):  # token at depth d + 1: the target's state at anchor_pos + d
             if anchor_pos + d >= row.final.shape[0]:
                 break
-            state = row.final[anchor_pos + d].to(lm_head.weight.dtype)
-            logp = torch.log_softmax(lm_head(state[None]).float(), -1)[0]
-            target_lp += float(logp[tree.tokens[node - 1]])
+            target_lp += _target_logprob(row, lm_head, anchor_pos + d, tree.tokens[node - 1])
             known, node_known = d + 1, node
             if d >= len(following) or tree.tokens[node - 1] != following[d]:
                 break  # past the first token that leaves the answer the target's states are not stored
@@ -410,6 +409,17 @@ def _first_round(head, tree, n: int, row: EvalRow, m: int, shape: TreeShape) -> 
         "draft_score_known": known_score if scored else None, "target_logprob_known": target_lp if known else None,
         "inflation": known_score - target_lp if (known and scored) else None,
     }
+
+
+def _target_logprob(row: EvalRow, lm_head, position: int, token: int) -> float:
+    """The target's log-prob of `token` after `position`, from the stored final state there: the log-normaliser of
+    a position is computed once per row (the LM head over the whole vocabulary) and kept; then one dot product."""
+    state = row.final[position].to(lm_head.weight.dtype)
+    if position not in row.normalisers:
+        row.normalisers[position] = float(torch.logsumexp(lm_head(state[None]).float(), -1)[0])
+    bias = getattr(lm_head, "bias", None)
+    logit = state @ lm_head.weight[token] + (bias[token] if bias is not None else 0.0)
+    return float(logit.float()) - row.normalisers[position]
 
 
 def first_round_summary(entries: list) -> dict:
