@@ -253,3 +253,17 @@ def test_offline_tau_reaches_the_trainers_evaluation(tmp_path):
     assert trainer.state.log_history[-1]["eval_offline_tau"] == expected["tau"]
     with pytest.raises(ValueError, match="exactly one of a feature store or a features function"):
         evaluate_head.offline_tau(head, rows[:3])
+
+
+def test_two_heads_are_scored_on_the_same_rows(cli_setup, capsys):
+    tmp_path, rows, data = cli_setup
+    target = sharp_target()
+    tiny_head(target, seed=7, **LOOKUP).save_pretrained(tmp_path / "other")
+    out = tmp_path / "two.json"
+    argv = cli(tmp_path, data, "--budgets", "6", "--json", str(out))
+    argv[2:2] = [str(tmp_path / "other")]  # --head HEAD OTHER
+    evaluate_head.main(argv)
+    heads = json.loads(out.read_text())["heads"]
+    first, second = (heads[str(tmp_path / name)]["6"] for name in ("head", "other"))
+    assert sorted(e["id"] for e in first["per_row"]) == sorted(e["id"] for e in second["per_row"])
+    assert "tau on the same rows" in capsys.readouterr().out

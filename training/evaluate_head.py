@@ -653,6 +653,13 @@ def format_results(results: dict) -> str:
                 lines.append(f"    {r['depth']:2d} {r['source']:6s} [{r['bin'][0]:.1f},{r['bin'][1]:.1f}) "
                              f"{r['trials']:7d} {r['acceptance']:.3f} {r['mean_draft_probability']:.3f} "
                              f"{r['fitted']:.3f}")
+    if len(results) > 1:  # the heads side by side, on the same rows: tau and its ratio to the first head's
+        names = list(results)
+        lines.append("tau on the same rows (ratio to " + names[0] + ")")
+        for budget in results[names[0]]:
+            base = results[names[0]][budget]["tau"]
+            cells = [f"{results[n][budget]['tau']:.3f} ({results[n][budget]['tau'] / base:.3f}x)" for n in names]
+            lines.append(f"  budget {budget:3d}: " + "  ".join(f"{n}: {c}" for n, c in zip(names, cells)))
     return "\n".join(lines)
 
 
