@@ -161,7 +161,8 @@ def test_calibration_counts_trials_under_the_accepted_path():
 def write_npz(path, rows):
     tokens = np.concatenate([np.array(r["input_ids"], dtype=np.uint16) for r in rows])
     offsets = np.cumsum([0] + [len(r["input_ids"]) for r in rows]).astype(np.int64)
-    np.savez_compressed(path, tokens=tokens, offsets=offsets, prompt_length=np.array([r["prompt_length"] for r in rows]),
+    np.savez_compressed(path, tokens=tokens, offsets=offsets,
+                        prompt_length=np.array([r["prompt_length"] for r in rows]),
                         id=np.array([r["id"] for r in rows]), settings=np.array(json.dumps({})))
     return path
 
