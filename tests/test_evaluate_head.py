@@ -1,0 +1,270 @@
+"""Offline head evaluation (training/evaluate_head.py): replayed over rows the target answered greedily in float32, it
+drafts the same trees, takes the same rounds and commits the same tokens as real `generate` with the head, and it
+refuses bad arguments before any work."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import modeling_jetspec.decode as decode
+from test_training import VOCAB, save_target_folder, sharp_target
+from tiny import oracle_head, tiny_head
+from training import evaluate_head
+from training.evaluate_head import evaluate, forward_features, prepare_rows, tree_shape
+from training.feature_store import build_feature_store
+from training.rows import row_key
+
+LOOKUP = dict(tree_lookup=8, tree_lookup_branches="trie", tree_lookup_prior=[[0.5, 0.3], [0.7, 0.5], [0.9, 0.8]],
+              tree_lookup_record=True)
+NEW_TOKENS = 24
+
+
+def greedy_rows(target, count: int = 5, new_tokens: int = 40, seed: int = 0):
+    """Rows answered by plain greedy `generate` at batch 1, float32: prompts of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(count):
+        prompt = torch.randint(1, VOCAB, (1, 5 + 2 * i), generator=g)
+        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=new_tokens, pad_token_id=0)
+        rows.append({"id": f"row-{i}", "input_ids": out[0].tolist(), "prompt_length": prompt.shape[1]})
+    return rows
+
+
+def real_decode(target, head, row, budget, monkeypatch, **tree):
+    """Real `generate` with the head at batch 1: its statistics and the trees its rounds drafted."""
+    trees = []
+    original = decode.draft
+
+    def spy(*args, **kwargs):
+        drafted = original(*args, **kwargs)
+        trees.append(drafted.host[0])
+        return drafted
+
+    monkeypatch.setattr(decode, "draft", spy)
+    prompt = torch.tensor([row["input_ids"][: row["prompt_length"]]])
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0,
+                          max_new_tokens=NEW_TOKENS, assistant_model=head, return_dict_in_generate=True,
+                          tree_budget=budget, **tree)
+    monkeypatch.setattr(decode, "draft", original)
+    # the row is the target's own greedy answer: tree decoding writes it again
+    assert out.sequences[0].tolist() == row["input_ids"][: row["prompt_length"] + NEW_TOKENS]
+    return out.jetspec_stats, trees
+
+
+def nodes_of(tree):
+    n = evaluate_head._tree_nodes(tree)
+    return tree.tokens[:n], tree.parents[:n], tree.scores[:n]
+
+
+@pytest.mark.parametrize("setting", ["trie", "no_lookup", "oracle"])
+def test_offline_rounds_equal_real_generate(setting, monkeypatch):
+    target = sharp_target()
+    rows = greedy_rows(target)
+    budget = {"trie": 6, "no_lookup": 12, "oracle": 10}[setting]
+    lookup = setting == "trie"
+    tree = {} if lookup else {"tree_lookup": 0}
+    fetch = forward_features(target, tiny_head(target))  # float32 features of the whole rows
+    for i, row in enumerate(rows if setting != "oracle" else rows[:3]):
+        if setting == "oracle":  # a head that knows the answer, ranking it first, second or third by position
+            head = oracle_head(target, torch.tensor([row["input_ids"]]), torch.ones(1, len(row["input_ids"])),
+                               mode="sometimes", tree_width=3, tree_depth=4)
+        elif i == 0:
+            head = tiny_head(target, tree_width=4, **LOOKUP)  # one head for all rows (batched below)
+        if setting == "oracle" or i == 0:
+            head.attach_target(target)
+            shape = tree_shape(head, budget, lookup)
+            prepared, skipped = prepare_rows(rows if setting != "oracle" else [row], fetch, NEW_TOKENS, shape.depth)
+            assert not skipped
+            offline_trees = {}
+            tally = evaluate(head, prepared, shape, batch_size=3,
+                             on_round=lambda ids, trees: [offline_trees.setdefault(r, []).append(t)
+                                                          for r, t in zip(ids, trees.host)])
+            by_id = {entry[0]: entry for entry in tally.per_row}
+        stats, real_trees = real_decode(target, head, row, budget, monkeypatch, **tree)
+        _, rounds, tokens, depths = by_id[row["id"]]
+        assert (rounds, tokens, depths) == (stats.row_rounds, stats.round_tokens, stats.accepted_at_depth)
+        assert len(offline_trees[row["id"]]) == len(real_trees) == rounds
+        for mine, real in zip(offline_trees[row["id"]], real_trees):
+            tokens_mine, parents_mine, scores_mine = nodes_of(mine)
+            tokens_real, parents_real, scores_real = nodes_of(real)
+            assert (tokens_mine, parents_mine) == (tokens_real, parents_real)
+            assert scores_mine == pytest.approx(scores_real, abs=1e-4)
+    if setting != "oracle":  # the batched replay of all rows: the same tau as the real calls together
+        assert tally.rows == len(rows)
+    assert tally.rounds > 0 and tally.tau >= 1.0
+    accepted = sum(tally.sources.values())
+    assert accepted == sum(tally.accepted_at_depth)
+    if setting == "oracle":  # every accepted token came from the head
+        assert tally.sources["head"] == accepted > 0
+    if setting == "trie":  # greedy tiny targets loop: the model-free branch carries accepted tokens
+        assert tally.sources["lookup"] + tally.sources["both"] > 0
+
+
+def test_first_round_target_logprob_comes_from_the_final_states():
+    """The top-ranked path's target log-prob, over its prefix on the answer, equals the target's own log-probs."""
+    target = sharp_target()
+    rows = greedy_rows(target, count=3)
+    head = tiny_head(target, tree_width=3)
+    head.attach_target(target)
+    shape = tree_shape(head, 8, lookup=False)
+    prepared, _ = prepare_rows(rows, forward_features(target, head), NEW_TOKENS, shape.depth)
+    first = []
+    tally = evaluate(head, prepared, shape,
+                     on_round=lambda ids, trees: first.append((ids, trees.host)) if not first else None)
+    entries = {e["id"]: e for e in tally.first_round}
+    assert set(entries) == {row["id"] for row in rows}
+    for row_id, tree in zip(*first[0]):
+        row = next(r for r in rows if r["id"] == row_id)
+        p = row["prompt_length"]
+        ids = torch.tensor([row["input_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(target(ids).logits[0].float(), -1)  # (L, V)
+        path, node = [], 0  # the top-ranked path: each node's first (best) child
+        while node in tree.parents:
+            node = tree.parents.index(node) + 1
+            path.append(tree.tokens[node - 1])
+        expected, known = 0.0, 0
+        for d, token in enumerate(path):
+            expected += float(logp[p + d, token])
+            known = d + 1
+            if token != row["input_ids"][p + 1 + d]:
+                break
+        entry = entries[row_id]
+        assert entry["known_depth"] == known
+        assert entry["target_logprob_known"] == pytest.approx(expected, abs=1e-3)
+        assert entry["inflation"] == pytest.approx(entry["draft_score_known"] - expected, abs=1e-3)
+    summary = tally.summary()["first_round"]
+    below = sum(e["target_logprob_known"] < -20 for e in entries.values()) / len(entries)
+    assert summary["share_below_-20_nats"] == below
+
+
+def test_calibration_counts_trials_under_the_accepted_path():
+    target = sharp_target()
+    rows = greedy_rows(target, count=3)
+    head = tiny_head(target, tree_width=3, **LOOKUP)
+    head.attach_target(target)
+    shape = tree_shape(head, 10, lookup=True)
+    prepared, _ = prepare_rows(rows, forward_features(target, head), NEW_TOKENS, shape.depth)
+    tally = evaluate(head, prepared, shape, calibration=True)
+    table = evaluate_head.calibration_table(tally.calibration)
+    # every accepted draft token is one accepted trial
+    assert sum(r["accepted"] for r in table) == sum(tally.accepted_at_depth)
+    assert all(0 <= r["acceptance"] <= 1 and r["trials"] >= r["accepted"] for r in table)
+    for depth_source in {(r["depth"], r["source"]) for r in table}:
+        fitted = [r["fitted"] for r in table if (r["depth"], r["source"]) == depth_source]
+        assert fitted == sorted(fitted)
+
+
+def write_npz(path, rows):
+    tokens = np.concatenate([np.array(r["input_ids"], dtype=np.uint16) for r in rows])
+    offsets = np.cumsum([0] + [len(r["input_ids"]) for r in rows]).astype(np.int64)
+    np.savez_compressed(path, tokens=tokens, offsets=offsets,
+                        prompt_length=np.array([r["prompt_length"] for r in rows]),
+                        id=np.array([r["id"] for r in rows]), settings=np.array(json.dumps({})))
+    return path
+
+
+@pytest.fixture
+def cli_setup(tmp_path):
+    target = sharp_target()
+    rows = greedy_rows(target, count=12, new_tokens=20)
+    head = tiny_head(target, **LOOKUP)
+    head.save_pretrained(tmp_path / "head")
+    save_target_folder(target, tmp_path / "target")
+    data = write_npz(tmp_path / "rows.npz", rows)
+    build_feature_store(target, head.config.target_layer_ids, rows, tmp_path / "store", progress=False)
+    return tmp_path, rows, data
+
+
+def cli(tmp_path, data, *extra):
+    return ["--head", str(tmp_path / "head"), "--data", str(data), "--feature_store", str(tmp_path / "store"),
+            "--target", str(tmp_path / "target"), "--eval_fraction", "0.3", *extra]
+
+
+def test_cli_scores_the_trainers_held_out_rows(cli_setup):
+    from training.rows import load_rows, split_train_eval
+
+    tmp_path, rows, data = cli_setup
+    out = tmp_path / "out.json"
+    evaluate_head.main(cli(tmp_path, data, "--budgets", "4,8", "--json", str(out), "--fit_calibration"))
+    result = json.loads(out.read_text())
+    _, held = split_train_eval(load_rows([str(data)]), 0.3, 0)
+    by_budget = result["heads"][str(tmp_path / "head")]
+    for budget in ("4", "8"):
+        scored = sorted(entry["id"] for entry in by_budget[budget]["per_row"])
+        assert scored == sorted(held["id"])
+        assert by_budget[budget]["tau"] >= 1.0
+        assert "calibration" in by_budget[budget]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--budgets", "8,0"], "expected --budgets"),
+    (["--budgets", "x"], "expected --budgets"),
+    (["--rows", "0"], "expected --rows"),
+    (["--max_new_tokens", "0"], "expected --max_new_tokens"),
+    (["--tree_key", "depth"], "expected --tree_key"),
+    (["--eval_fraction", "0"], "expected --eval_fraction"),
+])
+def test_cli_refuses_bad_arguments_before_work(cli_setup, bad, message, monkeypatch):
+    tmp_path, _, data = cli_setup
+    monkeypatch.setattr("jetspec.targets.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match=message):
+        evaluate_head.main(cli(tmp_path, data, *bad))
+
+
+def test_cli_refuses_unknown_heads_and_rows_missing_from_the_store(cli_setup, monkeypatch):
+    tmp_path, rows, data = cli_setup
+    monkeypatch.setattr("jetspec.targets.load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    with pytest.raises(ValueError, match="expected a head folder holding config.json"):
+        evaluate_head.main(cli(tmp_path, data)[:1] + [str(tmp_path / "nowhere")] + cli(tmp_path, data)[2:])
+    other = sharp_target(seed=3)
+    fresh = greedy_rows(other, count=4, seed=5)
+    for row in fresh:
+        row["id"] = "fresh-" + row["id"]
+    with pytest.raises(ValueError, match="missing"):
+        evaluate_head.main(cli(tmp_path, write_npz(tmp_path / "fresh.npz", fresh)))
+    assert row_key(fresh[0]["id"]) != row_key(rows[0]["id"])
+
+
+def test_offline_tau_reaches_the_trainers_evaluation(tmp_path):
+    """`OfflineTauCallback` puts the head's offline tau at its defaults next to the agreement; `offline_tau` hands
+    the head back in the mode it came in."""
+    import datasets
+
+    from test_training import training_args
+    from training.trainer import JetSpecTrainer
+
+    target = sharp_target()
+    rows = greedy_rows(target, count=6, new_tokens=20)
+    head = tiny_head(target, **LOOKUP).train()
+    fetch = forward_features(target, head)
+    callback = evaluate_head.OfflineTauCallback(rows[:3], fetch=fetch, max_new_tokens=16)
+    trainer = JetSpecTrainer(model=head, train_dataset=datasets.Dataset.from_list(rows[3:]),
+                             eval_dataset=datasets.Dataset.from_list(rows[:3]), target=target,
+                             args=training_args(tmp_path, max_steps=1), callbacks=[callback])
+    metrics = trainer.evaluate()
+    head.train()
+    expected = evaluate_head.offline_tau(head, rows[:3], fetch=fetch, max_new_tokens=16)
+    assert head.training  # evaluated in eval mode, handed back as it came
+    assert metrics["eval_offline_tau"] == expected["tau"] >= 1.0
+    assert "eval_acc_depth_1" in metrics
+    assert trainer.state.log_history[-1]["eval_offline_tau"] == expected["tau"]
+    with pytest.raises(ValueError, match="exactly one of a feature store or a features function"):
+        evaluate_head.offline_tau(head, rows[:3])
+
+
+def test_two_heads_are_scored_on_the_same_rows(cli_setup, capsys):
+    tmp_path, rows, data = cli_setup
+    target = sharp_target()
+    tiny_head(target, seed=7, **LOOKUP).save_pretrained(tmp_path / "other")
+    out = tmp_path / "two.json"
+    argv = cli(tmp_path, data, "--budgets", "6", "--json", str(out))
+    argv[2:2] = [str(tmp_path / "other")]  # --head HEAD OTHER
+    evaluate_head.main(argv)
+    heads = json.loads(out.read_text())["heads"]
+    first, second = (heads[str(tmp_path / name)]["6"] for name in ("head", "other"))
+    assert sorted(e["id"] for e in first["per_row"]) == sorted(e["id"] for e in second["per_row"])
+    assert "tau on the same rows" in capsys.readouterr().out
