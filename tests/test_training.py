@@ -902,6 +902,10 @@ def test_a_store_missing_rows_is_refused_by_file_and_a_covered_run_keeps_its_hea
     args = json.loads((kept / "training_args.json").read_text())
     assert args["training"]["train_precision"] == "fp32" and args["training"]["bf16"] is False
     assert (kept / "metrics.json").is_file() and not list(kept.parent.glob("*.partial"))
+    # the offline tau of the held-out rows rides on the log beside the agreement (the store holds their features)
+    log = json.loads((kept / "training_log.json").read_text())
+    offline = [entry["eval_offline_tau"] for entry in log if "eval_offline_tau" in entry]
+    assert offline and all(tau >= 1.0 for tau in offline)
     reloaded = AutoModel.from_pretrained(kept, trust_remote_code=True).eval()
     prompt = torch.tensor([rows[0]["input_ids"][:6]])
     mask = torch.ones_like(prompt)

@@ -551,7 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", nargs="+", default=["training/data/smollm2-135m-mix.npz",
                                                       "training/data/smollm2-135m-mix-fp32.npz",
                                                       "training/data/smollm2-135m-mix-amx.npz",
-                                                      "training/data/smollm2-135m-mix-fp32-more.npz"],
+                                                      "training/data/smollm2-135m-mix-fp32-more.npz",
+                                                      "training/data/smollm2-135m-mix-amx-rev.npz"],
                         help="Regenerated rows (.npz or regenerate folders), as the trainer reads them.")
     parser.add_argument("--feature_store", required=True, help="Feature store folder holding the held-out rows.")
     parser.add_argument("--target", default="smollm2-135m",

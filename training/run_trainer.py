@@ -48,6 +48,7 @@ from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from modeling_jetspec.configuration_jetspec import BLOCK_ATTENTIONS  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
+from training.evaluate_head import OfflineTauCallback  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
 from training.rows import first_rows, load_rows, load_source, row_key, split_train_eval  # noqa: E402
@@ -383,9 +384,17 @@ def write_learning_curve(log_history: list, path: Path) -> Path | None:
     axes_x = [("step", "training step", 1.0)]
     if all("num_input_tokens_seen" in entry for entry in evals):
         axes_x.append(("num_input_tokens_seen", "target tokens seen (millions)", 1e-6))
-    figure = Figure(figsize=(6 * len(axes_x), 4))
+    offline = [entry for entry in log_history if "eval_offline_tau" in entry]
+    panels = len(axes_x) + (1 if offline else 0)
+    figure = Figure(figsize=(6 * panels, 4))
+    if offline:
+        axes = figure.add_subplot(1, panels, panels)
+        axes.plot([e["step"] for e in offline], [e["eval_offline_tau"] for e in offline], marker="o", color="k")
+        axes.set_xlabel("training step")
+        axes.set_ylabel("offline tau at the defaults (held-out answers)")
+        axes.grid(alpha=0.3)
     for column, (key, label, scale) in enumerate(axes_x, start=1):
-        axes = figure.add_subplot(1, len(axes_x), column)
+        axes = figure.add_subplot(1, panels, column)
         xs = [entry[key] * scale for entry in evals]
         for d in depths:
             axes.plot(xs, [entry[f"eval_acc_depth_{d}"] for entry in evals], marker="o", label=f"depth {d}")
@@ -503,9 +512,14 @@ def main(argv=None, callbacks=None) -> dict:
         ids, coverage = frequent_tokens(counts, head_args.draft_vocab_size, head.config.vocab_size)
         unwrap_head(head).set_draft_vocab(ids)
         print(f"jetspec: draft vocabulary of {len(ids)} tokens covers {coverage:.2%} of the training answers' tokens")
+    callbacks = list(callbacks or [])
+    if store is not None and eval_set is not None and args.offline_tau_rows > 0 and not data_args.streaming:
+        rows = eval_set.select(range(min(args.offline_tau_rows, len(eval_set))))
+        callbacks.append(OfflineTauCallback(rows, store, max_new_tokens=args.offline_tau_new_tokens,
+                                            max_rows=args.offline_tau_rows))
     trainer = JetSpecTrainer(
         model=head, args=args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
-        target=target, feature_store=store, callbacks=callbacks,
+        target=target, feature_store=store, callbacks=callbacks or None,
     )
     if trainer.is_world_process_zero():
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {describe_rows(train_set)}")

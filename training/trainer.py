@@ -96,6 +96,16 @@ class JetSpecTrainingArguments(TrainingArguments):
     keep_head_minutes: float = field(
         default=20.0, metadata={"help": "With keep_head_dir=auto: the training minutes from which a run keeps its head."}
     )
+    offline_tau_rows: int = field(
+        default=32,
+        metadata={"help": "With a feature store: at every evaluation, the head's offline tau at its defaults on this "
+                          "many held-out rows (training.evaluate_head: the decoder's own draft, tree and trie over the "
+                          "stored answers, no target forward), logged as eval_offline_tau beside the agreement; 0 "
+                          "skips it."},
+    )
+    offline_tau_new_tokens: int = field(
+        default=128, metadata={"help": "Answer tokens per row of the offline tau at each evaluation."}
+    )
     measure_tau_prompts: int = field(
         default=0,
         metadata={"help": "After training, decode this many held-out prompts with the head and report the "
@@ -148,6 +158,9 @@ class JetSpecTrainingArguments(TrainingArguments):
             raise ValueError(f"expected train_precision in {TRAIN_PRECISIONS}, got {self.train_precision!r}")
         if self.train_precision == "fp32" and self.bf16:
             raise ValueError("expected bf16=False with train_precision='fp32', got bf16=True")
+        if self.offline_tau_rows < 0 or self.offline_tau_new_tokens < 1:
+            raise ValueError(f"expected offline_tau_rows >= 0 and offline_tau_new_tokens >= 1, got "
+                             f"{self.offline_tau_rows} and {self.offline_tau_new_tokens}")
         if not self.keep_head_minutes >= 0:
             raise ValueError(f"expected keep_head_minutes >= 0, got {self.keep_head_minutes}")
         if self.max_length < 3:
