@@ -93,10 +93,9 @@ def compile_mode(mode: str, device: torch.device, generation_config) -> bool:
     return device.type in AUTO_COMPILE_DEVICES or bool(config is not None and config._compile_all_devices)
 
 
-def compile_options(device: torch.device, generation_config) -> dict:
-    """`torch.compile` options: the generation config's `compile_config`, else `dynamic=False` and, on CUDA,
-    `mode="reduce-overhead"` (CUDA graphs)."""
-    config = generation_config.compile_config
+def compile_options(device: torch.device, config=None) -> dict:
+    """`torch.compile` options: those of `config` (a `CompileConfig`, the generation config's), else `dynamic=False`
+    and, on CUDA, `mode="reduce-overhead"` (CUDA graphs)."""
     if config is not None:
         return config.to_dict()
     return {"dynamic": False, "mode": "reduce-overhead" if device.type == "cuda" else None}
@@ -165,7 +164,7 @@ _COMPILED = {}  # (function, options) -> its torch.compile'd form, shared by eve
 
 
 def _compiled(fn, options: dict):
-    key = (fn.__name__, tuple(sorted(options.items())))
+    key = (fn.__name__, repr(sorted(options.items())))
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
@@ -230,7 +229,7 @@ class StaticVerifier:
         self.length = -(-needed // LENGTH_BUCKET) * LENGTH_BUCKET
         device = self.target.device
         self.compiled = compile_mode(self.mode, device, generation_config)
-        self.options = compile_options(device, generation_config) if self.compiled else {}
+        self.options = compile_options(device, generation_config.compile_config) if self.compiled else {}
         self._graphs = self.compiled and device.type == "cuda" and self.options.get("mode") in (
             "reduce-overhead", "max-autotune")
         self._verify = _compiled(verify_forward, self.options) if self.compiled else verify_forward
