@@ -84,7 +84,8 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     before = call.verifier.target_forwards
     budget = controller.next_budget() if controller is not None else call.shape.budget
     histories = call.histories() if call.shape.lookup else None
-    trees = draft(head, state, call.shape, budget, histories, call.lookup_record)
+    drafter = getattr(call.verifier, "draft", None) or draft  # the static path drafts over its fixed-shape buffers
+    trees = drafter(head, state, call.shape, budget, histories, call.lookup_record)
     mark()
     trees, logits, features = call.verifier.verify(state, trees)
     mark()
@@ -159,7 +160,8 @@ def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool,
     _stream(call)
     stats.new_tokens += done.tokens
     state = replace(state, anchors=first)
-    return select_rows(state, done.keep) if done.keep.numel() < first.shape[0] else state
+    select = getattr(call.verifier, "select_rows", None) or select_rows  # the static path keeps its buffers' rows
+    return select(state, done.keep) if done.keep.numel() < first.shape[0] else state
 
 
 def _stream(call: Call, final: bool = False):

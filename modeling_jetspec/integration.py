@@ -22,6 +22,7 @@ from .budget import DEFAULT_CANDIDATES
 from .compat import attn_implementation
 from .decode import _decode
 from .state import TreeShape, resolve_tree_shape
+from .static import resolve_static, static_decode, static_verifier
 from .tree import max_tree_nodes
 from .verifiers import verifier_for
 
@@ -39,7 +40,7 @@ GENERATE_HONOURED = (
 )
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
 UNSUPPORTED_GENERATION = {
-    "cache_implementation": "dynamic",  # generate's own default; the loop keeps its own dynamic cache
+    "cache_implementation": "dynamic",  # the loop keeps its own cache ("static": taken by `static.resolve_static`)
     "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None,
     "dola_layers": None,
@@ -94,6 +95,7 @@ def tree_generate(head, target, *args, **kwargs):
     shape = resolve_tree_shape(head.config, **given)
     streamer = kwargs.pop("streamer", None)
     tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
+    static = resolve_static(kwargs)  # jetspec_static / cache_implementation="static": `static.py`
     check_generate_kwargs(kwargs)
     _check_lengths(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -115,6 +117,8 @@ def tree_generate(head, target, *args, **kwargs):
         check_tree_bounds(shape, head, target, *prompt.shape)
     _stop_strings_with_tokenizer(target, kwargs)
     verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
+    if static is not None:
+        verifier = static_verifier(target, head, shape, verifier, static)
     impl = attn_implementation(target)
     switch = impl not in MASKABLE_ATTENTION
     if switch and not (impl.startswith("flash") or impl == "flex_attention"):
@@ -124,9 +128,10 @@ def tree_generate(head, target, *args, **kwargs):
         )
     if switch:  # flash-attn cannot take a tree mask: verify with sdpa, restore afterwards
         target.set_attn_implementation("sdpa")
+    loop = _decode if static is None else static_decode
     try:
         return target.generate(
-            *args, custom_generate=_decode, jetspec_head=head, jetspec_shape=shape, jetspec_streamer=streamer,
+            *args, custom_generate=loop, jetspec_head=head, jetspec_shape=shape, jetspec_streamer=streamer,
             jetspec_verifier=verifier, **kwargs,
         )
     finally:

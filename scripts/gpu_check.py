@@ -13,7 +13,11 @@ For each target it prints one JSON line:
   explicit synchronizes), counted by a `TorchFunctionMode` (every read stalls the launch queue on a GPU);
 - `outside_forwards_ms_per_round`: wall time of the call minus the time inside target forwards and head drafts
   (CUDA events on a GPU), per round: the Python and small kernels of the round while the forwards do not run;
-- `tau`: committed tokens per row and verify round, from the call's `jetspec_stats`.
+- `tau`: committed tokens per row and verify round, from the call's `jetspec_stats`;
+- `static_batch_<b>` (unless `--no-static`): milliseconds per generated token of plain greedy with a static cache
+  compiled as the static path compiles (`plain_static_compiled`), the default JetSpec path (`jetspec`) and the
+  static path compiled (`jetspec_static_compiled`, `modeling_jetspec/static.py`; CUDA graphs on CUDA), each timed
+  after a warm-up call, and whether the static path's tokens equal plain greedy's (`static_equal`).
 
 SmolLM2 uses the head committed in `jetspec/heads/smollm2-135m` and `jetspec.targets.load_target`; where its weights
 cannot be loaded (no network, no cache) its line says why and the other targets go on. Without a CUDA device the
@@ -194,6 +198,35 @@ def generate(target, head, ids, mask, new_tokens: int):
 
 
 @torch.no_grad()
+def static_timing(target, head, ids, mask, new_tokens: int) -> dict:
+    """Milliseconds per generated token of plain greedy (static cache, compiled like the static path), the default
+    JetSpec path and the compiled static path; each call timed after one warm-up call of the same shapes."""
+    from transformers import CompileConfig
+
+    from modeling_jetspec.static import compile_options
+
+    config = CompileConfig(**compile_options(ids.device))
+    config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    common = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens)
+    methods = {"plain_static_compiled": dict(cache_implementation="static", compile_config=config),
+               "jetspec": dict(assistant_model=head), "jetspec_static_compiled": dict(assistant_model=head,
+                                                                                      jetspec_static="compile")}
+    record, outputs = {}, {}
+    for method, kwargs in methods.items():
+        target.generate(**common, **kwargs)  # warm-up: compilation, CUDA graphs, allocator
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs[method] = target.generate(**common, **kwargs)
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        record[f"{method}_ms_per_token"] = round(1000 * (time.perf_counter() - start) / new_tokens, 3)
+    record["static_equal"] = bool(torch.equal(outputs["jetspec_static_compiled"], outputs["plain_static_compiled"]))
+    return record
+
+
+@torch.no_grad()
 def check(name: str, args) -> dict:
     """Every measurement of one target, as one JSON-ready record."""
     record = {"target": name, "device": args.device, "dtype": args.dtype}
@@ -209,6 +242,8 @@ def check(name: str, args) -> dict:
         generate(target, head, ids, mask, 4)  # warm-up: kernels, allocator
         record["host_reads_per_round"][batch] = host_reads(target, head, ids, mask, args.new_tokens)
         record[f"batch_{batch}"] = outside_forwards(target, head, ids, mask, args.new_tokens)
+        if args.static:
+            record[f"static_batch_{batch}"] = static_timing(target, head, ids, mask, args.new_tokens)
     return record
 
 
@@ -220,6 +255,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,4", help="batch sizes of the generate calls")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--no-static", dest="static", action="store_false",
+                        help="skip timing the static path (compiled; minutes of compilation per target)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a machine with a GPU, "

@@ -166,7 +166,7 @@ def test_default_depth_deeper_than_the_block():
         (dict(position_ids=torch.arange(13)[None]), "got also position_ids"),
         (dict(inputs_embeds=torch.zeros(1, 13, 64)), "got also inputs_embeds"),
         (dict(past_key_values="a user cache"), "got also past_key_values"),
-        (dict(cache_implementation="static"), "cache_implementation='dynamic' .*got 'static'"),
+        (dict(cache_implementation="offloaded"), "cache_implementation='dynamic' .*got 'offloaded'"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=None .*got 3"),
         (dict(return_dict_in_generate=True, output_attentions=True), "output_attentions=False .*got True"),
         (dict(return_dict_in_generate=True, output_hidden_states=True), "output_hidden_states=False .*got True"),
@@ -185,8 +185,8 @@ def test_unsupported_generate_arguments_are_named(pair, kwargs, message):
 def test_unsupported_setting_inside_a_generation_config(pair):
     from transformers import GenerationConfig
 
-    with pytest.raises(ValueError, match="cache_implementation='dynamic' .*got 'static'"):
-        run(*pair, generation_config=GenerationConfig(max_new_tokens=4, cache_implementation="static"))
+    with pytest.raises(ValueError, match="cache_implementation='dynamic' .*got 'offloaded'"):
+        run(*pair, generation_config=GenerationConfig(max_new_tokens=4, cache_implementation="offloaded"))
 
 
 def test_layer_types_no_verifier_handles_are_rejected_by_name():
