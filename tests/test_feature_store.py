@@ -86,6 +86,32 @@ def test_trainer_reads_the_store_and_never_runs_the_target(tmp_path):
     assert curves[1][-1] < curves[1][0]
 
 
+def test_dataloader_workers_read_the_store_ahead_and_train_the_same_curve(tmp_path):
+    """With dataloader workers the collator reads each batch's features from the store (ahead of the step, in the
+    worker); the steps see exactly the features the step would have read itself: the same losses, bit for bit, and
+    the target never runs."""
+    target = sharp_target()
+    rows = regenerated_rows(target)
+    dataset = datasets.Dataset.from_list(rows)
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store",
+                        progress=False)
+    curves = []
+    for workers in (0, 1):
+        head = tiny_head(target, last_context_input=True).train()
+        calls = []
+        hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+        trainer = JetSpecTrainer(model=head, train_dataset=dataset, target=target,
+                                 args=training_args(tmp_path / str(workers), max_steps=5, num_blocks_per_sequence=3,
+                                                    dataloader_num_workers=workers),
+                                 feature_store=FeatureStore(tmp_path / "store"))
+        assert (trainer.data_collator.feature_store is not None) == (workers > 0)
+        trainer.train()
+        hook.remove()
+        assert not calls
+        curves.append(losses_of(trainer.state.log_history))
+    assert curves[1] == curves[0]
+
+
 def test_store_refuses_other_layers_and_bad_input(tmp_path):
     target = sharp_target()
     head = tiny_head(target)

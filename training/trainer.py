@@ -319,6 +319,9 @@ class JetSpecCollator:
     answer_anchor_prob: float = 1.0
     reveal_prob: float = 0.0
     epoch: int | None = 0
+    # a `FeatureStore` to read the batch's target features from while collating: with dataloader workers the read
+    # of batch i + 1 overlaps the step of batch i (set by the trainer; rows it does not hold are left to the step)
+    feature_store: object = field(default=None, repr=False, compare=False)
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         if not features:
@@ -339,12 +342,17 @@ class JetSpecCollator:
                                            self.answer_anchor_prob, generator_offset=offset)
         blocks = pack_blocks(input_ids, lengths, anchors, self.block_size, self.mask_token_id, causal=self.causal,
                              reveal_prob=self.reveal_prob, generators=generators)
-        return {
+        batch = {
             "input_ids": input_ids, "attention_mask": attention_mask, "sample_key": keys,
             "block_ids": blocks.input_ids, "block_position_ids": blocks.position_ids,
             "block_attention_mask": blocks.attention_mask, "teacher_index": blocks.teacher_index,
             "labels": blocks.labels, "last_context_index": blocks.last_context_index,
         }
+        store = self.feature_store
+        if store is not None and store.covers_all(keys.tolist(), lengths.tolist()):
+            batch["stored_features"], batch["stored_final"] = store.get_batch(keys.tolist(), lengths.tolist(),
+                                                                              width=width)
+        return batch
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -475,6 +483,8 @@ class JetSpecTrainer(Trainer):
             causal=head.config.block_attention == "causal", max_length=args.max_length, pad_token_id=pad or 0,
             seed=args.seed, answer_anchor_prob=args.answer_anchor_prob, reveal_prob=args.reveal_prob, epoch=0,
         )
+        if feature_store is not None and args.dataloader_num_workers > 0:
+            collator.feature_store = feature_store  # workers read the store ahead of the compute
         self.eval_collator = dataclasses.replace(collator, reveal_prob=0.0, epoch=None)
         if kwargs.get("compute_metrics") is None:
             kwargs["compute_metrics"] = self._agreement_metrics
@@ -508,6 +518,8 @@ class JetSpecTrainer(Trainer):
         the target, so later epochs skip it entirely.
         """
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (B, L)
+        if "stored_features" in inputs:  # read from the store by the collator (a dataloader worker), ahead of the step
+            return inputs["stored_features"], inputs["stored_final"]
         keys = inputs["sample_key"].tolist()
         lengths = attention_mask.sum(-1).tolist()
         cache, store = self._feature_cache, self.feature_store
