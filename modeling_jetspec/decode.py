@@ -84,7 +84,7 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     before = call.verifier.target_forwards
     budget = controller.next_budget() if controller is not None else call.shape.budget
     histories = call.histories() if call.shape.lookup else None
-    trees = draft(head, state, call.shape, budget, histories, call.lookup_record)
+    trees = draft(head, state, call.shape, budget, histories, call.lookup_record, call.lookup_index)
     mark()
     trees, logits, features = call.verifier.verify(state, trees)
     mark()
