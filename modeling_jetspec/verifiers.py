@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicCache
 
 from .compat import DynamicLayer
 from .hybrid import HybridVerifier, is_hybrid
+from .reclaim import reclaim
 from .state import DraftTrees, RoundState, TreeShape, Verifier
 from .steps import compact, draft, prefill, verify
 from .timing import median_seconds
@@ -58,8 +59,11 @@ class TreeVerifier:
         return trees, logits, features
 
     def compact(self, state, trees, acc, features, keep) -> RoundState:
-        """[`compact`] with [`keep_accepted_entries`]."""
-        return compact(self.head, state, trees, acc, features, keep)
+        """[`compact`] with [`keep_accepted_entries`], then [`reclaim.reclaim`]: the columns no row reads again
+        (holes of uneven acceptance; entries out of the window when every layer slides) are freed once they make a
+        quarter of the cache."""
+        window = self.windows[None] if self.windows is not None and None in self.windows else None
+        return reclaim(compact(self.head, state, trees, acc, features, keep), window)
 
     def discard(self, state: RoundState, trees: DraftTrees):
         """Undo a [`verify`] without compacting (timing repeats): drop the n + 1 entries it added."""
