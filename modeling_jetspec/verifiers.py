@@ -87,8 +87,9 @@ def verify_windows(target) -> dict | None:
 
     Returns `{layer_type: window or None}` for targets with `layer_types` (the model takes a dict of masks and hands
     each layer the one of its type), or `{None: window}` when every layer slides (Mistral: one mask). Plain
-    `generate` crops sliding layers' caches to the window; the tree loop keeps every entry and masks by position
-    instead, which attends to the same keys.
+    `generate` crops sliding layers' caches to the window; the tree loop masks by position, which attends to the
+    same keys, and, when every layer slides, [`reclaim.reclaim`] cuts the entries out of the window (with both
+    kinds of layers the cache keeps one width for all, so sliding layers keep every live entry).
     """
     text = target.config.get_text_config(decoder=True)
     window = getattr(text, "sliding_window", None)
