@@ -97,3 +97,20 @@ def test_packed_order_keeps_live_entries_in_order():
     assert width == 3
     assert index[0].tolist() == [1, 3, 4]  # its live columns, in order
     assert live.gather(1, index)[1].tolist() == [False, True, True] and index[1, 1:].tolist() == [0, 4]
+
+
+def test_long_rounds_script_reports_every_length(capsys):
+    """scripts/long_rounds.py at small sizes: a line per target, batch and length, and the growth."""
+    from scripts.long_rounds import main
+
+    assert main(["--lengths", "48,96", "--batches", "1,2", "--span", "24"]) == 0
+    printed = capsys.readouterr().out
+    blocks = {}
+    for line in printed.splitlines():
+        if not line.startswith(" "):
+            key = (line.split(" (")[0], line.split("batch ")[1].split(":")[0])
+        blocks.setdefault(key, []).append(line.strip())
+    assert sorted(blocks) == [("llama", "1"), ("llama", "2"), ("mistral", "1"), ("mistral", "2")]
+    for lines in blocks.values():
+        assert [line.split(" tokens:")[0] for line in lines[1:3]] == ["48", "96"], lines
+        assert all("host" in line and "width" in line for line in lines[1:3]) and lines[3].startswith("growth 48 -> 96")
