@@ -91,6 +91,8 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     acc = accept(logits, trees, call.active, call.choose)
     done = commit(call, acc, logits)
     state = call.verifier.compact(state, trees, done.acceptance, features, done.keep)
+    if call.active and hasattr(call.verifier, "reclaim"):  # holes and out-of-window columns (reclaim.py)
+        state = call.verifier.reclaim(state, max(call.lengths[row] for row in call.active) - 1)
     mark()
     outside, verify = 0.0, 0.0
     if timer is not None:

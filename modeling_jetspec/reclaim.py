@@ -14,7 +14,9 @@ row's live columns to the right, in their order, and cuts the columns no row nee
 The head's context has its own columns (it attends to every earlier position, window or not); its holes are packed
 the same way. A pack gathers the whole cache, so it runs only when it frees at least a quarter of the columns (and
 `MIN_RECLAIM` of them): its cost is amortized over the rounds that made the holes, and the cache stays within 4/3 of
-its live width (plus one round) however long the output and however uneven the acceptance.
+its live width (or `MIN_RECLAIM` above it) however long the output and however uneven the acceptance. The decision
+reads nothing from the device: the live width is bounded from the rows' committed lengths, which the host keeps
+(left padding counts as live there, so a row's padding may stay).
 
 Targets with both sliding and full-attention layers (one cache width for all layers) keep every entry of their
 sliding layers: only the holes are reclaimed there; the verify mask hides what lies outside the window.
@@ -38,12 +40,11 @@ def live_columns(state: RoundState, window: int | None) -> torch.Tensor:
     return live
 
 
-def packed_order(live: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Per row, the columns that keep its live entries right-aligned in their order: `(index (A, S'), S')`, with
-    S' the most live entries of any row; a row with fewer takes dead columns in front (they stay masked)."""
-    width = int(live.sum(1).max()) if live.numel() else 0
+def packed_order(live: torch.Tensor, width: int) -> torch.Tensor:
+    """Per row, the `width` columns that keep its live entries right-aligned in their order, `(A, width)`; `width`
+    is at least any row's live entries, and a row with fewer takes dead columns in front (they stay masked)."""
     order = torch.sort(live.to(torch.int8), dim=1, stable=True).indices  # dead first, then live, each in order
-    return order[:, order.shape[1] - width :], width
+    return order[:, order.shape[1] - width :]
 
 
 def should_pack(width: int, packed: int) -> bool:
@@ -51,21 +52,27 @@ def should_pack(width: int, packed: int) -> bool:
     return freed >= MIN_RECLAIM and 4 * freed >= width
 
 
-def reclaim(state: RoundState, window: int | None = None, force: bool = False) -> RoundState:
+def reclaim(state: RoundState, window: int | None = None, live_bound: int | None = None,
+            force: bool = False) -> RoundState:
     """Packs the target cache (and the head's context) when that frees enough columns; see the module's text.
 
     Args:
         state (`RoundState`): after [`steps.compact`]; its cache holds `state.valid.shape[1]` entries per layer.
         window (`int`, *optional*): the sliding window of *every* target layer, `None` when some layer attends to
             everything.
+        live_bound (`int`, *optional*): at least the valid entries of any row, known on the host (the rounds pass
+            the longest row's committed length - 1, left padding included), so that deciding reads nothing back
+            from the device; `None`: counted on the device (one read).
         force (`bool`, *optional*): pack whatever it frees (tests).
     """
     width = state.valid.shape[1]
     if not width or not state.rows.numel():
         return state
     live = live_columns(state, window)
-    index, packed = packed_order(live)
+    bound = int(state.valid.sum(1).max()) if live_bound is None else live_bound
+    packed = min(bound, width, window - 1 if window is not None else width)
     if packed < width and (force or should_pack(width, packed)):
+        index = packed_order(live, packed)
         for layer in state.cache.layers:
             entries = kv_layer_entries(layer)
             if entries is None:
@@ -77,8 +84,9 @@ def reclaim(state: RoundState, window: int | None = None, force: bool = False) -
         state = replace(state, valid=live.gather(1, index), positions=state.positions.gather(1, index))
     context = state.context
     if context is not None and context.valid.shape[1]:
-        index, packed = packed_order(context.valid)
+        packed = min(bound, context.valid.shape[1])  # the context holds the same positions, window or not
         if packed < context.valid.shape[1] and (force or should_pack(context.valid.shape[1], packed)):
+            index = packed_order(context.valid, packed)
             state = replace(state, context=replace(
                 context,
                 keys=[_gather_columns(k, index) for k in context.keys],

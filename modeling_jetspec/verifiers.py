@@ -59,11 +59,15 @@ class TreeVerifier:
         return trees, logits, features
 
     def compact(self, state, trees, acc, features, keep) -> RoundState:
-        """[`compact`] with [`keep_accepted_entries`], then [`reclaim.reclaim`]: the columns no row reads again
-        (holes of uneven acceptance; entries out of the window when every layer slides) are freed once they make a
-        quarter of the cache."""
+        """[`compact`] with [`keep_accepted_entries`]."""
+        return compact(self.head, state, trees, acc, features, keep)
+
+    def reclaim(self, state: RoundState, live_bound: int) -> RoundState:
+        """[`reclaim.reclaim`] after [`compact`]: the columns no row reads again (holes of uneven acceptance;
+        entries out of the window when every layer slides) are freed once they make a quarter of the cache.
+        `live_bound`: the longest active row's committed length - 1 (host data)."""
         window = self.windows[None] if self.windows is not None and None in self.windows else None
-        return reclaim(compact(self.head, state, trees, acc, features, keep), window)
+        return reclaim(state, window, live_bound)
 
     def discard(self, state: RoundState, trees: DraftTrees):
         """Undo a [`verify`] without compacting (timing repeats): drop the n + 1 entries it added."""

@@ -72,8 +72,8 @@ class RoundSpy:
                 self.started, self.forward = time.perf_counter(), 0.0
             return timed(draft_block)(*args, **kwargs)
 
-        def reclaim_exit(state, window=None, force=False):  # the last thing a round does is its compaction
-            state = reclaim(state, window, force)
+        def reclaim_exit(state, window=None, live_bound=None, force=False):  # the round's last step
+            state = reclaim(state, window, live_bound, force)
             if self.started is not None and state.rows.numel():
                 wall = time.perf_counter() - self.started
                 live = int(live_columns(state, self.window).sum(1).max())

@@ -37,8 +37,8 @@ def widths(monkeypatch, window=None):
     seen = []
     original = verifiers.reclaim
 
-    def spy(state, window=None, force=False):
-        state = original(state, window, force)
+    def spy(state, window=None, live_bound=None, force=False):
+        state = original(state, window, live_bound, force)
         if not state.rows.numel():  # the last rows left
             return state
         live = live_columns(state, window)
@@ -67,8 +67,9 @@ def test_packing_every_round_is_lossless(monkeypatch, arch, batch, drafter):  # 
     seen = widths(monkeypatch)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=200, assistant_model=head), plain)
     assert len(seen) > 10
-    # every round packed: no row keeps a hole, the cache is as wide as its longest live row
-    assert all(width == live for width, live, _ in seen)
+    # every round packed: the cache is as wide as its longest live row, up to the left padding the host's bound
+    # counts as live (prompts of 5 to 13 tokens)
+    assert all(live <= width <= live + 8 for width, live, _ in seen), seen
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -93,8 +94,7 @@ def test_cache_width_stays_bounded(monkeypatch, arch):  # (b), (c)
 
 def test_packed_order_keeps_live_entries_in_order():
     live = torch.tensor([[False, True, False, True, True], [True, False, False, False, True]])
-    index, width = packed_order(live)
-    assert width == 3
+    index = packed_order(live, 3)
     assert index[0].tolist() == [1, 3, 4]  # its live columns, in order
     assert live.gather(1, index)[1].tolist() == [False, True, True] and index[1, 1:].tolist() == [0, 4]
 
