@@ -27,8 +27,10 @@ Methods:
 
 Equality (`docs/design.md`, "§4 Lossless: exactness and the bf16 tie rule"): every output is judged against plain
 greedy's by [`jetspec.equality.check_lossless`]; in float32 it must be equal token for token, in bfloat16/float16
-it may leave plain greedy at a numerical tie. Each prompt is `exact` or `tie`, the counts are reported, and a
-mismatch raises [`LosslessError`] and fails the run.
+it may leave plain greedy at a numerical tie, and every emitted token of every method, plain greedy's included, is
+judged on its own prefix through the float32 target (one teacher-forced forward per distinct output). Each prompt
+is `exact` or `tie`; per method the tokens judged, the near-ties (not the float32 argmax, within the tolerance) and
+the violations are reported; a mismatch or a violation raises [`LosslessError`] and fails the run.
 
 Costs, measured once per run on the first prompt's prefilled cache (median of repeats):
 
@@ -264,7 +266,9 @@ class PromptRow:
             "equality": self.verdict.kind,
         }
         if self.verdict.kind != "exact":
-            row["tie"] = self.verdict.as_dict()
+            row["tie"] = {k: v for k, v in self.verdict.as_dict().items() if k != "judged"}
+        if self.verdict.judged is not None:
+            row["judged"] = self.verdict.judged.as_dict()
         if self.stats is not None:
             figures = self.stats.as_dict()
             row.update({k: figures[k] for k in HEAD_FIELDS}, budget_mean=self.budget_mean)
@@ -312,12 +316,12 @@ class Bench:
         order = self.plan[shift:] + self.plan[:shift]  # each method takes every slot in turn
         runs = {m.name: self.generate(m, input_ids, attention_mask) for m in order}
         reference, plain_seconds, _ = runs["plain"]
-        rows = []
-        for method in self.plan:
+        rows, memo = [], {}  # memo: an output several methods share is teacher-forced once
+        for method in self.plan:  # plain among them: in half precisions its own tokens are judged too
             tokens, seconds, stats = runs[method.name]
             verdict = check_lossless(
                 input_ids[0].cpu(), reference, tokens, self.target.dtype, self.float32_logits, self.tie_tolerance,
-                label=f"method {method.name!r} on {suite} prompt {prompt['id']!r}",
+                label=f"method {method.name!r} on {suite} prompt {prompt['id']!r}", memo=memo,
             )
             speedup = (len(tokens) / seconds) / (len(reference) / plain_seconds)
             rows.append(PromptRow(suite, prompt["id"], method.name, input_ids.shape[1], len(tokens), seconds,
@@ -424,10 +428,20 @@ def aggregate(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) 
         "tokens_per_s_median": float(np.median([r.tokens_per_s for r in rows])),
         **{f"speedup_{name}": value for name, value in speedup.items()},
         "equality": {kind: sum(r.verdict.kind == kind for r in rows) for kind in VERDICTS},
+        "judged": judged_counts(rows),
     }
     if method.uses_head:
         result.update(_head_figures(rows, method, costs))
     return result
+
+
+def judged_counts(rows: Sequence[PromptRow]) -> Optional[dict]:
+    """Every emitted token judged on its own prefix (half precisions): `{"tokens", "near_ties", "violations"}`
+    summed over the rows, `None` under the bitwise float32 rule (nothing is judged token by token there)."""
+    judged = [r.verdict.judged for r in rows if r.verdict.judged is not None]
+    if not judged:
+        return None
+    return {name: int(sum(getattr(j, name) for j in judged)) for name in ("tokens", "near_ties", "violations")}
 
 
 def _head_figures(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) -> dict:

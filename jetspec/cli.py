@@ -303,6 +303,9 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
         plain, plain_seconds = timed()
     prompt_ids = inputs["input_ids"][0].cpu()
     spec_tokens, plain_tokens = (out.sequences[0, len(prompt_ids) :].cpu() for out in (spec, plain))
+    # half precisions: plain greedy's own tokens are judged on their prefixes too, beside the head's
+    plain_verdict = check_lossless(prompt_ids, plain_tokens, plain_tokens, target.dtype, float32_logits,
+                                   label="plain greedy's answer")
     verdict = check_lossless(prompt_ids, plain_tokens, spec_tokens, target.dtype, float32_logits,
                              label="the head's answer")
     stats = spec.jetspec_stats
@@ -327,6 +330,9 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
         f"speedup {spec_tps / plain_tps:.2f}x, tau {stats.tau:.2f} ({stats.target_forwards} target forwards); "
         + _equality_note(verdict)
     )
+    if verdict.judged is not None:
+        print(f"every token judged against the float32 target: {_judged_note(verdict.judged)} (jetspec), "
+              f"{_judged_note(plain_verdict.judged)} (plain greedy)")
     return 0
 
 
@@ -334,6 +340,10 @@ def _equality_note(verdict) -> str:
     if verdict.kind == "exact":
         return "same tokens as plain greedy"
     return f"left plain greedy at new token {verdict.position} at a numerical tie (float32 logit gap {verdict.gap:.3f})"
+
+
+def _judged_note(judged) -> str:
+    return f"{judged.tokens} tokens, {judged.near_ties} near-ties, {judged.violations} violations"
 
 
 def _convert(args, parser) -> int:

@@ -49,7 +49,9 @@ def _settings_lines(results: dict) -> list[str]:
         "Speedup: tokens/s over plain greedy on the same prompt (prefill included), median [q25, q75] over prompts. "
         f"Limit: tau * t(1) / (t(B) + t_draft). Equality with plain greedy: {config['equality']}; the `=/tie` "
         "column counts prompts equal to plain greedy and prompts that left it at a numerical tie (a mismatch fails "
-        "the run).",
+        "the run). In half precisions every emitted token is judged on its own prefix against the float32 target: "
+        "`judged` counts the tokens, `near-ties` those that are not the float32 argmax but lie within the tolerance "
+        "of it, `violations` those beyond it (a violation fails the run; plain greedy is judged alike).",
         "",
         f"Note: {results['notes']['chain']}",
     ]
@@ -82,19 +84,28 @@ def _suite_table(group: str, methods: dict) -> list[str]:
         "",
         f"## {group}",
         "",
-        "| method | B | prompts | =/tie | tok/s | speedup median [q25, q75] | tau | limit |" + acc_head,
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |" + " ---: |" * shown,
+        "| method | B | prompts | =/tie | judged | near-ties | violations | tok/s | speedup median [q25, q75] | tau "
+        "| limit |" + acc_head,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |" + " ---: |" * shown,
     ]
     for name, a in methods.items():
         acc = ((a.get("acceptance_per_depth") or []) + [None] * shown)[:shown]
         lines.append(
             f"| {name} | {_fmt(a.get('budget_mean'), 1)} | {a['prompts']} | "
-            f"{a['equality']['exact']}/{a['equality']['tie']} | {a['tokens_per_s_median']:.1f} | "
+            f"{a['equality']['exact']}/{a['equality']['tie']} | {_judged_cells(a.get('judged'))} | "
+            f"{a['tokens_per_s_median']:.1f} | "
             f"{a['speedup_median']:.2f}x [{a['speedup_q25']:.2f}, {a['speedup_q75']:.2f}] | "
             f"{_fmt(a.get('tau_mean'))} | {_fmt(a.get('limit_speedup'), suffix='x')} |"
             + "".join(f" {_fmt(x)} |" for x in acc)
         )
     return lines
+
+
+def _judged_cells(judged) -> str:
+    """`judged | near-ties | violations`, dashes where nothing was judged token by token (float32, older runs)."""
+    if not judged:
+        return "- | - | -"
+    return f"{judged['tokens']} | {judged['near_ties']} | {judged['violations']}"
 
 
 # ------------------------------------------------------------------------------------------------ plots

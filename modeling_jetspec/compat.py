@@ -170,6 +170,11 @@ def kv_layer_entries(layer: DynamicLayer):
     return layer.keys, layer.values
 
 
+def set_kv_layer_entries(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor):
+    """Replace a key/value cache layer's entries (each `(B, H_kv, S', D)`), as `DynamicLayer.crop` does."""
+    layer.keys, layer.values = keys, values
+
+
 def linear_state_count(layer: LinearAttentionCacheLayerMixin) -> int:
     """How many (convolution, recurrent) state pairs a linear-attention layer keeps (`number_of_states`)."""
     return layer.number_of_states

@@ -27,10 +27,84 @@ RECORD_PRIOR_WEIGHT = 4.0  # the prior counts as this many observations of each 
 RECORD_DECAY = 0.8  # per observed round, older observations of a row's record weigh this much less
 
 
+class NgramIndex:
+    """Where every n-gram (n = 1 .. `max_ngram`) of one row's committed tokens starts, grown only by the tokens
+    committed since the last [`update`]: a round's trie or chain costs what it reads (at most `max_occurrences`
+    continuations of `length` tokens), not a scan of the history.
+
+    [`trie`] is the continuation trie of the indexed tokens, and [`chain`] the prompt-lookup chain
+    ([`tree.lookup_match`]): the same counts, in the same order, as a scan of the whole history would give.
+    """
+
+    def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM):
+        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
+            raise ValueError(f"expected max_ngram to be an integer >= 1, got {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self.tokens: list = []  # the indexed tokens, a copy of the row's history
+        self.starts = [{} for _ in range(max_ngram)]  # starts[n - 1][n-gram] -> its start positions, ascending
+
+    def update(self, history: list) -> "NgramIndex":
+        """Index `history[len(self.tokens):]`, the tokens committed since the last update (`history`: the row's
+        committed tokens, of which the indexed ones are a prefix)."""
+        tokens = self.tokens
+        for token in history[len(tokens):]:
+            tokens.append(token)
+            end = len(tokens)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.starts[n - 1].setdefault(tuple(tokens[end - n :]), []).append(end - n)
+        return self
+
+    def _earlier(self, max_occurrences: int):
+        """`(n, starts)`: the longest n whose suffix occurred earlier, and those occurrences' starts, most recent
+        first (at most `max_occurrences`); `(0, [])` without one. An occurrence must end before the last token."""
+        total = len(self.tokens)
+        for n in range(min(self.max_ngram, total - 1), 0, -1):
+            found = self.starts[n - 1].get(tuple(self.tokens[total - n :]))  # its last entry is the suffix itself
+            if found is not None and len(found) > 1:
+                return n, found[-1 - max_occurrences : -1][::-1]
+        return 0, []
+
+    def trie(self, length: int, max_occurrences: int = MAX_OCCURRENCES) -> tuple[dict, int]:
+        """Counts of every earlier continuation of the indexed tokens' last n tokens (n = `max_ngram` down to 1; the
+        first n with a match), up to `length` tokens each: `({path: Counter(next token)}, n)`, `({}, 0)` without a
+        match."""
+        n, starts = self._earlier(max_occurrences)
+        trie: dict = {}
+        for start in starts:
+            follow = self.tokens[start + n : start + n + length]
+            for depth, token in enumerate(follow):
+                trie.setdefault(tuple(follow[:depth]), Counter())[token] += 1
+        return trie, n
+
+    def chain(self, count: int) -> tuple[list, int]:
+        """The `count` tokens after the most recent earlier occurrence of the longest matching suffix, and its
+        order: [`tree.lookup_match`] of the indexed tokens."""
+        n, starts = self._earlier(1)
+        if not n:
+            return [], 0
+        return self.tokens[starts[0] + n : starts[0] + n + count], n
+
+
+class RowIndexes(dict):
+    """`{batch row: NgramIndex}` of one `generate` call, kept across its rounds (`state.Call.lookup_index`)."""
+
+    def updated(self, row: int, history: list, max_ngram: int) -> NgramIndex:
+        """Row `row`'s index brought up to `history`; built anew when the history is not an extension of what it
+        indexed (another order, a shorter history)."""
+        index = self.get(row)
+        stale = index is None or index.max_ngram != max_ngram or len(history) < len(index.tokens) or (
+            index.tokens and history[len(index.tokens) - 1] != index.tokens[-1])
+        if stale:
+            index = self[row] = NgramIndex(max_ngram)
+        return index.update(history)
+
+
 def continuation_trie(sequence: list, length: int, max_ngram: int = LOOKUP_MAX_NGRAM,
                       max_occurrences: int = MAX_OCCURRENCES) -> tuple[dict, int]:
     """Counts of every earlier continuation of the sequence's last n tokens (n = `max_ngram` down to 1; the first n
     with a match), up to `length` tokens each: `({path: Counter(next token)}, n)`, `({}, 0)` without a match.
+
+    A one-off: it indexes the whole sequence. The rounds of a call keep an [`NgramIndex`] per row instead.
 
     Args:
         sequence (`list[int]`): the committed tokens, prompt included, ending with the anchor.
@@ -38,19 +112,7 @@ def continuation_trie(sequence: list, length: int, max_ngram: int = LOOKUP_MAX_N
         max_ngram (`int`, *optional*, defaults to 3): the longest suffix matched.
         max_occurrences (`int`, *optional*, defaults to 64): the most recent occurrences read.
     """
-    total = len(sequence)
-    for n in range(min(max_ngram, total - 1), 0, -1):
-        suffix = sequence[total - n :]
-        starts = [s for s in range(total - n - 1, -1, -1) if sequence[s : s + n] == suffix][:max_occurrences]
-        if not starts:
-            continue
-        trie: dict = {}
-        for start in starts:
-            follow = sequence[start + n : start + n + length]
-            for depth, token in enumerate(follow):
-                trie.setdefault(tuple(follow[:depth]), Counter())[token] += 1
-        return trie, n
-    return {}, 0
+    return NgramIndex(max_ngram).update(sequence).trie(length, max_occurrences)
 
 
 def trie_children(trie: dict, prior, order: int) -> ChildrenFn:

@@ -85,13 +85,15 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     budget = controller.next_budget() if controller is not None else call.shape.budget
     histories = call.histories() if call.shape.lookup else None
     drafter = getattr(call.verifier, "draft", None) or draft  # the static path drafts over its fixed-shape buffers
-    trees = drafter(head, state, call.shape, budget, histories, call.lookup_record)
+    trees = drafter(head, state, call.shape, budget, histories, call.lookup_record, call.lookup_index)
     mark()
     trees, logits, features = call.verifier.verify(state, trees)
     mark()
     acc = accept(logits, trees, call.active, call.choose)
     done = commit(call, acc, logits)
     state = call.verifier.compact(state, trees, done.acceptance, features, done.keep)
+    if call.active and hasattr(call.verifier, "reclaim"):  # holes and out-of-window columns (reclaim.py)
+        state = call.verifier.reclaim(state, max(call.lengths[row] for row in call.active) - 1)
     mark()
     outside, verify = 0.0, 0.0
     if timer is not None:

@@ -17,7 +17,7 @@ from transformers import StoppingCriteriaList
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .continuations import LookupRecord
+from .continuations import LookupRecord, RowIndexes
 from .tree import check_lookup_prior, check_tree_shape
 
 
@@ -253,6 +253,8 @@ class Call:
     choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
     # greedy without processors (vectorized acceptance)
     lookup_record: LookupRecord | None = None  # the model-free branch's record per row (`shape.lookup_record`)
+    # per row, the n-gram index of its committed tokens the model-free branch is read from, fed only new tokens
+    lookup_index: RowIndexes = field(default_factory=RowIndexes)
     # how `stopping` is checked (`steps.stop_plan`): the criteria judged on the device, once per round for every
     # accepted token, and the length at which a `MaxLengthCriteria` stops a row (judged on the host); `None`: some
     # criterion is checked after each committed token, on that token's row alone

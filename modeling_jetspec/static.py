@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from .continuations import MAX_OCCURRENCES
+from .continuations import MAX_OCCURRENCES, RowIndexes
 from .decode import _decode
 from .layers import JetSpecContext
 from .state import Acceptance, DraftTrees, TreeShape
@@ -278,7 +278,7 @@ class StaticVerifier:
 
     # ----------------------------------------------------------------------------------------------- the round
     def draft(self, head, state: StaticState, shape: TreeShape, budget: int, histories: dict | None = None,
-              record=None) -> DraftTrees:
+              record=None, indexes: RowIndexes | None = None) -> DraftTrees:
         """`steps.draft` over the buffers (one head forward for every row, finished rows included), each active
         row's tree padded to [`nodes`]."""
         if shape.lookup and histories is None:
@@ -291,7 +291,8 @@ class StaticVerifier:
             logits = logits[state.rows]
         children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
         if shape.lookup:
-            children = [_with_lookup_branch(fn, history, shape, record, row)
+            indexes = RowIndexes() if indexes is None else indexes
+            children = [_with_lookup_branch(fn, history, shape, record, row, indexes)
                         for fn, (row, history) in zip(children, histories.items())]
         deepest = max(shape.depth, shape.lookup)
         return self._padded([build_tree(fn, budget, deepest, shape.scoring) for fn in children],

@@ -40,7 +40,7 @@ from transformers.generation.logits_process import (
 )
 
 from .compat import ROW_WISE_PROCESSORS, kv_layer_entries, repetition_penalty_for_row
-from .continuations import LookupRecord, chain_trie, continuation_trie, merge_children, trie_children
+from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
 from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
 from .tree import (
     ENTROPY_SCORINGS,
@@ -50,7 +50,6 @@ from .tree import (
     build_tree,
     entropy,
     lookup_logprobs,
-    lookup_match,
     marginal_children,
     verification_mask,
     with_lookup,
@@ -111,7 +110,7 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
 
 
 def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dict | None = None,
-          record: LookupRecord | None = None) -> DraftTrees:
+          record: LookupRecord | None = None, indexes: RowIndexes | None = None) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
     The head's logits at block slot d are its distribution of the token at depth d, `(A, N, V_draft)`; their top-W
@@ -127,6 +126,9 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dic
             ([`Call.histories`]); needed when `shape.lookup` is set.
         record (`LookupRecord`, *optional*): the lookup branch's record in the call (`shape.lookup_record`); it
             reads what each row committed since its last draft and scores the branch from its prior and record.
+        indexes (`RowIndexes`, *optional*): the rows' n-gram indexes in the call ([`Call.lookup_index`]), each
+            updated with the tokens committed since its last draft; without them every row's history is indexed
+            anew.
 
     The trees are built on the host from one read of every row's top-W candidates per depth (two with path
     conditioning); the returned [`DraftTrees`] keep them (`host`), so the round reads them back nowhere.
@@ -137,7 +139,8 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dic
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
     children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
     if shape.lookup:
-        children = [_with_lookup_branch(fn, history, shape, record, row)
+        indexes = RowIndexes() if indexes is None else indexes
+        children = [_with_lookup_branch(fn, history, shape, record, row, indexes)
                     for fn, (row, history) in zip(children, histories.items())]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
@@ -493,18 +496,19 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
 
 
 def _with_lookup_branch(children, history: list, shape: TreeShape, record: LookupRecord | None = None,
-                        row: int = 0):
+                        row: int = 0, indexes: RowIndexes | None = None):
     """A row's children with its model-free branch (`shape.lookup_branches`: the prompt-lookup chain, or the trie of
     every earlier continuation): scored by `shape.lookup_prior` (mixed with the row's `record` when given), else
-    first."""
+    first. The branch is read from the row's n-gram index (`indexes`), fed only the tokens committed since."""
     prior = shape.lookup_prior
     max_ngram = len(prior) if prior else LOOKUP_MAX_NGRAM
     if record is not None:
         record.observe(row, history)
+    index = (RowIndexes() if indexes is None else indexes).updated(row, history, max_ngram)
     if shape.lookup_branches == "trie":
-        trie, order = continuation_trie(history, shape.lookup, max_ngram)
+        trie, order = index.trie(shape.lookup)
     else:
-        chain, order = lookup_match(history, shape.lookup, max_ngram)
+        chain, order = index.chain(shape.lookup)
         trie = chain_trie(chain)
     if record is not None and trie:
         record.offer(row, trie, order, len(history))

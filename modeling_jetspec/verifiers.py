@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicCache
 
 from .compat import DynamicLayer
 from .hybrid import HybridVerifier, is_hybrid
+from .reclaim import reclaim
 from .state import DraftTrees, RoundState, TreeShape, Verifier
 from .steps import compact, draft, prefill, verify
 from .timing import median_seconds
@@ -61,6 +62,13 @@ class TreeVerifier:
         """[`compact`] with [`keep_accepted_entries`]."""
         return compact(self.head, state, trees, acc, features, keep)
 
+    def reclaim(self, state: RoundState, live_bound: int) -> RoundState:
+        """[`reclaim.reclaim`] after [`compact`]: the columns no row reads again (holes of uneven acceptance;
+        entries out of the window when every layer slides) are freed once they make a quarter of the cache.
+        `live_bound`: the longest active row's committed length - 1 (host data)."""
+        window = self.windows[None] if self.windows is not None and None in self.windows else None
+        return reclaim(state, window, live_bound)
+
     def discard(self, state: RoundState, trees: DraftTrees):
         """Undo a [`verify`] without compacting (timing repeats): drop the n + 1 entries it added."""
         state.cache.crop(-(trees.tokens.shape[1] + 1))
@@ -83,8 +91,9 @@ def verify_windows(target) -> dict | None:
 
     Returns `{layer_type: window or None}` for targets with `layer_types` (the model takes a dict of masks and hands
     each layer the one of its type), or `{None: window}` when every layer slides (Mistral: one mask). Plain
-    `generate` crops sliding layers' caches to the window; the tree loop keeps every entry and masks by position
-    instead, which attends to the same keys.
+    `generate` crops sliding layers' caches to the window; the tree loop masks by position, which attends to the
+    same keys, and, when every layer slides, [`reclaim.reclaim`] cuts the entries out of the window (with both
+    kinds of layers the cache keeps one width for all, so sliding layers keep every live entry).
     """
     text = target.config.get_text_config(decoder=True)
     window = getattr(text, "sliding_window", None)

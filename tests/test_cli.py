@@ -116,6 +116,11 @@ def test_cli_bench_end_to_end(capsys, tmp_path, saved_target, saved_head):
     assert results["config"]["methods"] == ["plain", "tree-4"]
     assert results["config"]["target_dtype"] == "torch.bfloat16" and results["config"]["dtype_reason"] == "requested"
     assert all(r["equality"] in ("exact", "tie") for r in results["prompts"])
+    # bfloat16: every emitted token of both methods, plain greedy's included, judged against the float32 target
+    assert [(r["method"], r["judged"]["tokens"], r["judged"]["violations"]) for r in results["prompts"]] == [
+        (r["method"], r["new_tokens"], 0) for r in results["prompts"]]
+    assert {m: a["judged"]["tokens"] for m, a in results["aggregates"]["gsm8k"].items()} == {
+        r["method"]: r["new_tokens"] for r in results["prompts"]}
     # models and folders by their names, never by the absolute paths of this machine
     assert (results["config"]["target"], results["config"]["head"]) == ("target", "head")
     assert results["command"] == ("jetspec bench --target target --head head --suite gsm8k --budgets 4 "

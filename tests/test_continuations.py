@@ -8,6 +8,8 @@ import torch
 import modeling_jetspec.steps as steps
 from modeling_jetspec.continuations import (
     LookupRecord,
+    NgramIndex,
+    RowIndexes,
     chain_trie,
     continuation_trie,
     merge_children,
@@ -227,3 +229,95 @@ def test_branch_arguments_are_checked_by_name_and_saved(tmp_path):
         greedy(target, ids, mask, max_new_tokens=4, assistant_model=head, tree_lookup_prior=False)
     with pytest.raises(ValueError, match="tree_lookup_branches"):
         tiny_head(target, tree_lookup_branches="suffix")
+
+
+# ------------------------------------------------------------------------------------------------ incremental index
+def scan_trie(sequence: list, length: int, max_ngram: int = 3, max_occurrences: int = 64):
+    """The oracle: the scan of the whole history every round that the index replaced."""
+    from collections import Counter
+
+    total = len(sequence)
+    for n in range(min(max_ngram, total - 1), 0, -1):
+        suffix = sequence[total - n :]
+        starts = [s for s in range(total - n - 1, -1, -1) if sequence[s : s + n] == suffix][:max_occurrences]
+        if not starts:
+            continue
+        trie: dict = {}
+        for start in starts:
+            follow = sequence[start + n : start + n + length]
+            for depth, token in enumerate(follow):
+                trie.setdefault(tuple(follow[:depth]), Counter())[token] += 1
+        return trie, n
+    return {}, 0
+
+
+def as_ordered(trie: dict) -> list:
+    """A trie with its insertion orders (they break ties between equal counts in `most_common`)."""
+    return [(path, list(counts.items())) for path, counts in trie.items()]
+
+
+def histories_for_index(seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    random = torch.randint(0, 12, (300,), generator=g).tolist()  # short repeats everywhere
+    loop = ([5, 6, 7, 1, 2, 3, 9] * 30)[:200] + [5, 6, 7, 1, 2, 4, 8] * 10  # a loop that ends differently
+    wide = torch.randint(0, 1000, (200,), generator=g).tolist()  # few matches, often none
+    runs = [7] * 150 + [7, 8] * 40  # one token repeated: more occurrences than max_occurrences
+    return [random, loop, wide, runs]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("max_ngram,max_occurrences", [(3, 64), (1, 64), (4, 5)])
+def test_index_gives_the_scan_trie_and_chain_at_every_length(seed, max_ngram, max_occurrences):
+    """Fed in uneven steps (as rounds commit 1..k tokens), the index's trie and chain equal the scan's, insertion
+    order included, after every step."""
+    steps = torch.Generator().manual_seed(seed + 10)
+    for history in histories_for_index(seed):
+        rows = RowIndexes()
+        committed, at = [], 0
+        while at < len(history):
+            k = int(torch.randint(1, 9, (1,), generator=steps))
+            committed += history[at : at + k]  # the same list grows, as Call.history does
+            at += k
+            index = rows.updated(0, committed, max_ngram)
+            for length in (1, 6):
+                trie, order = index.trie(length, max_occurrences)
+                expected, expected_order = scan_trie(committed, length, max_ngram, max_occurrences)
+                assert order == expected_order and as_ordered(trie) == as_ordered(expected), (len(committed), length)
+                assert index.chain(length) == lookup_match(committed, length, max_ngram)
+        assert continuation_trie(committed, 6, max_ngram) == scan_trie(committed, 6, max_ngram)
+
+
+def test_index_rebuilds_for_a_history_it_did_not_index():
+    rows = RowIndexes()
+    rows.updated(0, [1, 2, 3, 1, 2], 3)
+    other = [4, 4, 4, 4]  # not an extension of what row 0 indexed
+    assert rows.updated(0, other, 3).trie(3) == scan_trie(other, 3)
+    assert rows.updated(0, other, 2).trie(3) == scan_trie(other, 3, 2)  # another order: rebuilt
+    with pytest.raises(ValueError, match="max_ngram to be an integer >= 1, got 0"):
+        NgramIndex(0)
+
+
+def test_round_host_time_does_not_grow_with_the_history():
+    """A round's update (one round's committed tokens) and trie query on a history of 8,192 tokens costs about what
+    it costs on 256 (the scan it replaced grew ~30x). Medians of many rounds; the ratio has generous slack, so a
+    loaded machine does not fail it, while any per-round work proportional to the history would."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, 50, (8192 + 4000,), generator=g).tolist()  # a small vocabulary: many matches
+
+    def per_round(history_length: int) -> float:
+        index = NgramIndex(3).update(text[:history_length])
+        committed = text[:history_length]
+        times = []
+        for r in range(400):
+            committed += text[history_length + 3 * r : history_length + 3 * r + 3]  # 3 tokens a round
+            started = time.perf_counter()
+            index.update(committed)
+            index.trie(8)
+            times.append(time.perf_counter() - started)
+        return sorted(times)[len(times) // 2]
+
+    per_round(256)  # warm
+    short, long = per_round(256), per_round(8192)
+    assert long < 3.0 * short, (short, long)
