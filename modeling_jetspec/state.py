@@ -253,7 +253,7 @@ class Call:
     choose: Callable | None = None  # `(row, logits (V,), path) -> (token, scores (V,))`, see [`accept`]; None:
     # greedy without processors (vectorized acceptance)
     lookup_record: LookupRecord | None = None  # the model-free branch's record per row (`shape.lookup_record`)
-    # how `stopping` is checked (`steps.stop_plan`): the criteria judged on the device, once per round for every
+    # how `stopping` is checked (`stopping.stop_plan`): the criteria judged on the device, once per round for every
     # accepted token, and the length at which a `MaxLengthCriteria` stops a row (judged on the host); `None`: some
     # criterion is checked after each committed token, on that token's row alone
     device_stops: list | None = None
