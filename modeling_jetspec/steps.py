@@ -39,11 +39,9 @@ from .tree import (
     ancestor_mask,
     build_tree,
     entropy,
-    lookup_logprobs,
     lookup_match,
     marginal_children,
     verification_mask,
-    with_lookup,
 )
 
 
@@ -474,10 +472,7 @@ def _with_lookup_branch(children, history: list, shape: TreeShape, record: Looku
     if record is not None and trie:
         record.offer(row, trie, order, len(history))
         prior = record.prior(row, prior, order, shape.lookup)
-    if shape.lookup_branches == "trie":
-        return merge_children(children, trie_children(trie, prior, order)) if trie else children
-    logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
-    return with_lookup(children, chain, logprobs)
+    return merge_children(children, trie_children(trie, prior or None, order)) if trie else children
 
 
 def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginals: list, shape, budget) -> list:

@@ -257,42 +257,6 @@ def lookup_logprobs(prior, order: int, length: int) -> list:
             for p, s in zip([1.0] + survival, survival)]
 
 
-def with_lookup(children: ChildrenFn, chain: list, logprobs: list | None = None) -> ChildrenFn:
-    """Children that add `chain` (e.g. a [`lookup_match`] continuation) to the head's candidates along its own path.
-
-    Without `logprobs` each chain token is the first child with log-prob 0, so a best-first tree holds the whole
-    chain before any other node. With `logprobs` (conditional log-probs per chain token, [`lookup_logprobs`]) each
-    chain token competes with the head's candidates at that score, or at the head's own, whichever is higher, and
-    the tree keeps the chain's nodes only where they outscore the head's. The head's candidate for a chain token
-    is merged into it, never duplicated.
-    """
-
-    def merged(path):
-        found = children(path)
-        depth = len(path)
-        if depth >= len(chain) or tuple(path) != tuple(chain[:depth]):
-            return found
-        token = chain[depth]
-        lp = 0.0 if logprobs is None else float(logprobs[depth])
-        if found is None:
-            return [lp], [token], 0.0
-        lps, toks, ent = found
-        rest = []
-        for other_lp, t in zip(lps, toks):
-            if int(t) == token:
-                lp = max(lp, float(other_lp))
-            else:
-                rest.append((float(other_lp), t))
-        if logprobs is None:
-            at = 0
-        else:  # keep the list sorted by log-prob, as best-first expansion needs
-            at = next((i for i, (other_lp, _) in enumerate(rest) if other_lp < lp), len(rest))
-        rest.insert(at, (lp, token))
-        return [x for x, _ in rest], [t for _, t in rest], ent
-
-    return merged
-
-
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """Tree-causal mask: node i sees node j iff j is i or one of its ancestors (root included).
 

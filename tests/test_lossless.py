@@ -63,7 +63,7 @@ def token_paths(tokens: torch.Tensor, parents: torch.Tensor, row: int) -> list:
 
 class LookupBranch:
     """What the prompt-lookup branch contributed to each round, recorded by wrapping the round's `draft` and `accept`
-    (as `decode._round` calls them) and the chain each row's tree is offered (`steps.with_lookup`).
+    (as `decode._round` calls them) and the chain each row's tree is offered (`steps.chain_trie`).
 
     `chains[r][i]`: the lookup chain offered to round r's tree of active row i (`[]`: no match).
     `added[r][i]`: that tree's nodes on the chain, as root-to-node token paths: the nodes the branch added.
@@ -74,12 +74,12 @@ class LookupBranch:
 
     def __init__(self, monkeypatch):
         self.chains, self.added, self.sizes, self.accepted = [], [], [], []
-        draft, accept, with_lookup = decode.draft, decode.accept, steps.with_lookup
+        draft, accept, chain_trie = decode.draft, decode.accept, steps.chain_trie
         offered = []
 
-        def recording_with_lookup(children, chain, logprobs=None):
+        def recording_chain_trie(chain):
             offered.append(tuple(chain))
-            return with_lookup(children, chain, logprobs)
+            return chain_trie(chain)
 
         def recording_draft(*args, **kwargs):
             offered.clear()
@@ -101,7 +101,7 @@ class LookupBranch:
             ])
             return acc
 
-        monkeypatch.setattr(steps, "with_lookup", recording_with_lookup)
+        monkeypatch.setattr(steps, "chain_trie", recording_chain_trie)
         monkeypatch.setattr(decode, "draft", recording_draft)
         monkeypatch.setattr(decode, "accept", recording_accept)
 
