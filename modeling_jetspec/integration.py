@@ -23,7 +23,7 @@ from .compat import attn_implementation
 from .decode import _decode
 from .state import TreeShape, resolve_tree_shape
 from .tree import max_tree_nodes
-from .verifiers import verifier_for
+from .verifiers import TreeVerifier, verifier_for
 
 TREE_ARGUMENTS = (
     "tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior",
@@ -116,11 +116,14 @@ def tree_generate(head, target, *args, **kwargs):
     _stop_strings_with_tokenizer(target, kwargs)
     verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
     impl = attn_implementation(target)
-    switch = impl not in MASKABLE_ATTENTION
+    # flex_attention takes the tree mask as a BlockMask (`steps.verify`); the hybrid verifier builds float masks only
+    flex_kept = impl == "flex_attention" and isinstance(verifier, TreeVerifier)
+    switch = impl not in MASKABLE_ATTENTION and not flex_kept
     if switch and not (impl.startswith("flash") or impl == "flex_attention"):
         raise ValueError(
-            f"expected a target attention implementation that takes a 4D tree mask ({', '.join(MASKABLE_ATTENTION)}; "
-            f"flash and flex attention are switched to sdpa for the call), got {impl!r}"
+            f"expected a target attention implementation that takes a 4D tree mask ({', '.join(MASKABLE_ATTENTION)}, "
+            f"flex_attention; flash attention, and flex attention on hybrid targets, are switched to sdpa for the "
+            f"call), got {impl!r}"
         )
     if switch:  # flash-attn cannot take a tree mask: verify with sdpa, restore afterwards
         target.set_attn_implementation("sdpa")

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
-from .compat import kv_layer_entries
+from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, chain_trie, continuation_trie, merge_children, trie_children
 from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
 from .stopping import stop_marks
@@ -41,6 +41,7 @@ from .tree import (
     entropy,
     lookup_match,
     marginal_children,
+    verification_block_mask,
     verification_mask,
 )
 
@@ -166,8 +167,11 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         n + 1 entries; [`compact`] keeps the accepted ones.
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
+    flex = attn_implementation(target) == "flex_attention"
 
-    def mask(window):  # (A, 1, n + 1, S + n + 1)
+    def mask(window):  # (A, 1, n + 1, S + n + 1): a BlockMask for flex_attention, else an additive float mask
+        if flex:
+            return verification_block_mask(state.valid, trees.ancestors, window, state.positions, positions)
         return verification_mask(state.valid, trees.ancestors, float_dtype(target), window, state.positions, positions)
 
     if windows is None:

@@ -275,28 +275,25 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def verification_mask(
+def verification_allowed(
     past_valid: torch.Tensor,
     ancestors: torch.Tensor,
-    dtype: torch.dtype,
     window: int | None = None,
     past_positions: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Additive 4D mask for the target's verify forward over the tree (root first) after a cache.
+    """Where the target's verify forward over the tree (root first) may attend after a cache.
 
     Args:
         past_valid (`torch.BoolTensor` of shape `(B, S)`): cache entries each row may see (False: padding, holes).
         ancestors (`torch.BoolTensor` of shape `(B, T, T)`): from [`ancestor_mask`].
-        dtype (`torch.dtype`): the target's floating dtype.
         window (`int`, *optional*): a sliding window: a query at position p sees keys at positions > p - window
             (transformers' rule), on top of the rest. Needs the positions below.
         past_positions (`torch.LongTensor` of shape `(B, S)`, *optional*): position id of every cache entry.
         positions (`torch.LongTensor` of shape `(B, T)`, *optional*): position id of every tree node.
 
     Returns:
-        `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
-        (an additive float mask: a boolean one would be added to the scores by eager attention).
+        `torch.BoolTensor` of shape `(B, T, S + T)`: node i sees the valid cache entries, its ancestors and itself.
     """
     b, t, _ = ancestors.shape
     allowed = torch.cat([past_valid[:, None, :].expand(b, t, -1), ancestors], dim=-1)  # (B, T, S+T)
@@ -305,8 +302,48 @@ def verification_mask(
             raise ValueError("expected past_positions and positions with a sliding window, got none")
         keys = torch.cat([past_positions, positions], dim=1)  # (B, S+T)
         allowed = allowed & (positions[:, :, None] - keys[:, None, :] < window)
+    return allowed
+
+
+def verification_mask(
+    past_valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None = None,
+    past_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Additive 4D mask for the target's verify forward over the tree (root first) after a cache: the
+    [`verification_allowed`] entries (see there for the arguments) in the target's floating `dtype`.
+
+    Returns:
+        `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
+        (an additive float mask: a boolean one would be added to the scores by eager attention).
+    """
+    allowed = verification_allowed(past_valid, ancestors, window, past_positions, positions)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def verification_block_mask(
+    past_valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    window: int | None = None,
+    past_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+):
+    """The verify mask of a flex_attention target: the [`verification_allowed`] entries (see there for the
+    arguments) as a `BlockMask` of shape `(B, 1, T, S + T)`: node i attends to the row's valid cache entries, its
+    ancestors and itself, and flex_attention skips the key blocks no node of a query block sees."""
+    from torch.nn.attention.flex_attention import create_block_mask  # torch >= 2.5; only flex targets come here
+
+    allowed = verification_allowed(past_valid, ancestors, window, past_positions, positions)
+    b, t, kv = allowed.shape
+
+    def mask_mod(batch, head, query, key):
+        return allowed[batch, query, key]
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=kv, device=allowed.device)
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
