@@ -94,6 +94,7 @@ def tree_generate(head, target, *args, **kwargs):
     shape = resolve_tree_shape(head.config, **given)
     streamer = kwargs.pop("streamer", None)
     tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
+    verify_linear = kwargs.pop("verify_linear", None) or "auto"  # the verify's linear form: "auto", "linear", "mm"
     check_generate_kwargs(kwargs)
     _check_lengths(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -114,7 +115,8 @@ def tree_generate(head, target, *args, **kwargs):
     if isinstance(prompt, torch.Tensor):
         check_tree_bounds(shape, head, target, *prompt.shape)
     _stop_strings_with_tokenizer(target, kwargs)
-    verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
+    # refuses layer kinds no verifier handles and unknown settings, before any work
+    verifier = verifier_for(target, head, tree_verify, verify_linear)
     impl = attn_implementation(target)
     # flex_attention takes the tree mask as a BlockMask (`steps.verify`); the hybrid verifier builds float masks only
     flex_kept = impl == "flex_attention" and isinstance(verifier, TreeVerifier)

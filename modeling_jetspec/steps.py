@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, chain_trie, continuation_trie, merge_children, trie_children
+from .linear_forms import LinearForms, linear_forms
 from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
 from .stopping import stop_marks
 from .tree import (
@@ -154,11 +155,14 @@ def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
     return [([s[:w] for s in row], [[int(t) for t in s[w : 2 * w]] for s in row], [s[-1] for s in row]) for row in rows]
 
 
-def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None):
+def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None,
+           forms: LinearForms | None = None):
     """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
 
     Args:
         windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
+        forms (`LinearForms`, *optional*): the form of the target's linear layers in this forward
+            (`linear_forms.py`, the call's `verify_linear`); `None`: the model as it is.
 
     Returns:
         `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in the target's dtype (greedy
@@ -180,15 +184,16 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         attention_mask = mask(windows[None])
     else:  # one mask per layer type; the model hands each layer its own
         attention_mask = {layer_type: mask(window) for layer_type, window in windows.items()}
-    out = target(
-        input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=state.cache,
-        use_cache=True,
-        output_hidden_states=feature_layers(head),
-        **logits_to_keep(target, 0),
-    )
+    with linear_forms(target, forms):
+        out = target(
+            input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=state.cache,
+            use_cache=True,
+            output_hidden_states=feature_layers(head),
+            **logits_to_keep(target, 0),
+        )
     return out.logits, head.target_features(out.hidden_states)
 
 
