@@ -15,19 +15,25 @@ The decision is cached per host in a small JSON file (`$JETSPEC_HOST_CACHE`, els
 variables above, so the probe runs once per host and setting.
 """
 
-import json
 import os
-import platform
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-CACHE_ENV = "JETSPEC_HOST_CACHE"
-ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the /proc/cpuinfo flags the kind is named from
+# the host facts and the cache file are shared with the verify's linear forms (`modeling_jetspec/host_cache.py`)
+from modeling_jetspec.host_cache import (  # noqa: F401 (re-exported: jetspec.host.cache_path, ...)
+    CACHE_ENV,
+    FLAGS,
+    ISA_ENV,
+    cache_path,
+    cpu_info,
+    host_key,
+    read_cache,
+    store,
+)
+
 PROBE_SHAPE = (32, 576, 1536)  # (rows, in, out) of the probe's linear: one decode step of SmolLM2-135M's MLP
 PROBE_SECONDS = 0.1  # per dtype (torch.utils.benchmark's blocked_autorange: the median of blocks of calls)
 # ISA names at or below AVX2 that the environment can cap ATen or oneDNN to (oneDNN's names, case-insensitive)
@@ -58,24 +64,6 @@ class HostKind:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
-
-
-def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
-    """`(model name, flags)` of the first CPU in `path`, flags restricted to [`FLAGS`]; `(platform.processor(),
-    empty)` where the file does not exist (not Linux)."""
-    if not os.path.isfile(path):
-        return platform.processor(), frozenset()
-    model, flags = "", frozenset()
-    with open(path) as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = value.strip()
-            elif key == "flags":
-                flags = frozenset(value.split()) & frozenset(FLAGS)
-                break
-    return model, flags
 
 
 def forced_below_avx512(capability: str, flags: frozenset, env: dict) -> bool:
@@ -143,19 +131,6 @@ def decide(capability: str, flags: frozenset, env: dict, probe: Callable[[], tup
     return HostKind(name, "float32", f"auto: bf16 measured slower ({ratio})", capability, bf16_ms, fp32_ms)
 
 
-def cache_path() -> Path:
-    """`$JETSPEC_HOST_CACHE`, else `$JETSPEC_CACHE/host.json`, else `~/.cache/jetspec/host.json`."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("JETSPEC_CACHE", "~/.cache/jetspec")).expanduser() / "host.json"
-
-
-def host_key(capability: str, model: str, flags: frozenset, env: dict) -> str:
-    """The cache key: everything the decision depends on that can change between runs on one host."""
-    settings = ",".join(f"{k}={env.get(k, '')}" for k in ISA_ENV)
-    return f"{capability}|{model}|{','.join(sorted(flags))}|torch {torch.__version__}|{settings}"
-
-
 def host_kind(path: Optional[os.PathLike] = None, probe: Callable[[], tuple[float, float]] = probe_matmul) -> HostKind:
     """This host's kind and the dtype it runs fastest, from the cache in `path` (see [`cache_path`]) or measured and
     stored there.
@@ -172,15 +147,9 @@ def host_kind(path: Optional[os.PathLike] = None, probe: Callable[[], tuple[floa
     model, flags = cpu_info()
     env = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
     key = host_key(capability, model, flags, env)
-    cached = json.loads(path.read_text()) if path.is_file() else {}
-    if not isinstance(cached, dict):
-        raise ValueError(f"expected a JSON object of host keys in {path}, got {type(cached).__name__}")
+    cached = read_cache(path)
     if key in cached:
         return HostKind(**cached[key])
     kind = decide(capability, flags, env, probe)
-    cached[key] = asdict(kind)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(json.dumps(cached, indent=1) + "\n")
-    os.replace(f.name, path)  # atomic: a concurrent reader sees the old file or the new one
+    store(path, key, asdict(kind))  # atomic, keeping the file's other keys (the verify's linear forms)
     return kind

@@ -127,7 +127,7 @@ def assisted_decoding_with(model, generator, input_ids, logits_processor, stoppi
 # ------------------------------------------------------------------------------------------------ logits processors
 # transformers' processors whose output row depends only on that row's tokens and scores (no batch-sized state, no
 # batch index), read from their `__call__`: a node's scores are processed on its row alone. Matched by exact type (a
-# subclass may override `__call__`); `steps.check_processors` names which others are honoured and refuses the rest.
+# subclass may override `__call__`); `processors.check_processors` names which others are honoured and refuses the rest.
 # The list is kept by hand because transformers does not mark row-wise processors; the compat test runs each on a
 # batch and on its rows alone.
 ROW_WISE_PROCESSORS = (

@@ -18,17 +18,9 @@ from .budget import DEFAULT_CANDIDATES, BudgetController
 from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
-from .steps import (
-    accept,
-    check_processors,
-    choose_token,
-    commit,
-    draft,
-    pick_token,
-    processors_per_row,
-    select_rows,
-    stop_plan,
-)
+from .processors import check_processors, choose_token, pick_token, processors_per_row
+from .steps import accept, commit, draft, select_rows
+from .stopping import stop_plan
 from .timing import RoundClock, clock, rounds_timed
 from .tree import max_tree_nodes
 from .verifiers import measure_verify_seconds

@@ -24,7 +24,7 @@ from .decode import _decode
 from .state import TreeShape, resolve_tree_shape
 from .static import resolve_static, static_decode, static_verifier
 from .tree import max_tree_nodes
-from .verifiers import verifier_for
+from .verifiers import TreeVerifier, verifier_for
 
 TREE_ARGUMENTS = (
     "tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior",
@@ -96,6 +96,7 @@ def tree_generate(head, target, *args, **kwargs):
     streamer = kwargs.pop("streamer", None)
     tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
     static = resolve_static(kwargs)  # jetspec_static / cache_implementation="static": `static.py`
+    verify_linear = kwargs.pop("verify_linear", None) or "auto"  # the verify's linear form: "auto", "linear", "mm"
     check_generate_kwargs(kwargs)
     _check_lengths(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -116,15 +117,19 @@ def tree_generate(head, target, *args, **kwargs):
     if isinstance(prompt, torch.Tensor):
         check_tree_bounds(shape, head, target, *prompt.shape)
     _stop_strings_with_tokenizer(target, kwargs)
-    verifier = verifier_for(target, head, tree_verify)  # refuses layer kinds no verifier handles, before any work
+    # refuses layer kinds no verifier handles and unknown settings, before any work
+    verifier = verifier_for(target, head, tree_verify, verify_linear)
     if static is not None:
         verifier = static_verifier(target, head, shape, verifier, static)
     impl = attn_implementation(target)
-    switch = impl not in MASKABLE_ATTENTION
+    # flex_attention takes the tree mask as a BlockMask (`steps.verify`); the hybrid verifier builds float masks only
+    flex_kept = impl == "flex_attention" and isinstance(verifier, TreeVerifier)
+    switch = impl not in MASKABLE_ATTENTION and not flex_kept
     if switch and not (impl.startswith("flash") or impl == "flex_attention"):
         raise ValueError(
-            f"expected a target attention implementation that takes a 4D tree mask ({', '.join(MASKABLE_ATTENTION)}; "
-            f"flash and flex attention are switched to sdpa for the call), got {impl!r}"
+            f"expected a target attention implementation that takes a 4D tree mask ({', '.join(MASKABLE_ATTENTION)}, "
+            f"flex_attention; flash attention, and flex attention on hybrid targets, are switched to sdpa for the "
+            f"call), got {impl!r}"
         )
     if switch:  # flash-attn cannot take a tree mask: verify with sdpa, restore afterwards
         target.set_attn_implementation("sdpa")

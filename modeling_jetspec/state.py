@@ -255,7 +255,7 @@ class Call:
     lookup_record: LookupRecord | None = None  # the model-free branch's record per row (`shape.lookup_record`)
     # per row, the n-gram index of its committed tokens the model-free branch is read from, fed only new tokens
     lookup_index: RowIndexes = field(default_factory=RowIndexes)
-    # how `stopping` is checked (`steps.stop_plan`): the criteria judged on the device, once per round for every
+    # how `stopping` is checked (`stopping.stop_plan`): the criteria judged on the device, once per round for every
     # accepted token, and the length at which a `MaxLengthCriteria` stops a row (judged on the host); `None`: some
     # criterion is checked after each committed token, on that token's row alone
     device_stops: list | None = None

@@ -10,8 +10,9 @@ A round is five functions; `generate` (`decode.py`), the benchmark and the measu
 - [`compact`]: finished rows leave; the target cache keeps its past in place and moves only the accepted nodes'
   entries behind it; the head's context grows by their target features; the bonus token becomes the next anchor.
 
-Also here: [`prefill`], the tree assembly behind [`draft`] (lookup branch, path conditioning) and the call's logits
-processors as they act on one row (what [`accept`] asks through `Call.choose`).
+Also here: [`prefill`] and the tree assembly behind [`draft`] (lookup branch, path conditioning). The call's logits
+processors as they act on one row (what [`accept`] asks through `Call.choose`) are in `processors.py`; how the
+stopping criteria are judged for [`commit`], in `stopping.py`.
 
 Lossless: every committed token is the target's own choice (argmax, or a sample of the processed distribution)
 given exactly the committed tokens before it, whatever the head drafts.
@@ -25,23 +26,13 @@ import inspect
 from dataclasses import replace
 
 import torch
-from transformers import (
-    EosTokenCriteria,
-    LogitsProcessor,
-    LogitsProcessorList,
-    MaxLengthCriteria,
-    MaxTimeCriteria,
-)
 from transformers.cache_utils import Cache
-from transformers.generation.logits_process import (
-    PrefixConstrainedLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    UnbatchedClassifierFreeGuidanceLogitsProcessor,
-)
 
-from .compat import ROW_WISE_PROCESSORS, kv_layer_entries, repetition_penalty_for_row
+from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
+from .linear_forms import LinearForms, linear_forms
 from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
+from .stopping import stop_marks
 from .tree import (
     ENTROPY_SCORINGS,
     LOOKUP_MAX_NGRAM,
@@ -49,10 +40,9 @@ from .tree import (
     ancestor_mask,
     build_tree,
     entropy,
-    lookup_logprobs,
     marginal_children,
+    verification_block_mask,
     verification_mask,
-    with_lookup,
 )
 
 
@@ -168,11 +158,14 @@ def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
     return [([s[:w] for s in row], [[int(t) for t in s[w : 2 * w]] for s in row], [s[-1] for s in row]) for row in rows]
 
 
-def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None):
+def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None,
+           forms: LinearForms | None = None):
     """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
 
     Args:
         windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
+        forms (`LinearForms`, *optional*): the form of the target's linear layers in this forward
+            (`linear_forms.py`, the call's `verify_linear`); `None`: the model as it is.
 
     Returns:
         `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in the target's dtype (greedy
@@ -181,8 +174,11 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         n + 1 entries; [`compact`] keeps the accepted ones.
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
+    flex = attn_implementation(target) == "flex_attention"
 
-    def mask(window):  # (A, 1, n + 1, S + n + 1)
+    def mask(window):  # (A, 1, n + 1, S + n + 1): a BlockMask for flex_attention, else an additive float mask
+        if flex:
+            return verification_block_mask(state.valid, trees.ancestors, window, state.positions, positions)
         return verification_mask(state.valid, trees.ancestors, float_dtype(target), window, state.positions, positions)
 
     if windows is None:
@@ -191,15 +187,16 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         attention_mask = mask(windows[None])
     else:  # one mask per layer type; the model hands each layer its own
         attention_mask = {layer_type: mask(window) for layer_type, window in windows.items()}
-    out = target(
-        input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=state.cache,
-        use_cache=True,
-        output_hidden_states=feature_layers(head),
-        **logits_to_keep(target, 0),
-    )
+    with linear_forms(target, forms):
+        out = target(
+            input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=state.cache,
+            use_cache=True,
+            output_hidden_states=feature_layers(head),
+            **logits_to_keep(target, 0),
+        )
     return out.logits, head.target_features(out.hidden_states)
 
 
@@ -280,8 +277,8 @@ def commit(call: Call, acc: Acceptance, logits: torch.Tensor) -> Committed:
     criterion exists (plain decoding pads it); otherwise it goes on until every row has stopped ([`Call.finished`]).
 
     The round's one read: the acceptance (counts, nodes, tokens) and the verdicts of the criteria judged on the
-    device ([`stop_marks`]) come to the host together; what follows is host work, and one write of every row's
-    tokens to `call.sequences`. With a criterion that is not judged on the device ([`stop_plan`]) each committed
+    device (`stopping.stop_marks`) come to the host together; what follows is host work, and one write of every row's
+    tokens to `call.sequences`. With a criterion that is not judged on the device (`stopping.stop_plan`) each committed
     token is checked on its own, a read per token.
 
     Args:
@@ -365,31 +362,6 @@ def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> int
         if call.stopped_at[row] is not None and (call.pads_finished or call.lengths[row] >= call.max_length):
             break
     return call.lengths[row] - start
-
-
-# transformers' stopping criteria whose verdict on a row reads that row's last token alone (or the clock), judged on
-# the device for every accepted token at once; a `MaxLengthCriteria` reads only the length, judged on the host.
-# Matched by exact type (a subclass may override `__call__`); any other criterion is checked after each token.
-DEVICE_STOPS = (EosTokenCriteria, MaxTimeCriteria)
-
-
-def stop_plan(stopping) -> tuple[list | None, int | None]:
-    """`(device criteria, stop length)` of a call's stopping criteria (see `Call.device_stops`): `(None, None)`
-    when some criterion must be checked after each committed token."""
-    if any(type(c) not in (*DEVICE_STOPS, MaxLengthCriteria) for c in stopping):
-        return None, None
-    lengths = [c.max_length for c in stopping if type(c) is MaxLengthCriteria]
-    return [c for c in stopping if type(c) in DEVICE_STOPS], min(lengths) if lengths else None
-
-
-def stop_marks(call: Call, acc: Acceptance) -> torch.Tensor | None:
-    """`(A, K)` bool: whether the device criteria stop a row after its k-th accepted token (each criterion called
-    once, on every accepted token as a row of its own), or `None` when none is judged on the device."""
-    if not call.device_stops:
-        return None
-    a, k = acc.tokens.shape
-    last = acc.tokens.reshape(a * k, 1)  # (A * K, 1): each token as the last one of its row
-    return functools.reduce(torch.logical_or, [c(last, None) for c in call.device_stops]).reshape(a, k)
 
 
 def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: list | None = None):
@@ -513,10 +485,7 @@ def _with_lookup_branch(children, history: list, shape: TreeShape, record: Looku
     if record is not None and trie:
         record.offer(row, trie, order, len(history))
         prior = record.prior(row, prior, order, shape.lookup)
-    if shape.lookup_branches == "trie":
-        return merge_children(children, trie_children(trie, prior, order)) if trie else children
-    logprobs = lookup_logprobs(prior, order, len(chain)) if prior and chain else None
-    return with_lookup(children, chain, logprobs)
+    return merge_children(children, trie_children(trie, prior or None, order)) if trie else children
 
 
 def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginals: list, shape, budget) -> list:
@@ -554,91 +523,6 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
 
 def _probed_or_marginal(probed: dict, marginal, path: tuple):
     return probed.get(path) or marginal(path)
-
-
-# ------------------------------------------------------------------------------------------------ processors
-def choose_token(row_processors: list, do_sample: bool, call: Call, row: int, logits: torch.Tensor, path: list):
-    """The target's token after row `row`'s committed tokens plus `path`, as plain `generate` would pick it.
-
-    Returns:
-        `(token, scores)`: the token and the processed scores it was picked from, `(V,)`.
-    """
-    ids = call.sequences[row : row + 1, : call.lengths[row]]
-    if path:
-        ids = torch.cat([ids, torch.tensor([path], dtype=torch.long, device=ids.device)], dim=1)  # (1, L + len)
-    # (1, V) in fp32, as plain decoding hands processors; a copy: processors may write in place
-    scores = row_processors[row](ids, logits[None].to(dtype=torch.float32, copy=True))
-    return int(pick_token(scores, do_sample)[0]), scores[0]
-
-
-def check_processors(processors, batch: int):
-    """Raise a `ValueError` naming every logits processor of the call that the tree loop cannot run exactly.
-
-    The tree loop processes each node's scores on its own row, once per committed token, rows at different lengths.
-    Honoured, each exactly as in plain decoding:
-
-    - `compat.ROW_WISE_PROCESSORS` (temperature, top-k/p/h, min-p, typical, epsilon, eta, min length / new tokens,
-      no-repeat n-gram, bad words, sequence bias, suppress tokens, forced BOS/EOS, inf/nan removal, exponential
-      decay, renormalization): a row's scores depend on that row alone and on nothing kept between calls;
-    - `RepetitionPenaltyLogitsProcessor`, given the row's own left-padding length;
-    - `PrefixConstrainedLogitsProcessor` (`prefix_allowed_tokens_fn`), told the row's batch index;
-    - `UnbatchedClassifierFreeGuidanceLogitsProcessor` (`guidance_scale`) at batch size 1: it keeps a cache of the
-      unconditional branch and advances it on every call, which the walk does once per committed token, in order;
-      at batch size > 1 plain decoding advances that cache for every row at once, which rows at different lengths
-      cannot.
-
-    Anything else (a user's processor, watermarking, subclasses of the above) may keep state across calls or mix
-    rows, and is refused. Processors are matched by exact type.
-    """
-    refused = sorted({
-        type(p).__name__ for p in processors
-        if type(p) not in (*ROW_WISE_PROCESSORS, RepetitionPenaltyLogitsProcessor, PrefixConstrainedLogitsProcessor)
-        and not (type(p) is UnbatchedClassifierFreeGuidanceLogitsProcessor and batch == 1)
-    })
-    if refused:
-        raise ValueError(
-            f"expected logits processors the tree loop runs exactly (those transformers builds from generation "
-            f"settings; guidance_scale at batch size 1 only), got {', '.join(refused)} at batch size {batch}: it may "
-            "keep state across calls or mix rows, and the tree loop processes each row alone, once per node"
-        )
-
-
-def processors_per_row(processors, batch: int) -> list:
-    """Per batch row, the call's logits processors as they act on that row alone: `(1, L)` tokens, `(1, V)` scores.
-
-    Rows advance by different amounts per round, so each node is processed on its own row. Only processors
-    [`check_processors`] admits: a row-wise processor runs on the row as it is (cost V per node); a repetition
-    penalty that skips each row's left padding gets that row's padding length; `prefix_allowed_tokens_fn` sees the
-    row repeated to the caller's batch size, its layout in plain decoding, and row `row` is read back (cost B x V per
-    node); guidance (batch size 1) runs as it is.
-    """
-    return [LogitsProcessorList([_for_row(p, row, batch) for p in processors]) for row in range(batch)]
-
-
-def _for_row(processor, row: int, batch: int):
-    if type(processor) is RepetitionPenaltyLogitsProcessor:
-        return repetition_penalty_for_row(processor, row) or processor
-    if type(processor) is PrefixConstrainedLogitsProcessor:
-        return _InBatchLayout(processor, row, batch)
-    return processor
-
-
-class _InBatchLayout(LogitsProcessor):
-    """A processor called on one row `(1, L)` / `(1, V)` repeated to the batch size; row `row` of its output."""
-
-    def __init__(self, processor, row: int, batch: int):
-        self.processor, self.row, self.batch = processor, row, batch
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = self.processor(input_ids.expand(self.batch, -1), scores.repeat(self.batch, 1))  # (B, V)
-        return out[self.row : self.row + 1]
-
-
-def pick_token(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """`(B,)` tokens from processed scores `(B, V)`: a sample of their softmax, or their argmax."""
-    if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), 1)[:, 0]
-    return scores.argmax(-1)
 
 
 def float_dtype(model) -> torch.dtype:

@@ -257,42 +257,6 @@ def lookup_logprobs(prior, order: int, length: int) -> list:
             for p, s in zip([1.0] + survival, survival)]
 
 
-def with_lookup(children: ChildrenFn, chain: list, logprobs: list | None = None) -> ChildrenFn:
-    """Children that add `chain` (e.g. a [`lookup_match`] continuation) to the head's candidates along its own path.
-
-    Without `logprobs` each chain token is the first child with log-prob 0, so a best-first tree holds the whole
-    chain before any other node. With `logprobs` (conditional log-probs per chain token, [`lookup_logprobs`]) each
-    chain token competes with the head's candidates at that score, or at the head's own, whichever is higher, and
-    the tree keeps the chain's nodes only where they outscore the head's. The head's candidate for a chain token
-    is merged into it, never duplicated.
-    """
-
-    def merged(path):
-        found = children(path)
-        depth = len(path)
-        if depth >= len(chain) or tuple(path) != tuple(chain[:depth]):
-            return found
-        token = chain[depth]
-        lp = 0.0 if logprobs is None else float(logprobs[depth])
-        if found is None:
-            return [lp], [token], 0.0
-        lps, toks, ent = found
-        rest = []
-        for other_lp, t in zip(lps, toks):
-            if int(t) == token:
-                lp = max(lp, float(other_lp))
-            else:
-                rest.append((float(other_lp), t))
-        if logprobs is None:
-            at = 0
-        else:  # keep the list sorted by log-prob, as best-first expansion needs
-            at = next((i for i, (other_lp, _) in enumerate(rest) if other_lp < lp), len(rest))
-        rest.insert(at, (lp, token))
-        return [x for x, _ in rest], [t for _, t in rest], ent
-
-    return merged
-
-
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """Tree-causal mask: node i sees node j iff j is i or one of its ancestors (root included).
 
@@ -311,28 +275,25 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def verification_mask(
+def verification_allowed(
     past_valid: torch.Tensor,
     ancestors: torch.Tensor,
-    dtype: torch.dtype,
     window: int | None = None,
     past_positions: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Additive 4D mask for the target's verify forward over the tree (root first) after a cache.
+    """Where the target's verify forward over the tree (root first) may attend after a cache.
 
     Args:
         past_valid (`torch.BoolTensor` of shape `(B, S)`): cache entries each row may see (False: padding, holes).
         ancestors (`torch.BoolTensor` of shape `(B, T, T)`): from [`ancestor_mask`].
-        dtype (`torch.dtype`): the target's floating dtype.
         window (`int`, *optional*): a sliding window: a query at position p sees keys at positions > p - window
             (transformers' rule), on top of the rest. Needs the positions below.
         past_positions (`torch.LongTensor` of shape `(B, S)`, *optional*): position id of every cache entry.
         positions (`torch.LongTensor` of shape `(B, T)`, *optional*): position id of every tree node.
 
     Returns:
-        `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
-        (an additive float mask: a boolean one would be added to the scores by eager attention).
+        `torch.BoolTensor` of shape `(B, T, S + T)`: node i sees the valid cache entries, its ancestors and itself.
     """
     b, t, _ = ancestors.shape
     allowed = torch.cat([past_valid[:, None, :].expand(b, t, -1), ancestors], dim=-1)  # (B, T, S+T)
@@ -341,8 +302,48 @@ def verification_mask(
             raise ValueError("expected past_positions and positions with a sliding window, got none")
         keys = torch.cat([past_positions, positions], dim=1)  # (B, S+T)
         allowed = allowed & (positions[:, :, None] - keys[:, None, :] < window)
+    return allowed
+
+
+def verification_mask(
+    past_valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    dtype: torch.dtype,
+    window: int | None = None,
+    past_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Additive 4D mask for the target's verify forward over the tree (root first) after a cache: the
+    [`verification_allowed`] entries (see there for the arguments) in the target's floating `dtype`.
+
+    Returns:
+        `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
+        (an additive float mask: a boolean one would be added to the scores by eager attention).
+    """
+    allowed = verification_allowed(past_valid, ancestors, window, past_positions, positions)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def verification_block_mask(
+    past_valid: torch.Tensor,
+    ancestors: torch.Tensor,
+    window: int | None = None,
+    past_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+):
+    """The verify mask of a flex_attention target: the [`verification_allowed`] entries (see there for the
+    arguments) as a `BlockMask` of shape `(B, 1, T, S + T)`: node i attends to the row's valid cache entries, its
+    ancestors and itself, and flex_attention skips the key blocks no node of a query block sees."""
+    from torch.nn.attention.flex_attention import create_block_mask  # torch >= 2.5; only flex targets come here
+
+    allowed = verification_allowed(past_valid, ancestors, window, past_positions, positions)
+    b, t, kv = allowed.shape
+
+    def mask_mod(batch, head, query, key):
+        return allowed[batch, query, key]
+
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=kv, device=allowed.device)
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:

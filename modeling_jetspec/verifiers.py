@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicCache
 from .compat import DynamicLayer
 from .hybrid import HybridVerifier, is_hybrid
 from .reclaim import reclaim
+from .linear_forms import LinearForms, check_verify_linear
 from .state import DraftTrees, RoundState, TreeShape, Verifier
 from .steps import compact, draft, prefill, verify
 from .timing import median_seconds
@@ -36,8 +37,9 @@ class TreeVerifier:
     state (recurrent or convolution states) is served by a verifier of its own, chosen in [`verifier_for`].
     """
 
-    def __init__(self, target, head):
+    def __init__(self, target, head, verify_linear: str = "auto"):
         self.target, self.head, self.windows = target, head, verify_windows(target)
+        self.forms = LinearForms(verify_linear)  # the form of the target's linears in the verify
         self.target_forwards = 0  # one per prefill, one per verify
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
@@ -54,7 +56,7 @@ class TreeVerifier:
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """[`verify`]. Returns the trees verified (another verifier may verify a part of them, e.g. one path) with
         their logits and features."""
-        logits, features = verify(self.target, self.head, state, trees, self.windows)
+        logits, features = verify(self.target, self.head, state, trees, self.windows, self.forms)
         self.target_forwards += 1
         return trees, logits, features
 
@@ -74,16 +76,18 @@ class TreeVerifier:
         state.cache.crop(-(trees.tokens.shape[1] + 1))
 
 
-def verifier_for(target, head, tree_verify: str = "auto") -> Verifier:
-    """The verifier of a call: [`TreeVerifier`] for targets whose layers all cache attention keys/values,
-    [`hybrid.HybridVerifier`] (`tree_verify`: "auto", "tree" or "chain") for targets with linear-attention or
-    convolution layers; a `ValueError` naming the layer types of any other target."""
+def verifier_for(target, head, tree_verify: str = "auto", verify_linear: str = "auto") -> Verifier:
+    """The verifier of a call: [`TreeVerifier`] for targets whose layers all cache attention keys/values (its verify
+    runs the target's linears in the form `verify_linear` picks, `linear_forms.py`), [`hybrid.HybridVerifier`]
+    (`tree_verify`: "auto", "tree" or "chain") for targets with linear-attention or convolution layers; a
+    `ValueError` naming the layer types of any other target."""
+    check_verify_linear(verify_linear)
     if is_hybrid(target):
         return HybridVerifier(target, head, tree_verify, verify_windows(target))
     check_layer_types(target)
     if tree_verify not in ("auto", "tree"):
         raise ValueError(f"expected tree_verify 'auto' or 'tree' for an attention-only target, got {tree_verify!r}")
-    return TreeVerifier(target, head)
+    return TreeVerifier(target, head, verify_linear)
 
 
 def verify_windows(target) -> dict | None:

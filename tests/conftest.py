@@ -14,3 +14,18 @@ def one_thread(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def host_cache_of_the_session(tmp_path_factory):
+    """Host decisions the tests make (the verify's linear forms probed under `verify_linear="auto"`) go to a file of
+    the session, never to the user's `~/.cache/jetspec/host.json`; a test may point `JETSPEC_HOST_CACHE` elsewhere."""
+    import os
+
+    previous = os.environ.get("JETSPEC_HOST_CACHE")
+    os.environ["JETSPEC_HOST_CACHE"] = str(tmp_path_factory.mktemp("host") / "host.json")
+    yield
+    if previous is None:
+        os.environ.pop("JETSPEC_HOST_CACHE", None)
+    else:
+        os.environ["JETSPEC_HOST_CACHE"] = previous

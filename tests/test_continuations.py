@@ -15,7 +15,7 @@ from modeling_jetspec.continuations import (
     merge_children,
     trie_children,
 )
-from modeling_jetspec.tree import build_tree, lookup_logprobs, lookup_match, marginal_children, with_lookup
+from modeling_jetspec.tree import build_tree, lookup_logprobs, lookup_match, marginal_children
 from tiny import oracle_head, prompts, tiny_head, tiny_target
 
 PRIOR = [[0.2, 0.1], [0.5, 0.3], [0.8, 0.6, 0.5]]
@@ -83,7 +83,7 @@ def test_trie_tree_holds_both_branches_where_the_chain_holds_one():
     trie, order = continuation_trie(LOOP, 4)
     trie_tree = build_tree(merge_children(never, trie_children(trie, PRIOR, order)), budget=6, depth=4)
     chain, chain_order = lookup_match(LOOP, 4)
-    chain_tree = build_tree(with_lookup(never, chain, lookup_logprobs(PRIOR, chain_order, len(chain))), 6, 4)
+    chain_tree = build_tree(merge_children(never, trie_children(chain_trie(chain), PRIOR, chain_order)), 6, 4)
     assert {3, 4} <= set(trie_tree.tokens)
     assert 4 in chain_tree.tokens and 3 not in chain_tree.tokens
 

@@ -63,7 +63,7 @@ def token_paths(tokens: torch.Tensor, parents: torch.Tensor, row: int) -> list:
 
 class LookupBranch:
     """What the prompt-lookup branch contributed to each round, recorded by wrapping the round's `draft` and `accept`
-    (as `decode._round` calls them) and the chain each row's tree is offered (`steps.with_lookup`).
+    (as `decode._round` calls them) and the chain each row's tree is offered (`steps.chain_trie`).
 
     `chains[r][i]`: the lookup chain offered to round r's tree of active row i (`[]`: no match).
     `added[r][i]`: that tree's nodes on the chain, as root-to-node token paths: the nodes the branch added.
@@ -74,12 +74,12 @@ class LookupBranch:
 
     def __init__(self, monkeypatch):
         self.chains, self.added, self.sizes, self.accepted = [], [], [], []
-        draft, accept, with_lookup = decode.draft, decode.accept, steps.with_lookup
+        draft, accept, chain_trie = decode.draft, decode.accept, steps.chain_trie
         offered = []
 
-        def recording_with_lookup(children, chain, logprobs=None):
+        def recording_chain_trie(chain):
             offered.append(tuple(chain))
-            return with_lookup(children, chain, logprobs)
+            return chain_trie(chain)
 
         def recording_draft(*args, **kwargs):
             offered.clear()
@@ -101,7 +101,7 @@ class LookupBranch:
             ])
             return acc
 
-        monkeypatch.setattr(steps, "with_lookup", recording_with_lookup)
+        monkeypatch.setattr(steps, "chain_trie", recording_chain_trie)
         monkeypatch.setattr(decode, "draft", recording_draft)
         monkeypatch.setattr(decode, "accept", recording_accept)
 
@@ -293,15 +293,61 @@ def test_streamer_receives_prompt_then_tokens():
     assert sum(streamer.chunks[1:], []) == tree[0, ids.shape[1] :].tolist()
 
 
-def test_flex_attention_target_is_verified_with_sdpa_and_restored():
-    target = tiny_target("llama")
-    ids, mask = prompts(1)
-    plain = greedy(target, ids, mask, max_new_tokens=10)
-    target.set_attn_implementation("flex_attention")
-    head = tiny_head(target)
-    tree = greedy(target, ids, mask, max_new_tokens=10, assistant_model=head)
-    assert torch.equal(tree, plain)
+def use_flex(monkeypatch, compiled: bool) -> list:
+    """Record the BlockMasks the verify builds; with `compiled=False`, flex_attention runs as the op itself rather
+    than through transformers' `torch.compile` of it: on this CPU build (torch 2.13) inductor's C++ flex template
+    fails to compile transformers' padding mask (plain `generate` over a left-padded batch fails with "error:
+    'cur_kvSplitSize0' was not declared in this scope"), so padded batches run uncompiled. The plain reference and
+    the tree loop always run the same way, so they compare the same attention."""
+    if not compiled:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        import transformers.integrations.flex_attention as transformers_flex
+
+        def uncompiled(query, key, value, training=False, **kwargs):
+            return flex_attention(query, key, value, **kwargs)
+
+        monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", uncompiled)
+    block_masks = []
+    build = steps.verification_block_mask
+
+    def recording(*args, **kwargs):
+        block_masks.append(build(*args, **kwargs))
+        return block_masks[-1]
+
+    monkeypatch.setattr(steps, "verification_block_mask", recording)
+    return block_masks
+
+
+@pytest.mark.parametrize("batch,compiled", [(1, True), (1, False), (2, False)])
+def test_flex_attention_target_is_verified_with_a_block_mask(batch, compiled, monkeypatch):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    block_masks = use_flex(monkeypatch, compiled)
+    target = tiny_target("llama", attn_implementation="flex_attention")
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=16)
+    assert torch.equal(plain, greedy(tiny_target("llama"), ids, mask, max_new_tokens=16))  # the same model
+    head = tiny_head(target, tree_depth=4, tree_budget=12)  # budget > depth: siblings share positions
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=16, assistant_model=head), plain)
+    oracle = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=12)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=16, assistant_model=oracle), plain)
+    assert oracle.last_stats.tau > 1.5  # accepted paths through later siblings
+    assert block_masks and all(isinstance(m, BlockMask) for m in block_masks)
+    assert block_masks[0].shape[0] == batch and {m.shape[1:3] for m in block_masks} == {(1, 13)}  # root + 12 nodes
     assert target.config._attn_implementation == "flex_attention"
+
+
+def test_flex_attention_sliding_window_per_layer_type(monkeypatch):
+    block_masks = use_flex(monkeypatch, compiled=False)
+    window = dict(sliding_window=6, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"])
+    target = tiny_target("qwen3", attn_implementation="flex_attention", **window)
+    ids, mask = prompts(2)
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    assert torch.equal(plain, greedy(tiny_target("qwen3", **window), ids, mask, max_new_tokens=24))
+    oracle = oracle_head(target, plain, mask, mode="sometimes")
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=oracle), plain)
+    assert len(block_masks) == 2 * oracle.last_stats.rounds  # one per layer type and round
 
 
 def test_plain_generate_is_untouched_by_the_hook(monkeypatch):

@@ -19,7 +19,7 @@ from tiny import prompts, tiny_head, tiny_target
 CODE_FILES = {
     "modeling_jetspec.py", "configuration_jetspec.py", "checkpoint_formats.py", "integration.py", "decode.py",
     "verifiers.py", "hybrid.py", "steps.py", "state.py", "compat.py", "tree.py", "budget.py", "timing.py",
-    "layers.py", "candidate_generator.py",
+    "layers.py", "candidate_generator.py", "processors.py", "stopping.py", "linear_forms.py", "host_cache.py",
 }
 
 FRESH_PROCESS = textwrap.dedent(

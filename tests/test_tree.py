@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from modeling_jetspec.candidate_generator import _expected_accepted
-from modeling_jetspec.continuations import LookupRecord, chain_trie, trie_children
+from modeling_jetspec.continuations import LookupRecord, chain_trie, merge_children, trie_children
 from modeling_jetspec.state import DraftTrees
 from modeling_jetspec.steps import accept
 from modeling_jetspec.tree import (
@@ -24,8 +24,13 @@ from modeling_jetspec.tree import (
     marginal_children,
     max_tree_nodes,
     tree_key,
-    with_lookup,
 )
+
+
+def with_chain(children, chain: list, survival: list | None = None):
+    """The head's children with a lookup `chain` laid in as the round lays it (a trie of one continuation, merged):
+    scored from `survival` (an order-1 prior: the fraction of such chains accepted to each depth), else first."""
+    return merge_children(children, trie_children(chain_trie(chain), [survival] if survival else None, 1))
 
 
 def tree_paths(tree):
@@ -295,7 +300,7 @@ def test_lookup_chain_comes_first_and_the_head_fills_the_budget():
     top_tok = torch.tensor([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
     children = marginal_children(top_lp, top_tok, torch.zeros(3))
     chain = [11, 99, 30]  # depth 1 shares the head's second candidate; 99 is not among the head's
-    tree = build_tree(with_lookup(children, chain), budget=6, depth=3)
+    tree = build_tree(with_chain(children, chain), budget=6, depth=3)
     paths = [p for p in sorted(tree_paths(tree), key=len)]
     assert {(11,), (11, 99), (11, 99, 30)} <= set(paths)
     assert tree.tokens[:3] == chain and tree.parents[:3] == [0, 1, 2]  # the chain is built first
@@ -304,7 +309,7 @@ def test_lookup_chain_comes_first_and_the_head_fills_the_budget():
     assert tree_paths(head_only) | {(11,), (11, 99), (11, 99, 30)} >= set(paths) - {(11, 20)}
     assert sum(1 for p in paths if p == (11,)) == 1 and len(tree.tokens) == 6
     # no chain: the head's own tree
-    plain = build_tree(with_lookup(children, []), budget=6, depth=3)
+    plain = build_tree(with_chain(children, []), budget=6, depth=3)
     assert plain.tokens == build_tree(children, budget=6, depth=3).tokens
 
 
@@ -314,10 +319,10 @@ def test_a_scored_lookup_chain_takes_only_the_nodes_it_earns():
     children = marginal_children(top_lp, top_tok, torch.zeros(3))
     chain = [12, 99, 98]
     # a likely chain (0.95 per token) outranks everything: built first, as an unscored one
-    sure = build_tree(with_lookup(children, chain, [math.log(0.95)] * 3), budget=5, depth=3)
+    sure = build_tree(with_chain(children, chain, [0.95, 0.95 ** 2, 0.95 ** 3]), budget=5, depth=3)
     assert sure.tokens[:3] == chain and sure.parents[:3] == [0, 1, 2]
     # an unlikely one (0.05 at depth 1) loses to the head's nodes: a budget of 3 holds none of it
-    weak = with_lookup(children, chain, [math.log(0.05), math.log(0.9), math.log(0.9)])
+    weak = with_chain(children, chain, [0.05, 0.05 * 0.9, 0.05 * 0.9 * 0.9])
     assert build_tree(weak, budget=3, depth=3).tokens == build_tree(children, budget=3, depth=3).tokens
     # children lists stay sorted, and a chain token the head also proposes keeps the higher of the two scores
     lps, toks, _ = weak(())
