@@ -1,5 +1,6 @@
 """Short training runs of head variants on one feature store, side by side: held-out agreement per depth, the chain
-tau it implies, and seconds per step, so variants compare per CPU-minute as well as per step.
+tau it implies, seconds per step, and each trained head scored offline on fixed text (`training.evaluate_head`), so
+variants compare per CPU-minute as well as per step.
 
     python -m training.feature_store --data training/data/smollm2-135m-mix.npz --out cache/smollm2-135m
     python -m scripts.ablate_head --store cache/smollm2-135m --steps 300 --out results/ablation \
@@ -13,21 +14,45 @@ there; the probe times its steady steps, after the first few; the table gives th
     python -m scripts.ablate_head --store cache/smollm2-135m-fp32 --data training/data/smollm2-135m-mix-fp32.npz \
         --minutes 8 --out results/ablation-wallclock --variants baseline layers2 layers3 init_target block16 warm
 
-The loss and block-attention axes (the baseline is forward KL, a causal block, gamma 4):
+After training, each variant's head is scored by `training.evaluate_head` on the same held-out rows (the trainer's
+own split of the same data; the first `--eval_rows`, answers cut at `--eval_new_tokens`): tau at every `--budgets`
+with the model-free branch on and off (on: with the branch settings of `--lookup_settings`, the committed head's by
+default, the same for every variant; a new head has none of its own), acceptance per depth, and the first-round
+statistics (share of rows whose top-ranked path has a target log-prob below -20 nats, mean score inflation).
+`--offline off` trains only. A variant already measured at this budget is skipped; one measured without these
+offline settings is only scored again.
 
-    python -m scripts.ablate_head --store cache/smollm2-135m-fp32 --data training/data/smollm2-135m-mix-fp32.npz \
-        --minutes 8 --out results/ablation-losses --variants baseline kl_tv topk_rank sft reverse_kl gamma0 \
-        bidir_gamma4 bidir_gamma0
- Results: OUT/ablation.json and OUT/ablation.md; each variant's run (its head, logs
-and curve) in RUNS/<variant>; the results name the host kind (jetspec.host). Run from the repository root, as a
-module (`training/` is not an installed package).
+The paper's claims (issue 33; `scripts/results_tables.py` turns the results into docs/results.md's tables):
+
+    # causal against bidirectional block at gamma 0, 4 and 7, and the losses (gamma4 is the forward-KL reference)
+    python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims \
+        --variants gamma0 gamma4 gamma7 bidir_gamma0 bidir_gamma4 bidir_gamma7 sft reverse_kl kl_tv topk_rank
+    # data against steps: the same steps from the same start on 0.5M, 1M and all answer tokens (held-out rows fixed)
+    python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims-data \
+        --variants data_all data_1M data_0.5M
+    # the tree key on one head, on the same rows
+    python -m scripts.ablate_head --store cache/smollm2-135m --out results/claims-tree-keys \
+        --tree_keys logprob entropy mixed gap --head runs/ablation/gamma4
+
+`data_<N>` (N as 300, 0.5M, 2M, or all) trains on the training rows holding about N answer tokens
+(`--max_train_answer_tokens`, [`training.rows.answer_token_cap`]: a fixed draw by row id, never a held-out row).
+With `--minutes`, the data variants share one step count, timed by the first of them measured, so they differ in
+data only. `--tree_keys K...` trains nothing: it scores the head `--head` under each tree key.
+
+Results: OUT/ablation.json and OUT/ablation.md (OUT/tree_keys.json and .md for `--tree_keys`); each variant's
+evaluator output, every row included, in OUT/offline/<variant>.json; each variant's run (its head, logs and curve) in
+RUNS/<variant>; the results name the host kind (jetspec.host). Run from the repository root, as a module
+(`training/` is not an installed package).
 """
 
 import argparse
 import json
+import re
 import time
+import zlib
 from pathlib import Path
 
+import torch
 import yaml
 from transformers import TrainerCallback
 
@@ -54,19 +79,27 @@ VARIANTS = {
     "warm": ["--init_head", "jetspec/heads/smollm2-135m"],
     # the committed head as shipped, for reference: one step at learning rate 0 (Adam moves nothing), then evaluated
     "committed": ["--init_head", "jetspec/heads/smollm2-135m", "--learning_rate", "0"],
-    # the loss (training/losses.py): acceptance-aware additions to forward KL, and the paper's hard-label and reverse KL
+    # the loss (training/losses.py): forward KL named, acceptance-aware additions to it, the paper's hard-label and
+    # reverse KL
+    "fkl": ["--loss", "fkl"],
     "kl_tv": ["--loss", "kl_tv"],
     "topk_rank": ["--loss", "topk_rank"],
     "sft": ["--loss", "sft"],
     "reverse_kl": ["--loss", "rkl"],
-    # the block attention at gamma 4 (the config's) and without position decay ("gamma 0": the config's gamma removed)
+    # the block attention at gamma 0 (the config's gamma removed), 4 and 7; the causal block at gamma 4 and 7 is
+    # gamma4 and gamma7 (the config's block attention)
     "gamma0": [],
-    "bidir_gamma4": ["--block_attention", "bidirectional"],
+    "bidir_gamma4": ["--block_attention", "bidirectional", "--gamma", "4"],
     "bidir_gamma0": ["--block_attention", "bidirectional"],
+    "bidir_gamma7": ["--block_attention", "bidirectional", "--gamma", "7"],
 }
 UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a variant removes (no flag says None)
+DATA_VARIANT = re.compile(r"^data_(all|\d+(?:\.\d+)?[KkMm]?)$")  # data_<answer tokens>: data_300, data_0.5M, data_all
 PROBE_STEPS = 12  # the probe times its steps after the first PROBE_SKIP, which carry one-off costs
 PROBE_SKIP = 3
+DEFAULT_BUDGETS = "8,16,32,64"
+DEFAULT_LOOKUP_SETTINGS = REPO / "jetspec" / "heads" / "smollm2-135m"
+TREE_KEYS = ("logprob", "entropy", "mixed", "gap")
 
 
 class StepTimer(TrainerCallback):
@@ -83,7 +116,41 @@ class StepTimer(TrainerCallback):
         return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
-def main(argv=None) -> dict:
+def data_tokens(name: str) -> int | None:
+    """Answer tokens a `data_<N>` variant trains on (None: all); a `ValueError` for any other name."""
+    match = DATA_VARIANT.match(name)
+    if match is None:
+        raise ValueError(f"expected a data variant data_<answer tokens> (e.g. data_0.5M, data_2M, data_all), got {name!r}")
+    size = match.group(1)
+    if size == "all":
+        return None
+    scale = {"k": 1_000, "m": 1_000_000}.get(size[-1].lower(), 1)
+    tokens = int(round(float(size.rstrip("KkMm")) * scale))
+    if tokens < 1:
+        raise ValueError(f"expected a data variant of at least one answer token, got {name!r}")
+    return tokens
+
+
+def variant_flags(name: str) -> list:
+    """The trainer flags of a variant: its one change."""
+    if name in VARIANTS:
+        return list(VARIANTS[name])
+    tokens = data_tokens(name)
+    return [] if tokens is None else ["--max_train_answer_tokens", str(tokens)]
+
+
+def check_variants(names: list) -> list:
+    for name in names:
+        if name not in VARIANTS and not DATA_VARIANT.match(name):
+            raise ValueError(f"expected variants among {sorted(VARIANTS)} or data_<answer tokens> (data_0.5M, "
+                             f"data_all, ...), got {name!r}")
+        variant_flags(name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"expected each variant once, got {names}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "training/configs/smollm2-135m.yaml"))
     parser.add_argument("--store", required=True, help="feature store folder (training/feature_store.py)")
@@ -94,14 +161,138 @@ def main(argv=None) -> dict:
                         help="equal wall-clock instead of equal steps: train each variant for about this long")
     parser.add_argument("--out", default="results/ablation")
     parser.add_argument("--runs", default=str(REPO / "runs" / "ablation"), help="folder of the variants' runs")
-    parser.add_argument("--variants", nargs="+", default=["baseline"], choices=sorted(VARIANTS))
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "ablation.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help=f"among {', '.join(sorted(VARIANTS))}, or data_<answer tokens> (default: baseline)")
+    offline = parser.add_argument_group("offline scoring (training.evaluate_head) of every trained head")
+    offline.add_argument("--offline", default="on", choices=["on", "off"], help="score each trained head offline")
+    offline.add_argument("--eval_rows", type=int, default=300, help="held-out rows scored (the split's first)")
+    offline.add_argument("--eval_new_tokens", type=int, default=256, help="cap on each row's answer tokens")
+    offline.add_argument("--budgets", default=DEFAULT_BUDGETS, help="tree budgets, comma-separated")
+    offline.add_argument("--lookup_settings", default=str(DEFAULT_LOOKUP_SETTINGS),
+                         help="head folder lending its model-free branch settings to every head ('none': each its own)")
+    offline.add_argument("--eval_batch_size", type=int, default=32, help="rows per head forward")
+    offline.add_argument("--tree_keys", nargs="+", default=None, choices=TREE_KEYS,
+                         help="train nothing: score --head under each of these tree keys")
+    offline.add_argument("--head", default=None, help="with --tree_keys: the head folder scored")
+    return parser
+
+
+def check_args(args) -> dict:
+    """Every argument checked before any work; a `ValueError` names the first bad one."""
+    from training.evaluate_head import parse_budgets
+
     if args.minutes is not None and args.minutes <= 0:
         raise ValueError(f"expected --minutes > 0, got {args.minutes}")
+    if args.steps < 1:
+        raise ValueError(f"expected --steps >= 1, got {args.steps}")
+    if not (Path(args.store) / "store.json").is_file():
+        raise ValueError(f"expected --store to be a feature store folder holding store.json, got {args.store}")
+    budgets = parse_budgets(args.budgets)
+    if args.eval_rows < 1:
+        raise ValueError(f"expected --eval_rows >= 1, got {args.eval_rows}")
+    if args.eval_new_tokens < 1:
+        raise ValueError(f"expected --eval_new_tokens >= 1, got {args.eval_new_tokens}")
+    if args.eval_batch_size < 1:
+        raise ValueError(f"expected --eval_batch_size >= 1, got {args.eval_batch_size}")
+    lookup = None if str(args.lookup_settings).lower() == "none" else args.lookup_settings
+    if lookup is not None and not (Path(lookup) / "config.json").is_file():
+        raise ValueError(f"expected --lookup_settings to be a head folder holding config.json or 'none', got {lookup}")
+    if args.tree_keys is not None:
+        if args.variants is not None:
+            raise ValueError("expected either --variants (train) or --tree_keys (score one head), got both")
+        if args.head is None or not (Path(args.head) / "config.json").is_file():
+            raise ValueError(f"expected --head to be a head folder holding config.json with --tree_keys, got {args.head}")
+        if args.offline == "off":
+            raise ValueError("expected --offline on with --tree_keys (it only scores), got off")
+    variants = check_variants(args.variants or ["baseline"])
+    return {"budgets": budgets, "lookup_settings": lookup, "variants": variants}
+
+
+class OfflineScorer:
+    """Scores heads with `training.evaluate_head` on the same held-out rows: the target (its embeddings and LM head)
+    and the prepared rows are loaded once per process."""
+
+    def __init__(self, store: str, budgets: list, rows: int, new_tokens: int, lookup_settings, batch_size: int):
+        from training.feature_store import FeatureStore
+
+        self.store = FeatureStore(store)
+        self.budgets, self.rows, self.new_tokens, self.batch_size = budgets, rows, new_tokens, batch_size
+        self.lookup_path = lookup_settings
+        self._targets, self._rows = {}, {}
+
+    def settings(self) -> dict:
+        """What a stored score depends on besides the head: rescored when any of it changes."""
+        return {"eval_rows": self.rows, "eval_new_tokens": self.new_tokens, "budgets": self.budgets,
+                "lookup_settings": str(self.lookup_path)}
+
+    def target(self, name: str):
+        if name not in self._targets:
+            from jetspec.targets import load_target
+
+            self._targets[name] = load_target(name, dtype=torch.float32)[0]
+        return self._targets[name]
+
+    def prepared(self, data: list, eval_fraction: float, seed: int, depth: int):
+        from training.evaluate_head import held_out_rows, prepare_rows, store_features
+
+        key = (tuple(map(str, data)), eval_fraction, seed, depth)
+        if key not in self._rows:
+            held = held_out_rows(data, eval_fraction, seed, self.rows)
+            self._rows[key] = prepare_rows(held, store_features(self.store), self.new_tokens, depth)
+        return self._rows[key]
+
+    def score(self, head_dir, target: str, data: list, eval_fraction: float, seed: int,
+              tree_keys=(None,)) -> tuple[dict, dict]:
+        """`(compact, full)`: per tree key (None: the head's), `lookup_on` / `lookup_off`, per budget."""
+        from modeling_jetspec import JetSpecDraftModel
+        from modeling_jetspec.configuration_jetspec import JetSpecConfig
+        from training.evaluate_head import run
+
+        head = JetSpecDraftModel.from_pretrained(head_dir, dtype=torch.float32).eval()
+        head.attach_target(self.target(target))
+        self.store.check(head.config.target_layer_ids, head.config.target_hidden_size)
+        lookup = JetSpecConfig.from_pretrained(self.lookup_path) if self.lookup_path else None
+        rows, skipped = self.prepared(data, eval_fraction, seed, head.config.tree_depth)
+        if not rows:
+            raise ValueError(f"expected held-out rows in the feature store {self.store.path} to score, got none "
+                             f"({len(skipped)} skipped)")
+        ids = [row.id for row in rows]
+        compact = {"rows": len(rows), "skipped": len(skipped),
+                   "answer_tokens": sum(row.end - row.prompt_length for row in rows),
+                   "rows_crc": zlib.crc32("\n".join(ids).encode("utf-8")), **self.settings(), "by_key": {}}
+        full = {}
+        for key in tree_keys:
+            entry, full[str(key)] = {}, {}
+            for lookup_on in (True, False):
+                side = "lookup_on" if lookup_on else "lookup_off"
+                result = run({"head": head}, rows, self.budgets, lookup_on, key, self.batch_size,
+                             lookup_settings=lookup)["head"]
+                full[str(key)][side] = {str(b): s for b, s in result.items()}
+                entry[side] = {str(b): compact_summary(s) for b, s in result.items()}
+            compact["by_key"][str(key)] = entry
+        return compact, full
+
+
+def compact_summary(summary: dict) -> dict:
+    """The evaluator's numbers of one budget without the per-row detail."""
+    first = summary["first_round"]
+    return {"tau": summary["tau"], "rounds": summary["rounds"], "rows": summary["rows"],
+            "acceptance_per_depth": summary["acceptance_per_depth"],
+            "accepted_by_source": summary["accepted_by_source"], "scoring": summary["shape"]["scoring"],
+            "lookup": summary["shape"]["lookup"],
+            "first_round": {k: first[k] for k in ("rows", "rows_with_target_logprob", "complete_paths",
+                                                   "share_below_-20_nats", "mean_inflation", "mean_draft_score")}}
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    checked = check_args(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scorer = None
+    if args.offline == "on":
+        scorer = OfflineScorer(args.store, checked["budgets"], args.eval_rows, args.eval_new_tokens,
+                               checked["lookup_settings"], args.eval_batch_size)
     budget = {"minutes": args.minutes} if args.minutes is not None else {"steps": args.steps}
     host = host_kind()
 
@@ -126,49 +317,140 @@ def main(argv=None) -> dict:
             common += ["--data", args.data]
         if args.eval_fraction is not None:
             common += ["--eval_fraction", str(args.eval_fraction)]
-        return common + VARIANTS[name]
+        return common + variant_flags(name)
 
-    for name in args.variants:
-        if name in summary and all(summary[name].get(key) == value for key, value in budget.items()):
+    def settings_of(name: str) -> dict:
+        """What the variant's run trains with, as the trainer parses it (its data, split, target and recipe)."""
+        head_args, data_args, train_args = run_trainer.parse_args(arguments(name, 1, name))
+        return {"target": head_args.target, "data": list(data_args.data), "eval_fraction": data_args.eval_fraction,
+                "seed": train_args.seed, "loss": train_args.loss, "gamma": train_args.gamma,
+                "block_attention": head_args.block_attention or "causal",
+                "max_train_answer_tokens": data_args.max_train_answer_tokens}
+
+    def score(name: str, settings: dict, head_dir, tree_keys=(None,)) -> dict:
+        compact, full = scorer.score(head_dir, settings["target"], settings["data"], settings["eval_fraction"],
+                                     settings["seed"], tree_keys)
+        (out / "offline").mkdir(exist_ok=True)
+        (out / "offline" / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
+        return compact
+
+    if args.tree_keys is not None:
+        return tree_key_mode(args, out, score(f"tree_keys-{Path(args.head).name}", settings_of("baseline"),
+                                              args.head, args.tree_keys))
+
+    summary_path = out / "ablation.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    for name in checked["variants"]:
+        row = summary.get(name)
+        trained = row is not None and all(row.get(key) == value for key, value in budget.items())
+        scored = scorer is None or (row is not None and row.get("offline", {}).get("eval_rows") is not None
+                                    and all(row["offline"].get(k) == v for k, v in scorer.settings().items()))
+        if trained and scored:
             print(f"ablation: {name} already measured, skipped")
             continue
-        steps = args.steps
-        if args.minutes is not None:
-            timer = StepTimer()
-            run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"], [timer])
-            pace = timer.seconds_per_step()
-            steps = max(1, int(args.minutes * 60 / pace))
-            print(f"ablation: {name} at {pace:.2f} s/step gets {steps} steps")
-        started = time.perf_counter()
-        metrics = run_trainer.main(arguments(name, steps, name))
-        depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
-        summary[name] = {
-            "change": " ".join(VARIANTS[name] + [f"(no {key})" for key in UNSET.get(name, ())])
-                      or "(committed config)",
-            "host_kind": host.name,
-            **budget,
-            "steps": steps,
-            "seconds_per_step": metrics["train_runtime"] / steps,
-            "wall_seconds": time.perf_counter() - started,
-            "eval_loss": metrics["eval_loss"],
-            "acc_per_depth": [metrics[f"eval_acc_depth_{d}"] for d in depths],
-            "tau_chain": metrics["eval_tau_chain"],
-        }
-        summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+        settings = settings_of(name)
+        if not trained:
+            steps = args.steps
+            if args.minutes is not None:
+                shared = [other for other, r in summary.items() if other != name and DATA_VARIANT.match(other)
+                          and r.get("minutes") == args.minutes] if DATA_VARIANT.match(name) else []
+                if shared:  # the data variants differ in data only: the first one measured set their steps
+                    steps = summary[shared[0]]["steps"]
+                    print(f"ablation: {name} takes the {steps} steps of {shared[0]} (data variants share steps)")
+                else:
+                    timer = StepTimer()
+                    run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"],
+                                     [timer])
+                    pace = timer.seconds_per_step()
+                    steps = max(1, int(args.minutes * 60 / pace))
+                    print(f"ablation: {name} at {pace:.2f} s/step gets {steps} steps")
+            started = time.perf_counter()
+            metrics = run_trainer.main(arguments(name, steps, name))
+            depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
+            row = {
+                "change": " ".join(variant_flags(name) + [f"(no {key})" for key in UNSET.get(name, ())])
+                          or "(committed config)",
+                "host_kind": host.name,
+                **budget,
+                "steps": steps,
+                "seconds_per_step": metrics["train_runtime"] / steps,
+                "wall_seconds": time.perf_counter() - started,
+                "eval_loss": metrics["eval_loss"],
+                "acc_per_depth": [metrics[f"eval_acc_depth_{d}"] for d in depths],
+                "tau_chain": metrics["eval_tau_chain"],
+                "settings": settings,
+            }
+            if "train_answer_tokens" in metrics:
+                row["train_answer_tokens"] = metrics["train_answer_tokens"]
+            summary[name] = row
+            summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+        if scorer is not None:
+            row = summary[name]
+            row.setdefault("settings", settings)
+            row["offline"] = score(name, settings, Path(args.runs) / name)
+            summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    text = ablation_tables(summary, args.store, args.data)
+    (out / "ablation.md").write_text(text)
+    print(text)
+    return summary
+
+
+def tree_key_mode(args, out: Path, scored: dict) -> dict:
+    """Writes and prints the tree-key table of one head."""
+    result = {"head": str(args.head), **scored}
+    (out / "tree_keys.json").write_text(json.dumps(result, indent=1) + "\n")
+    budgets = [str(b) for b in scored["budgets"]]
+    lines = [f"Head {args.head}, {scored['rows']} held-out rows ({scored['answer_tokens']} answer tokens), store "
+             f"{args.store}; offline tau (committed tokens per round)\n",
+             "| tree key | " + " | ".join(f"tau@{b} lookup off" for b in budgets) + " | "
+             + " | ".join(f"tau@{b} lookup on" for b in budgets) + " |",
+             "|---|" + "---:|" * (2 * len(budgets))]
+    for key, entry in scored["by_key"].items():
+        cells = [f"{entry[side][b]['tau']:.3f}" for side in ("lookup_off", "lookup_on") for b in budgets]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / "tree_keys.md").write_text(text)
+    print(text)
+    return result
+
+
+def ablation_tables(summary: dict, store: str, data) -> str:
+    """OUT/ablation.md: the training table, and the offline table of the variants scored."""
     lines = ["| variant | change | budget | steps | s/step | train min | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary.items():
-        acc = row["acc_per_depth"]
+        acc = row["acc_per_depth"] + [float("nan")] * 3
         budget_of_row = f"{row['minutes']:g} min" if "minutes" in row else f"{row['steps']} steps"
         lines.append(f"| {name} | `{row['change']}` | {budget_of_row} | {row['steps']} | {row['seconds_per_step']:.2f} | "
                      f"{row['seconds_per_step'] * row['steps'] / 60:.1f} | {row['eval_loss']:.3f} | "
                      f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |")
     kinds = sorted({row.get("host_kind", "not recorded") for row in summary.values()})
-    header = (f"Store {args.store}, data {args.data or 'of the config'}; each variant trained for its budget "
+    header = (f"Store {store}, data {data or 'of the config'}; each variant trained for its budget "
               f"(wall-clock minutes, or steps); host kind {', '.join(kinds)}\n\n")
-    (out / "ablation.md").write_text(header + "\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return summary
+    scored = {name: row["offline"] for name, row in summary.items() if "offline" in row}
+    if scored:
+        budgets = [str(b) for b in next(iter(scored.values()))["budgets"]]
+        top = budgets[-1]
+        lines += ["", f"Offline (training.evaluate_head, the same held-out rows for every variant): tau per budget with "
+                      f"the model-free branch off and on; at budget {top}, branch off: acceptance at depths 1-3 and the "
+                      f"first round's share of top-ranked paths below -20 nats and mean score inflation (nats)", "",
+                  "| variant | rows | " + " | ".join(f"off @{b}" for b in budgets) + " | "
+                  + " | ".join(f"on @{b}" for b in budgets) + " | acc 1 | acc 2 | acc 3 | < -20 nats | inflation |",
+                  "|---|---:|" + "---:|" * (2 * len(budgets) + 5)]
+        for name, offline in scored.items():
+            entry = offline["by_key"]["None"]
+            cells = [fmt(entry[side].get(b, {}).get("tau")) for side in ("lookup_off", "lookup_on") for b in budgets]
+            at_top = entry["lookup_off"].get(top, {})
+            acc = (at_top.get("acceptance_per_depth") or []) + [None] * 3
+            first = at_top.get("first_round", {})
+            lines.append(f"| {name} | {offline['rows']} | " + " | ".join(cells) + " | "
+                         + " | ".join(fmt(a) for a in acc[:3]) + f" | {fmt(first.get('share_below_-20_nats'))} | "
+                         f"{fmt(first.get('mean_inflation'), '+.2f')} |")
+    return header + "\n".join(lines) + "\n"
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 For each target it prints one JSON line:
 
 - `verify_ratio`: t(B) / t(1), the target's verify forward over B tokens (root + B - 1 tree nodes, the round's own
-  `draft` trees and verifier, `verifiers.measure_verify_seconds`) after a 128-token context, batch 1;
+  `draft` trees and verifier, `verifiers.measure_verify_seconds`) after a 128-token context, batch 1, against the
+  plain one-token decoding step (t(1), `plain_step_seconds`);
 - `host_reads_per_round`: per batch size, the host reads of a `generate` call divided by its rounds, with their
   kinds (`.item()`, `.tolist()`, `bool` / `int` / `float` of a tensor, `.cpu()`, `nonzero`, boolean-mask indexing,
   explicit synchronizes), counted by a `TorchFunctionMode` (every read stalls the launch queue on a GPU);
@@ -130,13 +131,41 @@ def build(name: str, device: str, dtype: torch.dtype):
     raise ValueError(f"expected a target among {TARGETS}, got {name!r}")
 
 
-def verify_ratios(target, head, sizes) -> dict:
-    """t(B) / t(1) of the verify forward over B tokens (B - 1 tree nodes), batch 1, after 128 tokens."""
+def verify_ratios(target, head, sizes, context_length: int = 128, repeats: int = 5) -> dict:
+    """t(B) / t(1), batch 1, after `context_length` tokens: t(B) for B >= 2 is the verify forward over B tokens (the
+    root and B - 1 tree nodes); t(1) is the plain decoding step (one token, no tree), which a tree of no node would
+    be and what the ratios are against."""
+    if 1 not in sizes or min(sizes) < 1:
+        raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base), got {sizes}")
     shape = resolve_tree_shape(head.config)
-    seconds = measure_verify_seconds(target, head, shape, [size - 1 for size in sizes], context_length=128,
-                                     repeats=5)
-    one = seconds[0] if 0 in seconds else measure_verify_seconds(target, head, shape, [0], context_length=128)[0]
-    return {size: round(seconds[size - 1] / one, 3) for size in sizes}
+    trees = [size - 1 for size in sizes if size > 1]
+    seconds = measure_verify_seconds(target, head, shape, trees, context_length=context_length,
+                                     repeats=repeats) if trees else {}
+    one = plain_step_seconds(target, context_length, repeats)
+    return {size: 1.0 if size == 1 else round(seconds[size - 1] / one, 3) for size in sizes}
+
+
+@torch.no_grad()
+def plain_step_seconds(target, context_length: int = 128, repeats: int = 5) -> float:
+    """Median wall time of one plain greedy decoding step (one token after a cache of `context_length` random
+    tokens, the prompt `measure_verify_seconds` draws), the cache cropped back after every step."""
+    from transformers import DynamicCache
+
+    from modeling_jetspec.timing import median_seconds
+
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    prompt = torch.randint(0, vocab, (1, context_length), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(target.device)
+    cache = DynamicCache()
+    target(input_ids=prompt, past_key_values=cache, use_cache=True)
+    step = prompt[:, -1:]
+    position = torch.tensor([[context_length]], device=target.device)
+
+    def once():
+        target(input_ids=step, position_ids=position, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # drop the step's entry
+
+    return median_seconds(once, repeats=repeats, warmup=1)
 
 
 def host_reads(target, head, ids, mask, new_tokens: int) -> dict:
@@ -265,7 +294,8 @@ def main(argv=None) -> int:
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     if 1 not in args.sizes or min(args.sizes) < 1:
-        raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base), got {args.sizes}")
+        raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base: the plain step), got "
+                         f"{args.sizes}")
     names = args.targets.split(",")
     if set(names) - set(TARGETS):
         raise ValueError(f"expected targets among {TARGETS}, got {sorted(set(names) - set(TARGETS))}")

@@ -44,7 +44,7 @@ def test_ablate_head_trains_each_variant_once_with_its_one_change(tmp_path, caps
     )
     ablate_head = load_script("ablate_head")
     argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "2", "--out",
-            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--variants", "baseline", "layers2"]
+            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--offline", "off", "--variants", "baseline", "layers2"]
     summary = ablate_head.main(argv)
 
     assert list(summary) == ["baseline", "layers2"]
@@ -84,7 +84,7 @@ def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
     config = ablation_config(tmp_path)
     ablate_head = load_script("ablate_head")
     argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--minutes", "0.05", "--out",
-            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--variants", "baseline", "init_target"]
+            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--offline", "off", "--variants", "baseline", "init_target"]
     summary = ablate_head.main(argv)
     out = capsys.readouterr().out
     for name in ("baseline", "init_target"):
@@ -107,7 +107,7 @@ def test_ablate_head_loss_and_block_attention_variants_reach_the_runs(tmp_path):
     variants = ["kl_tv", "topk_rank", "reverse_kl", "gamma0", "bidir_gamma4", "bidir_gamma0"]
     summary = ablate_head.main(["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "1",
                                 "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
-                                "--variants", *variants])
+                                "--offline", "off", "--variants", *variants])
     assert list(summary) == variants
     runs = tmp_path / "runs"
     cards = {name: (runs / name / "README.md").read_text() for name in variants}

@@ -376,3 +376,33 @@ def first_rows(dataset, count: int) -> datasets.Dataset:
     if isinstance(dataset, datasets.IterableDataset):
         return datasets.Dataset.from_list(list(dataset.take(count)), features=dataset.features)
     return dataset.select(range(min(count, len(dataset))))
+
+
+def answer_token_cap(dataset, max_tokens: int, seed: int = 0) -> tuple[datasets.Dataset, int]:
+    """The rows of `dataset` (a map-style `Dataset` of training rows) that hold `max_tokens` answer tokens, and how
+    many they hold: the rows are ordered by a draw fixed by their id and `seed` (`crc32("cap:<seed>:<id>")`, ties by
+    position) and taken while the tokens taken so far are fewer than `max_tokens`, so the count reaches the cap and
+    passes it by less than one row's answer (all rows, and their count, when they hold fewer). A smaller cap takes a
+    prefix of a larger one's rows (same seed). The rows keep their order in `dataset`.
+
+    Give it the training side of [`split_train_eval`]: it only selects among the rows it is given, so held-out rows
+    stay out."""
+    if isinstance(dataset, datasets.IterableDataset):
+        raise ValueError("expected a map-style Dataset to cap by answer tokens, got a stream (IterableDataset)")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"expected max_tokens to be an int >= 1 (answer tokens), got {max_tokens!r}")
+    names = dataset["id"] if "id" in dataset.column_names else [str(ids) for ids in dataset["input_ids"]]
+    answers = answer_lengths(dataset)
+    order = sorted(range(len(names)), key=lambda i: (zlib.crc32(f"cap:{seed}:{names[i]}".encode("utf-8")), i))
+    chosen, taken = [], 0
+    for i in order:
+        if taken >= max_tokens:
+            break
+        chosen.append(i)
+        taken += answers[i]
+    return dataset.select(sorted(chosen)), taken
+
+
+def answer_lengths(dataset) -> list:
+    """Answer tokens per row of a map-style `Dataset` (its tokens after `prompt_length`)."""
+    return [len(ids) - int(p) for ids, p in zip(dataset["input_ids"], dataset["prompt_length"])]

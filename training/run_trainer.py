@@ -51,7 +51,9 @@ from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E
 from training.evaluate_head import OfflineTauCallback  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
-from training.rows import first_rows, load_rows, load_source, row_key, split_train_eval  # noqa: E402
+from training.rows import (  # noqa: E402
+    answer_lengths, answer_token_cap, first_rows, load_rows, load_source, row_key, split_train_eval,
+)
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import JetSpecTrainer, JetSpecTrainingArguments, unwrap_head  # noqa: E402
 
@@ -181,6 +183,13 @@ class DataArguments:
         metadata={"help": "Folder written by training/feature_store.py: rows it holds read their target features from "
                           "disk and the target never runs for them (any run, any epoch)."},
     )
+    max_train_answer_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Train on a subset of the training rows holding about this many answer tokens (chosen by a "
+                          "draw fixed by row id and seed, at least the cap, over it by less than one row; a smaller "
+                          "cap's rows are a subset of a larger one's); the held-out rows are unchanged. Not with "
+                          "--streaming."},
+    )
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -193,6 +202,12 @@ class DataArguments:
             raise ValueError(f"expected shuffle_buffer >= 0 (0 keeps the stream's order), got {self.shuffle_buffer}")
         if self.stream_eval_rows < 1:
             raise ValueError(f"expected stream_eval_rows >= 1, got {self.stream_eval_rows}")
+        if self.max_train_answer_tokens is not None:
+            if self.max_train_answer_tokens < 1:
+                raise ValueError(f"expected max_train_answer_tokens >= 1 or None, got {self.max_train_answer_tokens}")
+            if self.streaming:
+                raise ValueError("expected no max_train_answer_tokens with --streaming (the cap draws from all training "
+                                 "rows), got both")
 
 
 ARGUMENTS = (HeadArguments, DataArguments, JetSpecTrainingArguments)
@@ -316,11 +331,18 @@ def build_head(head_args: HeadArguments, target, block_size: int | None = None, 
 
 def load_data(data_args: DataArguments, seed: int):
     """`(train, eval)` datasets of the regenerated rows `data_args.data` (eval is None without a held-out split).
-    Streamed, `train` is an `IterableDataset` (shuffled in a buffer) and `eval` the stream's first held-out rows."""
+    Streamed, `train` is an `IterableDataset` (shuffled in a buffer) and `eval` the stream's first held-out rows.
+    With `max_train_answer_tokens`, `train` is the subset [`training.rows.answer_token_cap`] takes from the training
+    rows (the held-out rows are the same with or without it)."""
     train, held_out = split_train_eval(load_rows(data_args.data, streaming=data_args.streaming),
                                        data_args.eval_fraction, seed, data_args.stream_eval_rows)
     if data_args.streaming and data_args.shuffle_buffer > 0:
         train = train.shuffle(seed=seed, buffer_size=data_args.shuffle_buffer)
+    if data_args.max_train_answer_tokens is not None:
+        rows = len(train)
+        train, tokens = answer_token_cap(train, data_args.max_train_answer_tokens, seed)
+        print(f"jetspec: training rows capped at {data_args.max_train_answer_tokens} answer tokens: {len(train)} of "
+              f"{rows} rows, {tokens} answer tokens")
     return train, held_out
 
 
@@ -529,6 +551,8 @@ def main(argv=None, callbacks=None) -> dict:
     metrics = dict(result.metrics)
     if coverage is not None:
         metrics["draft_vocab_coverage"] = coverage
+    if not data_args.streaming:  # the answer tokens trained on (a data cap's count; the data-against-steps runs)
+        metrics["train_answer_tokens"] = sum(answer_lengths(train_set))
     # the Trainer's count of the target's input tokens: its last training log holds this session's rate
     speeds = [entry["train_tokens_per_second"] for entry in trainer.state.log_history if "train_tokens_per_second" in entry]
     if speeds:

@@ -1,0 +1,205 @@
+"""The paper's claims, made runnable (issue 33): the ablation's new variants train and are scored offline on the same
+held-out rows, the data cap by answer tokens, the tree-key mode, the results tables, and gpu_check's size-1 base."""
+
+import json
+
+import datasets
+import pytest
+import torch
+
+from test_evaluate_head import LOOKUP
+from test_scripts import ablation_config, load_script
+from test_training import sharp_target
+from tiny import tiny_head
+from training import evaluate_head
+from training.rows import answer_lengths, answer_token_cap, split_train_eval
+
+
+def synthetic_rows(count: int = 40) -> datasets.Dataset:
+    """Rows of varied answer lengths (no model needed: the cap reads only ids and lengths)."""
+    return datasets.Dataset.from_list([
+        {"id": f"row-{i}", "input_ids": list(range(1, 5 + 3 + (i * 7) % 23)), "prompt_length": 4}
+        for i in range(count)
+    ])
+
+
+def test_answer_token_cap_takes_the_requested_tokens_and_never_a_held_out_row():
+    train, held = split_train_eval(synthetic_rows(), 0.25, 0)
+    lengths = dict(zip(train["id"], answer_lengths(train)))
+    total = sum(lengths.values())
+    small, small_tokens = answer_token_cap(train, 60, seed=0)
+    large, large_tokens = answer_token_cap(train, 150, seed=0)
+    for cap, subset, tokens in ((60, small, small_tokens), (150, large, large_tokens)):
+        assert tokens == sum(lengths[i] for i in subset["id"])  # the count is the rows' own
+        assert cap <= tokens < cap + max(lengths.values())  # reaches the cap, over it by less than one row
+        assert not set(subset["id"]) & set(held["id"])
+        assert subset["id"] == [i for i in train["id"] if i in set(subset["id"])]  # the data's order kept
+    assert set(small["id"]) < set(large["id"])  # a smaller cap's rows are a prefix of the same draw
+    assert answer_token_cap(train, 60, seed=0)[0]["id"] == small["id"]  # deterministic
+    assert answer_token_cap(train, 60, seed=1)[0]["id"] != small["id"]  # the draw follows the seed
+    everything, count = answer_token_cap(train, 10 * total, seed=0)
+    assert count == total and len(everything) == len(train)
+    with pytest.raises(ValueError, match="expected max_tokens"):
+        answer_token_cap(train, 0)
+
+
+def test_the_trainer_caps_training_rows_and_keeps_the_held_out_rows(tmp_path):
+    from training.run_trainer import DataArguments, load_data
+
+    rows = synthetic_rows()
+    rows.save_to_disk(str(tmp_path / "rows"))
+    plain_train, plain_held = load_data(DataArguments(data=[str(tmp_path / "rows")], eval_fraction=0.25), seed=0)
+    capped_train, capped_held = load_data(DataArguments(data=[str(tmp_path / "rows")], eval_fraction=0.25,
+                                                        max_train_answer_tokens=60), seed=0)
+    assert capped_held["id"] == plain_held["id"]
+    assert set(capped_train["id"]) < set(plain_train["id"]) and sum(answer_lengths(capped_train)) >= 60
+    with pytest.raises(ValueError, match="max_train_answer_tokens"):
+        DataArguments(data=["x"], streaming=True, max_train_answer_tokens=10)
+    with pytest.raises(ValueError, match="max_train_answer_tokens"):
+        DataArguments(data=["x"], max_train_answer_tokens=0)
+
+
+def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
+    """bidir_gamma7, fkl and the data variants train two steps each; each head is scored by the evaluator on the same
+    held-out rows at every budget, branch on and off, with first-round statistics; the data variants train on the
+    capped rows."""
+    config = ablation_config(tmp_path, "gamma: 4.0\n")
+    tiny_head(sharp_target(), **LOOKUP).save_pretrained(tmp_path / "lookup")
+    ablate_head = load_script("ablate_head")
+    variants = ["bidir_gamma7", "fkl", "data_60", "data_all"]
+    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "2", "--out",
+            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--budgets", "4,8", "--eval_new_tokens", "16",
+            "--lookup_settings", str(tmp_path / "lookup"), "--variants", *variants]
+    summary = ablate_head.main(argv)
+    assert list(summary) == variants
+    assert summary["bidir_gamma7"]["settings"]["block_attention"] == "bidirectional"
+    assert summary["bidir_gamma7"]["settings"]["gamma"] == 7.0 and summary["fkl"]["settings"]["loss"] == "fkl"
+    assert summary["data_60"]["settings"]["max_train_answer_tokens"] == 60
+    assert 60 <= summary["data_60"]["train_answer_tokens"] < summary["data_all"]["train_answer_tokens"]
+    crcs = {row["offline"]["rows_crc"] for row in summary.values()}
+    assert len(crcs) == 1  # every head on the same rows
+    for name, row in summary.items():
+        scored = row["offline"]["by_key"]["None"]
+        assert row["offline"]["rows"] >= 1 and row["offline"]["budgets"] == [4, 8]
+        for side in ("lookup_on", "lookup_off"):
+            for budget in ("4", "8"):
+                entry = scored[side][budget]
+                assert entry["tau"] >= 1.0 and entry["rows"] == row["offline"]["rows"]
+                assert all(0.0 <= a <= 1.0 for a in entry["acceptance_per_depth"])
+                assert entry["first_round"]["rows"] == row["offline"]["rows"]
+        assert scored["lookup_on"]["4"]["lookup"] == LOOKUP["tree_lookup"] and scored["lookup_off"]["4"]["lookup"] == 0
+        full = json.loads((tmp_path / "out" / "offline" / f"{name}.json").read_text())
+        assert full["None"]["lookup_off"]["8"]["tau"] == scored["lookup_off"]["8"]["tau"]
+    # the evaluator's own command line on the same head and rows gives the same numbers
+    out = tmp_path / "direct.json"
+    settings = summary["fkl"]["settings"]
+    evaluate_head.main(["--head", str(tmp_path / "runs" / "fkl"), "--data", *settings["data"], "--feature_store",
+                        str(tmp_path / "store"), "--target", settings["target"], "--eval_fraction",
+                        str(settings["eval_fraction"]), "--seed", str(settings["seed"]), "--rows", "300",
+                        "--max_new_tokens", "16", "--budgets", "4,8", "--lookup", "off", "--json", str(out)])
+    direct = json.loads(out.read_text())["heads"][str(tmp_path / "runs" / "fkl")]
+    assert direct["8"]["tau"] == summary["fkl"]["offline"]["by_key"]["None"]["lookup_off"]["8"]["tau"]
+    table = (tmp_path / "out" / "ablation.md").read_text()
+    assert "| bidir_gamma7 |" in table and "off @8" in table
+    assert ablate_head.main(argv) == summary  # measured and scored: nothing again
+
+    keys = ablate_head.main(["--config", str(config), "--store", str(tmp_path / "store"), "--out",
+                             str(tmp_path / "keys"), "--budgets", "4,8", "--eval_new_tokens", "16",
+                             "--lookup_settings", str(tmp_path / "lookup"), "--tree_keys", "logprob", "entropy",
+                             "--head", str(tmp_path / "runs" / "fkl")])
+    assert list(keys["by_key"]) == ["logprob", "entropy"] and keys["rows_crc"] in crcs
+    assert keys["by_key"]["entropy"]["lookup_off"]["8"]["scoring"] == "entropy"
+    assert keys["by_key"]["logprob"]["lookup_off"]["8"]["tau"] == direct["8"]["tau"]  # the head's key is logprob
+    assert "| entropy |" in (tmp_path / "keys" / "tree_keys.md").read_text()
+
+
+def test_ablate_head_refuses_bad_arguments_before_training(tmp_path):
+    ablate_head = load_script("ablate_head")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "store.json").write_text("{}")
+    base = ["--store", str(tmp_path / "store"), "--lookup_settings", "none"]
+    for extra, message in ((["--variants", "data_x"], "expected variants"),
+                           (["--variants", "fkl", "fkl"], "each variant once"),
+                           (["--budgets", "0"], "expected --budgets"),
+                           (["--tree_keys", "logprob"], "expected --head"),
+                           (["--tree_keys", "gap", "--variants", "fkl"], "either --variants")):
+        with pytest.raises(ValueError, match=message):
+            ablate_head.main(base + extra)
+    assert ablate_head.data_tokens("data_0.5M") == 500_000 and ablate_head.data_tokens("data_all") is None
+
+
+def scored(tau_off: float, tau_on: float, share=None, inflation=None) -> dict:
+    first = {"rows": 10, "rows_with_target_logprob": 10, "complete_paths": 3, "share_below_-20_nats": share,
+             "mean_inflation": inflation, "mean_draft_score": -3.0}
+    side = lambda tau: {b: {"tau": tau + 0.1 * i, "acceptance_per_depth": [0.5], "first_round": first}  # noqa: E731
+                        for i, b in enumerate(("8", "16", "32", "64"))}
+    return {"by_key": {"None": {"lookup_off": side(tau_off), "lookup_on": side(tau_on)}}}
+
+
+def ablation_row(attention: str, gamma, loss: str = "fkl", acc: float = 0.3, offline=None, **extra) -> dict:
+    row = {"acc_per_depth": [acc, 0.2, 0.1], "tau_chain": 1.5, "steps": 100,
+           "settings": {"block_attention": attention, "gamma": gamma, "loss": loss, "max_train_answer_tokens": None},
+           **extra}
+    if offline is not None:
+        row["offline"] = offline
+    return row
+
+
+def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
+    tables = load_script("results_tables")
+    ablation = {
+        "gamma4": ablation_row("causal", 4.0, acc=0.41, offline=scored(2.0, 2.5, share=0.0, inflation=3.5)),
+        "bidir_gamma0": ablation_row("bidirectional", None, acc=0.22, offline=scored(1.25, 1.75, share=0.25,
+                                                                                      inflation=9.75)),
+        "reverse_kl": ablation_row("causal", 4.0, loss="rkl", offline=scored(1.5, 1.6)),
+        "data_0.5M": ablation_row("causal", 4.0, acc=0.19, train_answer_tokens=500_123),
+    }
+    (tmp_path / "a.json").write_text(json.dumps(ablation))
+    keys = {"head": "runs/x", "rows": 10, "by_key": {"entropy": scored(1.125, 1.5)["by_key"]["None"]}}
+    (tmp_path / "k.json").write_text(json.dumps(keys))
+    doc = tmp_path / "results.md"
+    doc.write_text("# Results\n\nkept\n")
+    tables.main(["--ablation", str(tmp_path / "a.json"), "--tree_keys", str(tmp_path / "k.json"), "--write",
+                 str(doc)])
+    text = doc.read_text()
+    lines = text.splitlines()
+
+    def row(prefix: str) -> list:
+        [line] = [line for line in lines if line.startswith(prefix)]
+        return [cell.strip() for cell in line.strip("|").split("|")]
+
+    causal4 = row("| causal | 4 | 8.50x")
+    assert causal4[3:8] == ["gamma4", "0.410", "1.500", "2.000", "2.100"] and causal4[-1] == "2.800"
+    assert row("| causal | 0 | 8.29x")[3:] == ["not run yet"] * 11
+    assert row("| bidirectional | 0 | 5.46x")[3:6] == ["bidir_gamma0", "0.220", "1.500"]
+    assert row("| bidirectional | 0 | 26%")[4:7] == ["bidir_gamma0", "25.0%", "+9.75"]
+    assert row("| causal | 4 | no figure")[4:7] == ["gamma4", "0.0%", "+3.50"]
+    assert row("| 32 | off |")[1:] == ["off", "not run yet", "2.200", "not run yet", "1.450", "not run yet",
+                                      "not run yet"]
+    assert row("| reverse KL |")[1:3] == ["36-46% below forward KL", "reverse_kl"]
+    assert row("| reverse KL |")[-1] == f"{100 * (1.7 / 2.2 - 1):+.1f}%"  # at budget 32, against gamma4's
+    assert row("| SFT")[2:] == ["not run yet"] * 8
+    assert row("| entropy | 4.76x |")[2:4] == ["1.125", "1.225"]
+    assert row("| logprob | 8.15x |")[2:] == ["not run yet"] * 8
+    assert row("| 0.5M |")[1:5] == ["data_0.5M", "500,123", "100", "0.190"]
+    assert row("| raw ShareGPT replies |")[2:] == ["not run yet"] * 3
+    assert text.startswith("# Results\n\nkept\n") and text.count("<!-- claims:begin -->") == 1
+    assert "Nothing in this section has been run yet" not in text
+    # written again, the section is replaced, not appended; with no results, every cell of ours is empty
+    tables.main(["--write", str(doc)])
+    text = doc.read_text()
+    assert text.count("<!-- claims:begin -->") == 1 and "Nothing in this section has been run yet" in text
+    assert "0.410" not in text and "8.29x" in text
+    with pytest.raises(ValueError, match="expected a results JSON file"):
+        tables.main(["--ablation", str(tmp_path / "missing.json")])
+
+
+def test_gpu_check_size_one_is_the_plain_step():
+    gpu_check = load_script("gpu_check")
+    target, head, _ = gpu_check.build("tiny-qwen3", "cpu", torch.float32)
+    ratios = gpu_check.verify_ratios(target, head, [1, 2], context_length=16, repeats=1)
+    assert list(ratios) == [1, 2] and ratios[1] == 1.0 and ratios[2] > 0
+    assert gpu_check.verify_ratios(target, head, [1], context_length=16, repeats=1) == {1: 1.0}
+    assert gpu_check.plain_step_seconds(target, 16, 1) > 0
+    with pytest.raises(ValueError, match="including 1"):
+        gpu_check.verify_ratios(target, head, [2, 4])
