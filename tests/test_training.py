@@ -920,12 +920,19 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
     with `bf16=True` is a contradiction refused by name; a short keep threshold decides whether `auto` keeps."""
     from jetspec.host import HostKind
 
+    assert training_args(tmp_path).train_precision == "fp32"  # the dataclass default; the config says auto
     for dtype, expected in (("bfloat16", True), ("float32", False)):
         kind = HostKind(name="test host", dtype=dtype, reason=f"probe says {dtype}", capability="AVX512")
         monkeypatch.setattr(run_trainer, "host_kind", lambda kind=kind: kind)
-        args = training_args(tmp_path)
+        args = training_args(tmp_path, train_precision="auto")
         reason = run_trainer.resolve_precision(args)
         assert args.bf16 is expected and "test host" in reason
+        # the Trainer's accelerator reads `mixed_precision`, derived from `bf16` when the arguments were made
+        assert args.mixed_precision == ("bf16" if expected else "no")
+        if expected:
+            trainer = JetSpecTrainer(model=tiny_head(sharp_target()), args=args, target=sharp_target(),
+                                     train_dataset=datasets.Dataset.from_list(regenerated_rows(sharp_target())))
+            assert trainer.accelerator.mixed_precision == "bf16"
     args = training_args(tmp_path, train_precision="bf16")
     run_trainer.resolve_precision(args)
     assert args.bf16 is True

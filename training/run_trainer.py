@@ -435,18 +435,22 @@ def resolve_precision(args: JetSpecTrainingArguments) -> str:
     (jetspec.host) finds bf16 matmuls faster than float32 (or on a CUDA device), float32 elsewhere. An explicit
     `bf16=True` is kept. Called before the Trainer is built, which reads `bf16` for its autocast."""
     if args.bf16:
-        return "bf16 autocast (bf16=True given)"
-    if args.train_precision == "bf16":
-        args.bf16 = True
-        return "bf16 autocast (train_precision=bf16)"
-    if args.train_precision == "fp32":
-        return "float32 (train_precision=fp32)"
-    if torch.cuda.is_available() and not args.use_cpu:
-        args.bf16 = True
-        return "bf16 autocast (auto: a CUDA device)"
-    host = host_kind()
-    args.bf16 = host.torch_dtype == torch.bfloat16
-    return f"{'bf16 autocast' if args.bf16 else 'float32'} (auto: {host.reason}; host kind {host.name})"
+        reason = "bf16 autocast (bf16=True given)"
+    elif args.train_precision == "bf16":
+        args.bf16, reason = True, "bf16 autocast (train_precision=bf16)"
+    elif args.train_precision == "fp32":
+        reason = "float32 (train_precision=fp32)"
+    elif torch.cuda.is_available() and not args.use_cpu:
+        args.bf16, reason = True, "bf16 autocast (auto: a CUDA device)"
+    else:
+        host = host_kind()
+        args.bf16 = host.torch_dtype == torch.bfloat16
+        reason = f"{'bf16 autocast' if args.bf16 else 'float32'} (auto: {host.reason}; host kind {host.name})"
+    if args.bf16:
+        # `TrainingArguments.__post_init__` derived `mixed_precision` from `bf16` already; the Trainer's accelerator
+        # reads `mixed_precision`, so it must follow
+        args.mixed_precision = "bf16"
+    return reason
 
 
 def check_store_coverage(store: FeatureStore, sources: list, max_length: int) -> dict:

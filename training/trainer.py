@@ -82,10 +82,11 @@ class JetSpecTrainingArguments(TrainingArguments):
                           "schedule still follows max_steps."},
     )
     train_precision: str = field(
-        default="auto",
+        default="fp32",
         metadata={"help": "The head's training step: `fp32`, `bf16` (autocast, the Trainer's `bf16`) or `auto`: bf16 "
                           "where jetspec.host measures bf16 matmuls faster than float32 on this host (native bf16: "
-                          "AVX-512 BF16, AMX, a GPU), else fp32. An explicit `--bf16 true` always wins."},
+                          "AVX-512 BF16, AMX, a GPU), else fp32 (the committed config's choice). An explicit `--bf16 true` always "
+                          "wins."},
     )
     keep_head_dir: str | None = field(
         default="auto",
