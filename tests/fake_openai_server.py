@@ -64,6 +64,7 @@ class FakeOpenAIServer:
         self.stopped = threading.Event()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.http.daemon_threads = True
+        self.http.handle_error = lambda request, address: None  # a client gone mid-answer (killed) is no error here
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.timer = threading.Timer(lifetime, self.stop)

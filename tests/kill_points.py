@@ -40,11 +40,12 @@ def install(point: str, ready: Path) -> None:
         from training import answers
 
         if name == "rows":
-            update = answers._Progress.update
+            update, counted = answers._Progress.update, [0]
 
             def counting_update(self, rows: int, tokens: int) -> None:
                 update(self, rows, tokens)
-                if self.bar.n >= number:
+                counted[0] += rows
+                if counted[0] >= number:
                     pause(ready)
 
             answers._Progress.update = counting_update
