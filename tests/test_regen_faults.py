@@ -75,13 +75,14 @@ def test_every_fault_kind_is_retried_and_the_rows_are_the_fault_free_rows(tokeni
 
 
 def test_a_prompt_that_keeps_failing_is_recorded_never_written_and_asked_again(tokenizer, prompts, tmp_path, capsys):
-    """Prompt 5 gets HTTP 500 at every attempt and prompt 9 a stall: both are recorded as failed with their reasons,
-    neither is in a shard or the export, the other rows are the fault-free ones; the same command run again asks for
-    the two only, and once the server heals they are written and exported."""
+    """Prompt 5 gets HTTP 500 at every attempt, prompt 9 a stall and prompt 0 (the first, which also probes the
+    server) an empty body: the three are recorded as failed with their reasons, none is in a shard or the export, the
+    other rows are the fault-free ones; the same command run again asks for the three only, and once the server heals
+    they are written and exported."""
     from training.regenerate import main
 
     keys = prompt_keys(tokenizer, prompts)
-    broken = {keys[5]: [500] * 3, keys[9]: ["stall"] * 3}
+    broken = {keys[0]: ["empty"] * 6, keys[5]: [500] * 3, keys[9]: ["stall"] * 3}
     tiny = tmp_path / "tiny"
     tokenizer.save_pretrained(tiny)
     command = ["--target", str(tiny), "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"),
@@ -89,22 +90,24 @@ def test_a_prompt_that_keeps_failing_is_recorded_never_written_and_asked_again(t
                "--server_timeout", "0.3", "--export", str(tmp_path / "rows.npz")]
     with FakeOpenAIServer(hashed_answer(), lambda key: broken.get(key, [])) as server:
         main(command + ["--server", server.url])
-        assert server.faults_of(keys[5]) == [500] * 3 and server.faults_of(keys[9]) == ["stall"] * 3
+        for key, faults in broken.items():
+            assert server.faults_of(key) == faults  # the probe asked p0 three times, then p1, then p0's own request
     failed = manifest(tmp_path / "out")["failed"]
-    assert failed == {"p5": "3 attempts: HTTP 500 x3", "p9": "3 attempts: no answer within 0.3 s x3"}
+    assert failed == {"p0": "3 attempts: empty body x3", "p5": "3 attempts: HTTP 500 x3",
+                      "p9": "3 attempts: no answer within 0.3 s x3"}
     printed = capsys.readouterr().out
-    assert "2 prompts failed, in no shard" in printed and "p5: 3 attempts: HTTP 500 x3" in printed
+    assert "3 prompts failed, in no shard" in printed and "p5: 3 attempts: HTTP 500 x3" in printed
     clean = {row["id"]: row for row in fault_free_rows(tokenizer, prompts, tmp_path / "clean")}
     written = load_regenerated(tmp_path / "out").to_list()
-    assert [row["id"] for row in written] == [p["id"] for p in prompts if p["id"] not in ("p5", "p9")]
+    assert [row["id"] for row in written] == [p["id"] for p in prompts if p["id"] not in ("p0", "p5", "p9")]
     assert written == [clean[row["id"]] for row in written]
     exported = load_compact(tmp_path / "rows.npz")
-    assert "p5" not in exported["id"] and "p9" not in exported["id"] and len(exported) == len(prompts) - 2
+    assert not {"p0", "p5", "p9"} & set(exported["id"]) and len(exported) == len(prompts) - 3
 
-    # the server heals: the same command asks for the two failed prompts only (the packed ones are skipped)
+    # the server heals: the same command asks for the three failed prompts only (the packed ones are skipped)
     with FakeOpenAIServer(hashed_answer()) as server:
         main(command + ["--server", server.url])
-        assert sorted({key for key, _ in server.log}) == sorted({keys[5], keys[9]})  # the probe asks p5 too
+        assert sorted({key for key, _ in server.log}) == sorted({keys[0], keys[5], keys[9]})  # the probe asks p0
     assert manifest(tmp_path / "out")["failed"] == {}
     exported = load_compact(tmp_path / "rows.npz")
     assert sorted(exported["id"]) == sorted(p["id"] for p in prompts)

@@ -43,7 +43,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from jetspec.targets import apply_chat_template
 
-from .completions import Completion, CompletionsServer, Failure
+from .completions import Completion, CompletionFailed, CompletionsServer, Failure
 from .feature_store import StoreWriter, stack_states
 from .rows import (
     COMPACT_SUFFIX, MANIFEST_NAME, PART_GLOB, compact_ids, load_compact, load_regenerated, part_folders, part_name,
@@ -436,8 +436,8 @@ def regenerate(
         )
     else:
         _check_server_run(model, feature_store, continuous, sample_temperature, cache_implementation)
-        probe = (prompt_ids(prompts[0]), apply_chat_template(tokenizer, prompts[0]["prompt"]))
-        settings = _server_settings(server, probe, target=target, max_new_tokens=max_new_tokens, seed=seed,
+        probes = [(prompt_ids(record), apply_chat_template(tokenizer, record["prompt"])) for record in prompts[:3]]
+        settings = _server_settings(server, probes, target=target, max_new_tokens=max_new_tokens, seed=seed,
                                     shard_size=shard_size, sort_pool=sort_pool)
     if continuous and feature_store is not None:
         raise ValueError("expected either continuous=True or a feature_store, got both: continuous batching returns "
@@ -507,12 +507,12 @@ def _check_server_run(model: Optional[PreTrainedModel], feature_store: Optional[
                          f"generate in this process), got {sorted(name for name, on in given.items() if on)}")
 
 
-def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *, target: Optional[str],
+def _server_settings(server: CompletionsServer, probes: list[tuple[list[int], str]], *, target: Optional[str],
                      max_new_tokens: int, seed: int, shard_size: int, sort_pool: int) -> dict[str, Any]:
     """The settings of a run through a server, as recorded in `progress.json`: the served model's name, how prompts
     are sent, and whether the answers' token ids are the server's own or retokenized from its text (asked with a
-    one-token answer to the `probe` prompt, its ids and text); the dtype is the server's (`"server"`), which no
-    in-process run shares."""
+    one-token answer to the first of the `probes` prompts, ids and text, that gets one); the dtype is the server's
+    (`"server"`), which no in-process run shares."""
     for name, value in (("max_new_tokens", max_new_tokens), ("shard_size", shard_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {name} to be a positive int, got {value!r}")
@@ -523,7 +523,7 @@ def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *,
         "dtype": SERVER_DTYPE,
         "server_model": server.model,
         "prompt_format": server.prompt_format,
-        "answer_ids": "server" if server.returns_token_ids(*probe) else "retokenized",
+        "answer_ids": "server" if _returns_token_ids(server, probes) else "retokenized",
         "max_new_tokens": max_new_tokens,
         "seed": seed,
         "sample_temperature": 0.0,
@@ -531,6 +531,18 @@ def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *,
         "sort_pool": sort_pool,
         "concurrency": server.concurrency,
     }
+
+
+def _returns_token_ids(server: CompletionsServer, probes: list[tuple[list[int], str]]) -> bool:
+    """Whether `server` answers with token ids, asked with the first of the `probes` it answers (one prompt that
+    keeps failing does not stop the run; its own request later records it as failed)."""
+    for number, probe in enumerate(probes, start=1):
+        try:
+            return server.returns_token_ids(*probe)
+        except CompletionFailed:
+            if number == len(probes):
+                raise
+    raise ValueError("expected a prompt to probe the server with, got none")
 
 
 def shard_prompts(prompts: list[dict[str, str]], num_shards: int, shard_index: int) -> list[dict[str, str]]:

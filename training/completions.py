@@ -302,12 +302,16 @@ class CompletionsServer:
         """The answers to `prompts` (token ids, and their `texts`), in their order, `concurrency` requests at a
         time: a [`Completion`], or a [`Failure`] where every attempt failed. A refusal (`ServerRefused`) raises,
         and the requests not yet sent are dropped."""
-        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        pool, futures = ThreadPoolExecutor(max_workers=self.concurrency), []
         try:
             futures = [pool.submit(self._complete_or_failure, ids, max_new_tokens, text, check)
                        for ids, text in zip(prompts, texts)]
             for future in futures:
                 yield future.result()
+        except BaseException:  # refused, interrupted, or the caller stopped reading early: no request waits to retry
+            if not all(future.done() for future in futures):
+                self._stop.set()
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
