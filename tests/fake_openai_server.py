@@ -53,7 +53,7 @@ class FakeOpenAIServer:
 
     def __init__(self, answer: Callable[[list[int], int], tuple[list[int], str]],
                  script: Optional[Callable[[tuple[int, ...]], list[Fault]]] = None, *, model: str = "fake",
-                 stall: float = 1.0, max_requests: int = 500, lifetime: float = 120.0):
+                 stall: float = 2.5, max_requests: int = 500, lifetime: float = 120.0):
         self.answer, self.script, self.model = answer, script or (lambda ids: []), model
         self.stall, self.max_requests = stall, max_requests
         self.lock = threading.Lock()

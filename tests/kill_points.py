@@ -95,7 +95,7 @@ def install(point: str, ready: Path) -> None:
         raise ValueError(f"expected a kill point rows=K, shard-write=N, manifest=N, save=N or step=N, got {point!r}")
 
 
-def run_until_killed(point: str, command: list[str], folder: Path, env: dict, timeout: float = 180) -> str:
+def run_until_killed(point: str, command: list[str], folder: Path, env: dict, timeout: float = 300) -> str:
     """Runs `command` (`["-m", module, ...]` or `[script, ...]`) stopped at `point`, SIGKILLs it there, and returns
     its output; fails if it ends or does not reach the point within `timeout` seconds."""
     ready, log = folder / f"ready-{point}", folder / f"log-{point}.txt"

@@ -95,7 +95,7 @@ def test_server_regeneration_killed_in_a_shard_resumes_to_the_uninterrupted_rows
     def script(key):
         return [500] + ["malformed"] * 20 if key == broken else [500]
 
-    retries = ["--server_attempts", "3", "--server_retry_delay", "0.01", "--server_timeout", "5"]
+    retries = ["--server_attempts", "3", "--server_retry_delay", "0.01", "--server_timeout", "60"]
     exports = {}
     for name, kill in (("whole", None), ("out", point)):
         with FakeOpenAIServer(hashed_answer(), script) as server:
