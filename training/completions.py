@@ -302,6 +302,7 @@ class CompletionsServer:
         """The answers to `prompts` (token ids, and their `texts`), in their order, `concurrency` requests at a
         time: a [`Completion`], or a [`Failure`] where every attempt failed. A refusal (`ServerRefused`) raises,
         and the requests not yet sent are dropped."""
+        self._stop.clear()
         pool, futures = ThreadPoolExecutor(max_workers=self.concurrency), []
         try:
             futures = [pool.submit(self._complete_or_failure, ids, max_new_tokens, text, check)
