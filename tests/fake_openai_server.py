@@ -17,7 +17,8 @@ list of what its successive requests get, after which every request is answered.
 - `"bad_ids"`: 200 with token ids no tokenizer of the tests has.
 
 It stops itself: past `max_requests` requests it closes every connection unanswered (and counts them in
-`overflow`), and after `lifetime` seconds it shuts down; leaving the `with` block stops it at once.
+`overflow`), and after `lifetime` seconds it shuts down (and sets `expired`); leaving the `with` block stops it at
+once.
 """
 
 import json
@@ -53,7 +54,7 @@ class FakeOpenAIServer:
 
     def __init__(self, answer: Callable[[list[int], int], tuple[list[int], str]],
                  script: Optional[Callable[[tuple[int, ...]], list[Fault]]] = None, *, model: str = "fake",
-                 stall: float = 2.5, max_requests: int = 500, lifetime: float = 120.0):
+                 stall: float = 2.5, max_requests: int = 500, lifetime: float = 900.0):
         self.answer, self.script, self.model = answer, script or (lambda ids: []), model
         self.stall, self.max_requests = stall, max_requests
         self.lock = threading.Lock()
@@ -61,13 +62,14 @@ class FakeOpenAIServer:
         self.log: list[tuple[tuple[int, ...], Fault]] = []
         self.requests = 0
         self.overflow = 0
+        self.expired = False
         self.stopped = threading.Event()
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.http.daemon_threads = True
         self.http.handle_error = lambda request, address: None  # a client gone mid-answer (killed) is no error here
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.thread = threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.timer = threading.Timer(lifetime, self.stop)
+        self.timer = threading.Timer(lifetime, self._expire)
         self.timer.daemon = True
 
     def __enter__(self):
@@ -76,6 +78,10 @@ class FakeOpenAIServer:
         return self
 
     def __exit__(self, *exc):
+        self.stop()
+
+    def _expire(self) -> None:
+        self.expired = True
         self.stop()
 
     def stop(self) -> None:

@@ -105,7 +105,7 @@ def test_server_regeneration_killed_in_a_shard_resumes_to_the_uninterrupted_rows
                 assert not (tmp_path / "out.npz").exists()
                 assert load_regenerated(tmp_path / "out")["id"] == ["p0", "p1", "p2", "p3"]
             main(run)  # uninterrupted, or the same command resuming
-            assert server.overflow == 0
+            assert server.overflow == 0 and not server.expired
         exports[name] = load_compact(tmp_path / f"{name}.npz").to_list()
         failed = json.loads((tmp_path / name / "progress.json").read_text())["failed"]
         assert list(failed) == ["p5"] and "malformed body (expected one choice)" in failed["p5"]
