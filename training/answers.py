@@ -12,7 +12,9 @@ Output layout of `out_dir` (resumable, one writer per folder):
 
 - `shard-00000.jsonl`, `shard-00001.jsonl`, ...: completed shards, each written
   atomically, one row per prompt: `{"id", "prompt", "input_ids", "prompt_length", "answer"}`.
-- `progress.json`: the generation settings, checked on restart, and a summary of the shards.
+- `progress.json`: the generation settings, checked on restart, a summary of the shards, and `failed`: the prompts a
+  completions server gave no usable answer to after every retry, `{id: reason}`. A failed prompt is in no shard (no
+  row is ever written for it, so `--export` never packs one); a rerun asks for it again.
 - with the prompts split over K processes or machines (`num_shards=K`), none of these but one such folder per
   process, `part-0000i-of-0000K/`: process i answers the prompts whose id hash ([`training.rows.row_key`]) is i
   modulo K, disjoint sets whose union is every prompt. Reading the folder reads the union.
@@ -22,7 +24,8 @@ small `.npz` file that is committed.
 
 Shards are consecutive chunks of the prompts not yet written, and an interrupted
 shard is dropped whole, so a resumed run regenerates exactly the batches an
-uninterrupted run would have: same rows, same order, same tokens.
+uninterrupted run would have: same rows, same order, same tokens. (Through a server, the prompts that failed go
+first into the resumed run's shards; each answer is its own greedy request, so the rows are the same.)
 """
 
 import json
@@ -40,7 +43,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from jetspec.targets import apply_chat_template
 
-from .completions import Completion, CompletionsServer
+from .completions import Completion, CompletionFailed, CompletionsServer, Failure
 from .feature_store import StoreWriter, stack_states
 from .rows import (
     COMPACT_SUFFIX, MANIFEST_NAME, PART_GLOB, compact_ids, load_compact, load_regenerated, part_folders, part_name,
@@ -284,13 +287,27 @@ def _generate_shard(
 
 
 def _server_shard(server: CompletionsServer, tokenizer: PreTrainedTokenizerBase, shard: list[dict[str, Any]], *,
-                  max_new_tokens: int, on_batch: Callable[[int, int], None]) -> list[dict[str, Any]]:
-    """Answers the prompts of one shard through the server, `server.concurrency` at a time; rows in the shard's
-    order, as [`_generate_shard`] writes them."""
-    rows = []
+                  max_new_tokens: int, on_batch: Callable[[int, int], None]
+                  ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Answers the prompts of one shard through the server, `server.concurrency` at a time: `(rows, failed)`, the
+    rows in the shard's order, as [`_generate_shard`] writes them, for the prompts answered, and `{id: reason}` for
+    those every attempt failed for (no row)."""
+    rows, failed = [], {}
     texts = [apply_chat_template(tokenizer, record["prompt"]) for record in shard]  # what prompt_ids tokenize
-    answers = server.complete_all([record["prompt_ids"] for record in shard], texts, max_new_tokens)
+    vocab = len(tokenizer)
+
+    def check(completion: Completion) -> Optional[str]:
+        """What makes an answer unusable besides its form (which the client checks): ids the tokenizer lacks."""
+        ids = answer_token_ids(completion, tokenizer, max_new_tokens)
+        bad = [token for token in ids if token >= vocab]
+        return f"token ids {bad[:3]} outside the tokenizer's {vocab}" if bad else None
+
+    answers = server.complete_all([record["prompt_ids"] for record in shard], texts, max_new_tokens, check=check)
     for record, completion in zip(shard, answers):
+        if isinstance(completion, Failure):
+            failed[record["id"]] = completion.reason
+            on_batch(1, 0)
+            continue
         answer_ids = answer_token_ids(completion, tokenizer, max_new_tokens)
         rows.append({
             "id": record["id"],
@@ -300,7 +317,7 @@ def _server_shard(server: CompletionsServer, tokenizer: PreTrainedTokenizerBase,
             "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
         })
         on_batch(1, len(answer_ids))
-    return rows
+    return rows, failed
 
 
 def answer_token_ids(completion: Completion, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> list[int]:
@@ -391,6 +408,9 @@ def regenerate(
             its token ids, `server.concurrency` requests at a time (no batches, feature store or sampling). The
             answer's token ids are those the server returns, or its text retokenized by `tokenizer` (with the
             tokenizer's EOS appended when the server stopped at one); the settings record which (`answer_ids`).
+            Faults are retried by the client; a prompt still without a usable answer is recorded as failed (no row)
+            and asked again by the next run, a shard whose prompts all failed stops the run, and a refusal no retry
+            heals (`ServerRefused`) raises at once.
         num_shards (`int`, *optional*, defaults to 1):
             Split the prompts over this many processes or machines, each a disjoint set (by id hash); this call
             answers set `shard_index` into `out_dir/part-<shard_index>-of-<num_shards>/`.
@@ -400,12 +420,12 @@ def regenerate(
     Returns:
         `dict[str, Any]`: `{"rows": rows in the folder this call writes (0 when no prompt falls in its set),
         "new_rows": rows written by this call, "new_tokens": tokens generated by this call, "seconds": wall time of
-        this call}`.
+        this call, "failed": {id: reason} of the prompts in no shard after this call (through a server only)}`.
     """
     prompt_ids = _PromptIds(tokenizer)
     prompts = shard_prompts(prompts, num_shards, shard_index)
     if not prompts:  # more processes than prompts left: this one has nothing to answer
-        return {"rows": 0, "new_rows": 0, "new_tokens": 0, "seconds": 0.0}
+        return {"rows": 0, "new_rows": 0, "new_tokens": 0, "seconds": 0.0, "failed": {}}
     if server is None:
         if model is None:
             raise ValueError("expected a model to answer with, or a server, got neither")
@@ -416,8 +436,8 @@ def regenerate(
         )
     else:
         _check_server_run(model, feature_store, continuous, sample_temperature, cache_implementation)
-        probe = (prompt_ids(prompts[0]), apply_chat_template(tokenizer, prompts[0]["prompt"]))
-        settings = _server_settings(server, probe, target=target, max_new_tokens=max_new_tokens, seed=seed,
+        probes = [(prompt_ids(record), apply_chat_template(tokenizer, record["prompt"])) for record in prompts[:3]]
+        settings = _server_settings(server, probes, target=target, max_new_tokens=max_new_tokens, seed=seed,
                                     shard_size=shard_size, sort_pool=sort_pool)
     if continuous and feature_store is not None:
         raise ValueError("expected either continuous=True or a feature_store, got both: continuous batching returns "
@@ -427,22 +447,24 @@ def regenerate(
                          "one; build the store from the exported rows afterwards (training/feature_store.py)")
     pad_token_id = _pad_token_id(tokenizer)
     folder = _part_folder(Path(out_dir), num_shards, shard_index)
-    shards, done_ids = _resume(folder, settings)
+    shards, done_ids, failed = _resume(folder, settings)
+    # the prompts recorded as failed are not done: they are asked again, in their place in the order
     pending = [record for record in _sort_pools(prompts, sort_pool, prompt_ids) if record["id"] not in done_ids]
-    _write_manifest(folder, settings, shards)
+    _write_manifest(folder, settings, shards, failed)
     progress_bar = _Progress(len(pending), enabled=progress)
     try:
-        _write_shards(
-            model, tokenizer, pending, folder, settings, shards, prompt_ids=prompt_ids, pad_token_id=pad_token_id,
-            feature_store=feature_store, on_batch=progress_bar.update, server=server,
+        written = _write_shards(
+            model, tokenizer, pending, folder, settings, shards, failed, prompt_ids=prompt_ids,
+            pad_token_id=pad_token_id, feature_store=feature_store, on_batch=progress_bar.update, server=server,
         )
     finally:
         progress_bar.close()
     return {
         "rows": sum(s["rows"] for s in shards),
-        "new_rows": len(pending),
+        "new_rows": written,
         "new_tokens": progress_bar.new_tokens,
         "seconds": time.perf_counter() - progress_bar.start,
+        "failed": dict(failed),
     }
 
 
@@ -485,12 +507,12 @@ def _check_server_run(model: Optional[PreTrainedModel], feature_store: Optional[
                          f"generate in this process), got {sorted(name for name, on in given.items() if on)}")
 
 
-def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *, target: Optional[str],
+def _server_settings(server: CompletionsServer, probes: list[tuple[list[int], str]], *, target: Optional[str],
                      max_new_tokens: int, seed: int, shard_size: int, sort_pool: int) -> dict[str, Any]:
     """The settings of a run through a server, as recorded in `progress.json`: the served model's name, how prompts
     are sent, and whether the answers' token ids are the server's own or retokenized from its text (asked with a
-    one-token answer to the `probe` prompt, its ids and text); the dtype is the server's (`"server"`), which no
-    in-process run shares."""
+    one-token answer to the first of the `probes` prompts, ids and text, that gets one); the dtype is the server's
+    (`"server"`), which no in-process run shares."""
     for name, value in (("max_new_tokens", max_new_tokens), ("shard_size", shard_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {name} to be a positive int, got {value!r}")
@@ -501,7 +523,7 @@ def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *,
         "dtype": SERVER_DTYPE,
         "server_model": server.model,
         "prompt_format": server.prompt_format,
-        "answer_ids": "server" if server.returns_token_ids(*probe) else "retokenized",
+        "answer_ids": "server" if _returns_token_ids(server, probes) else "retokenized",
         "max_new_tokens": max_new_tokens,
         "seed": seed,
         "sample_temperature": 0.0,
@@ -509,6 +531,18 @@ def _server_settings(server: CompletionsServer, probe: tuple[list[int], str], *,
         "sort_pool": sort_pool,
         "concurrency": server.concurrency,
     }
+
+
+def _returns_token_ids(server: CompletionsServer, probes: list[tuple[list[int], str]]) -> bool:
+    """Whether `server` answers with token ids, asked with the first of the `probes` it answers (one prompt that
+    keeps failing does not stop the run; its own request later records it as failed)."""
+    for number, probe in enumerate(probes, start=1):
+        try:
+            return server.returns_token_ids(*probe)
+        except CompletionFailed:
+            if number == len(probes):
+                raise
+    raise ValueError("expected a prompt to probe the server with, got none")
 
 
 def shard_prompts(prompts: list[dict[str, str]], num_shards: int, shard_index: int) -> list[dict[str, str]]:
@@ -545,13 +579,16 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return pad_token_id
 
 
-def _resume(out_dir: Path, settings: dict[str, Any]) -> tuple[list[dict[str, Any]], set[str]]:
-    """`(shards, done ids)`: the completed shards of `out_dir` in order, as `{"file", "rows"}`, and the ids of their
-    rows; a `ValueError` when the folder was written with other settings."""
+def _resume(out_dir: Path, settings: dict[str, Any]) -> tuple[list[dict[str, Any]], set[str], dict[str, str]]:
+    """`(shards, done ids, failed)`: the completed shards of `out_dir` in order, as `{"file", "rows"}`, the ids of
+    their rows, and the prompts recorded as failed that no shard holds, `{id: reason}`; a `ValueError` when the
+    folder was written with other settings."""
     manifest_path = out_dir / MANIFEST_NAME
+    failed = {}
     if manifest_path.exists():
         # folders written before a scheduling setting existed ran without it
-        saved = json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        saved, failed = manifest["settings"], manifest.get("failed", {})
         previous = saved if saved.get("dtype") == SERVER_DTYPE else {**OLDER_SETTINGS, **saved}
         if previous != settings:
             raise ValueError(
@@ -563,11 +600,13 @@ def _resume(out_dir: Path, settings: dict[str, Any]) -> tuple[list[dict[str, Any
         rows = read_shard(path)
         done_ids.update(row["id"] for row in rows)
         shards.append({"file": path.name, "rows": len(rows)})
-    return shards, done_ids
+    # a shard written after the manifest's last update may hold a prompt the manifest still lists as failed
+    return shards, done_ids, {id_: reason for id_, reason in failed.items() if id_ not in done_ids}
 
 
-def _write_manifest(out_dir: Path, settings: dict[str, Any], shards: list[dict[str, Any]]) -> None:
-    summary = {"settings": settings, "rows": sum(s["rows"] for s in shards), "shards": shards}
+def _write_manifest(out_dir: Path, settings: dict[str, Any], shards: list[dict[str, Any]],
+                    failed: dict[str, str]) -> None:
+    summary = {"settings": settings, "rows": sum(s["rows"] for s in shards), "shards": shards, "failed": failed}
     _write_atomic(out_dir / MANIFEST_NAME, json.dumps(summary, indent=1) + "\n")
 
 
@@ -619,22 +658,29 @@ class _Progress:
 
 def _write_shards(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pending: list[dict[str, str]], out_dir: Path,
-    settings: dict[str, Any], shards: list[dict[str, Any]], *, prompt_ids: _PromptIds, pad_token_id: int,
-    feature_store: Optional[StoreWriter], on_batch: Callable[[int, int], None], server: Optional[CompletionsServer],
-) -> None:
+    settings: dict[str, Any], shards: list[dict[str, Any]], failed: dict[str, str], *, prompt_ids: _PromptIds,
+    pad_token_id: int, feature_store: Optional[StoreWriter], on_batch: Callable[[int, int], None],
+    server: Optional[CompletionsServer],
+) -> int:
     """Answers the `pending` prompts shard by shard (with `model`, or through `server`), appending each completed
-    shard to `shards` and the manifest.
+    shard to `shards` and the manifest, and keeping `failed` (`{id: reason}`) up to date; the rows written.
 
     Shards are consecutive chunks of the pending prompts: after an interruption the completed shards form a prefix,
     so the remaining chunks are exactly those of an uninterrupted run. Shard `k` samples with seed `seed + k`.
+
+    Through a server, a prompt every attempt failed for is left out of its shard and recorded in `failed` (the
+    manifest's), and a shard whose prompts all failed stops the run with a `RuntimeError`: the server is down or
+    answers nothing usable, and going on would only record every prompt as failed.
     """
+    written = 0
     for shard_records in _batches(pending, settings["shard_size"]):
         index = len(shards)
         shard = [{**record, "prompt_ids": prompt_ids(record)} for record in shard_records]
         torch.manual_seed(settings["seed"] + index)
+        shard_failed = {}
         if server is not None:
-            rows = _server_shard(server, tokenizer, shard, max_new_tokens=settings["max_new_tokens"],
-                                 on_batch=on_batch)
+            rows, shard_failed = _server_shard(server, tokenizer, shard, max_new_tokens=settings["max_new_tokens"],
+                                               on_batch=on_batch)
         else:
             rows = _generate_shard(
                 model,
@@ -651,10 +697,24 @@ def _write_shards(
             )
         if feature_store is not None:
             feature_store.append([(row_key(row["id"]), row.pop("states")) for row in rows])
-        path = out_dir / f"shard-{index:05d}.jsonl"
-        _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        shards.append({"file": path.name, "rows": len(rows)})
-        _write_manifest(out_dir, settings, shards)
+        if rows:
+            path = out_dir / f"shard-{index:05d}.jsonl"
+            _write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+            shards.append({"file": path.name, "rows": len(rows)})
+            written += len(rows)
+        for row in rows:
+            failed.pop(row["id"], None)
+        failed.update(shard_failed)
+        _write_manifest(out_dir, settings, shards, failed)
+        if not rows:
+            reasons = sorted(set(shard_failed.values()))
+            raise RuntimeError(
+                f"expected answers from {server.base if server else 'the model'}, got none usable for any of the "
+                f"{len(shard)} prompts of a shard, after {server.max_attempts if server else 1} attempts each: "
+                f"{'; '.join(reasons)[:600]}; stopped ({len(failed)} prompts recorded as failed in "
+                f"{out_dir / MANIFEST_NAME}; rerun the same command to retry them)"
+            )
+    return written
 
 
 def folder_settings(out_dir: Union[str, os.PathLike]) -> dict[str, Any]:
@@ -678,6 +738,17 @@ def folder_settings(out_dir: Union[str, os.PathLike]) -> dict[str, Any]:
     return every[0]
 
 
+def failed_prompts(out_dir: Union[str, os.PathLike]) -> dict[str, str]:
+    """The prompts recorded as failed in a regenerate folder (its manifest, or every part's), `{id: reason}`: a
+    completions server gave no usable answer to them after every retry, and no shard holds them."""
+    failed = {}
+    for folder in regenerated_folders(out_dir):
+        manifest = folder / MANIFEST_NAME
+        if manifest.is_file():
+            failed.update(json.loads(manifest.read_text(encoding="utf-8")).get("failed", {}))
+    return failed
+
+
 def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]) -> dict[str, Any]:
     """
     Packs the rows written by [`regenerate`] into one small file to commit: token ids as uint16 (uint32 for
@@ -692,7 +763,8 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
         path (`str` or `os.PathLike`): the `.npz` file to write (compressed, written atomically).
 
     Returns:
-        `dict[str, Any]`: `{"rows", "tokens", "answer_tokens", "settings"}`.
+        `dict[str, Any]`: `{"rows", "tokens", "answer_tokens", "settings", "failed"}`, `failed` the prompts of the
+        folder recorded as failed (never packed: they have no row), `{id: reason}`.
     """
     path = Path(path)
     if path.suffix != COMPACT_SUFFIX:
@@ -728,4 +800,5 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, path)
     answer_tokens = int(lengths.sum() - arrays["prompt_length"].sum())
-    return {"rows": len(ids), "tokens": len(flat), "answer_tokens": answer_tokens, "settings": settings}
+    return {"rows": len(ids), "tokens": len(flat), "answer_tokens": answer_tokens, "settings": settings,
+            "failed": failed_prompts(out_dir)}

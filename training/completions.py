@@ -13,17 +13,30 @@ prompt the server would read as other tokens than ours is refused, so a row's pr
 read.
 
 Requests run concurrently on a thread pool (the server batches them); only the standard library's `urllib` is used.
+
+Faults. A serving engine under load answers 5xx, stalls, drops connections, or returns an empty, cut or malformed
+body. Each of these is retried, at most `max_attempts` times per request with exponential backoff (`retry_delay`,
+doubled per attempt, at most `MAX_RETRY_DELAY` seconds): an HTTP 5xx, 408 or 429; no byte within `timeout` seconds;
+a connection refused, reset or closed before the whole answer; an empty body; a body that is not JSON (e.g. cut
+short); JSON without one choice holding text, a valid `token_ids` list and a `finish_reason`; an answer that ends
+without a reason that explains its length (`"length"` before `max_tokens` ids, no reason, or another reason than
+`"stop"` / `"length"`). After the last attempt [`CompletionsServer.complete`] raises [`CompletionFailed`] with the
+reasons, and [`CompletionsServer.complete_all`] yields a [`Failure`] in that prompt's place: the caller records the
+prompt as failed and goes on. A refusal that no retry heals (any other 4xx: a bad request, a wrong model or path,
+missing credentials) raises [`ServerRefused`] at once, naming the address and the status: the run stops.
 """
 
-import itertools
+import http.client
 import json
+import logging
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar, Union
 
 COMPLETIONS_PATH = "/completions"
 MODELS_PATH = "/models"
@@ -33,6 +46,12 @@ PROMPT_FORMATS = ("token_ids", "text")
 # decoding with it is not the target's greedy decoding), vLLM / SGLang / TGI name it `repetition_penalty`
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "n": 1, "repeat_penalty": 1.0, "repetition_penalty": 1.0,
           "frequency_penalty": 0.0, "presence_penalty": 0.0}
+FINISH_REASONS = ("stop", "length")  # an end-of-generation token; max_tokens reached
+RETRIED_STATUSES = frozenset({408, 429})  # request timeout, too many requests; and every 5xx
+MAX_RETRY_DELAY = 60.0  # seconds: the longest wait between two attempts, however many there are
+DEFAULT_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT = 5, 1.0, 600.0
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +61,46 @@ class Completion:
     text: str
     token_ids: Optional[list[int]]  # the answer's token ids, when the server returns them; None otherwise
     finish_reason: Optional[str]  # "stop" (an end-of-generation token), "length" (max_tokens reached), ...
+
+
+@dataclass
+class Failure:
+    """A prompt every attempt failed for, in [`CompletionsServer.complete_all`]'s answers: the reasons, in short."""
+
+    reason: str
+
+
+class ServerRefused(RuntimeError):
+    """The server refused a request in a way no retry heals (a 4xx other than 408 / 429)."""
+
+
+class CompletionFailed(RuntimeError):
+    """Every attempt of one request failed in a way a retry might have healed; `reason` sums them up."""
+
+    def __init__(self, address: str, reason: str):
+        super().__init__(f"expected an answer from {address}, got none: {reason}")
+        self.reason = reason
+
+
+class _Retry(Exception):
+    """One attempt failed in a way a retry may heal (internal)."""
+
+    def __init__(self, reason: str, refused: bool = False):
+        super().__init__(reason)
+        self.reason, self.refused = reason, refused
+
+
+def _summary(reasons: list[str]) -> str:
+    """`"3 attempts: HTTP 500 x2, empty body"`: the distinct reasons with their counts, in order of first sight."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        counts[reason] = counts.get(reason, 0) + 1
+    kinds = ", ".join(reason if n == 1 else f"{reason} x{n}" for reason, n in counts.items())
+    return f"{len(reasons)} attempt{'s' if len(reasons) > 1 else ''}: {kinds}"[:500]
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
 class CompletionsServer:
@@ -56,48 +115,113 @@ class CompletionsServer:
         model (`str`, *optional*):
             The served model's name in requests; defaults to the one model `GET /v1/models` lists.
         timeout (`float`, *optional*, defaults to 600):
-            Seconds one request may take.
+            Seconds a request may wait for the server's next bytes (to connect, for the answer's head, for each read
+            of its body); past it the attempt fails and is retried.
         prompt_format (`str`, *optional*, defaults to `"token_ids"`):
             `"token_ids"` sends each prompt as its token ids; `"text"` sends the formatted text, after checking
             that the server tokenizes it to the same ids (for servers whose `prompt` takes text only).
+        max_attempts (`int`, *optional*, defaults to 5):
+            Attempts per request (1: no retry) before it counts as failed.
+        retry_delay (`float`, *optional*, defaults to 1.0):
+            Seconds before the first retry; doubled before each next one, at most `MAX_RETRY_DELAY`.
     """
 
-    def __init__(self, url: str, *, concurrency: int = 8, model: Optional[str] = None, timeout: float = 600.0,
-                 prompt_format: str = "token_ids"):
+    def __init__(self, url: str, *, concurrency: int = 8, model: Optional[str] = None,
+                 timeout: float = DEFAULT_TIMEOUT, prompt_format: str = "token_ids",
+                 max_attempts: int = DEFAULT_ATTEMPTS, retry_delay: float = DEFAULT_RETRY_DELAY):
         parsed = urllib.parse.urlparse(url if isinstance(url, str) else "")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"expected a server address such as http://127.0.0.1:8000, got {url!r}")
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"expected concurrency to be a positive int, got {concurrency!r}")
-        if not timeout > 0:
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"expected timeout > 0 seconds, got {timeout!r}")
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"expected prompt_format in {PROMPT_FORMATS}, got {prompt_format!r}")
+        if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+            raise ValueError(f"expected max_attempts to be an int >= 1 (1 retries nothing), got {max_attempts!r}")
+        if not isinstance(retry_delay, (int, float)) or not 0 <= retry_delay <= MAX_RETRY_DELAY:
+            raise ValueError(f"expected retry_delay in [0, {MAX_RETRY_DELAY:g}] seconds, got {retry_delay!r}")
         self.root = url.rstrip("/").removesuffix("/v1")
         self.base = self.root + "/v1"
         self.concurrency = concurrency
         self.timeout = timeout
         self.prompt_format = prompt_format
+        self.max_attempts = max_attempts
+        self.retry_delay = float(retry_delay)
+        self._stop = threading.Event()  # set when a request was refused: the others stop waiting to retry
         self.model = model if model is not None else self._served_model()
 
-    def _request(self, path: str, body: Optional[dict] = None, root: bool = False) -> dict[str, Any]:
-        """`GET` (no body) or `POST` (a JSON body) `path` under the `/v1` address (or the root); the decoded JSON
-        answer."""
+    # ------------------------------------------------------------------------------------------------ one attempt
+    def _attempt(self, address: str, body: Optional[dict]) -> dict[str, Any]:
+        """`GET` (no body) or `POST` (a JSON body) `address` once: the decoded JSON object, `_Retry` for a fault a
+        retry may heal, `ServerRefused` for one it will not."""
         data = None if body is None else json.dumps(body).encode("utf-8")
-        address = (self.root if root else self.base) + path
         request = urllib.request.Request(address, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return json.loads(response.read().decode("utf-8"))
+                raw = response.read()
         except urllib.error.HTTPError as error:
-            detail = " ".join(error.read().decode("utf-8", "replace").split())[:500]
-            raise RuntimeError(f"expected a JSON answer from {address}, got HTTP {error.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-            raise RuntimeError(f"expected a completions server at {self.base}, got no answer ({error})") from None
+            try:
+                detail = " ".join(error.read().decode("utf-8", "replace").split())[:500]
+            except (OSError, http.client.HTTPException):
+                detail = "(no readable body)"
+            if error.code >= 500 or error.code in RETRIED_STATUSES:
+                raise _Retry(f"HTTP {error.code}") from None
+            raise ServerRefused(f"expected a JSON answer from {address}, got HTTP {error.code}: {detail} (a retry "
+                                "would be refused the same way: check the address, the model name and the "
+                                "credentials)") from None
+        except urllib.error.URLError as error:  # before the answer's head: connect, send
+            if isinstance(error.reason, TimeoutError):
+                raise _Retry(f"no answer within {self.timeout:g} s") from None
+            refused = isinstance(error.reason, ConnectionRefusedError)
+            raise _Retry(f"no connection ({error.reason})", refused=refused) from None
+        except TimeoutError:
+            raise _Retry(f"no answer within {self.timeout:g} s") from None
+        except (OSError, http.client.HTTPException) as error:  # closed, reset, or fewer bytes than announced
+            raise _Retry(f"connection dropped ({type(error).__name__})") from None
+        if not raw.strip():
+            raise _Retry("empty body")
+        try:
+            answer = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise _Retry("body is not JSON (truncated?)") from None
+        if not isinstance(answer, dict):
+            raise _Retry(f"malformed body (a JSON {type(answer).__name__}, not an object)")
+        return answer
 
+    def _with_retries(self, address: str, attempt: Callable[[], T], first_contact: bool = False) -> T:
+        """`attempt()`, retried with backoff on `_Retry` up to `max_attempts` times; then `CompletionFailed`. At
+        `first_contact`, a refused connection raises at once: nothing listens at the address."""
+        reasons = []
+        for number in range(1, self.max_attempts + 1):
+            if self._stop.is_set():
+                raise CompletionFailed(address, "stopped: another request was refused")
+            try:
+                return attempt()
+            except _Retry as failure:
+                if first_contact and failure.refused:
+                    raise RuntimeError(f"expected a completions server at {self.base}, got no answer "
+                                       f"({failure.reason})") from None
+                reasons.append(failure.reason)
+                if number == self.max_attempts:
+                    break
+                delay = min(self.retry_delay * 2 ** (number - 1), MAX_RETRY_DELAY)
+                logger.warning("%s: %s; attempt %d of %d in %.3g s", address, failure.reason, number + 1,
+                               self.max_attempts, delay)
+                self._stop.wait(delay)
+        raise CompletionFailed(address, _summary(reasons))
+
+    def _request(self, path: str, body: Optional[dict] = None, root: bool = False,
+                 first_contact: bool = False) -> dict[str, Any]:
+        """The JSON answer to `path` under the `/v1` address (or the root), retried."""
+        address = (self.root if root else self.base) + path
+        return self._with_retries(address, lambda: self._attempt(address, body), first_contact)
+
+    # --------------------------------------------------------------------------------------------------- requests
     def _served_model(self) -> str:
-        listed = self._request(MODELS_PATH).get("data", [])
-        names = [entry.get("id") for entry in listed if isinstance(entry, dict)]
+        listed = self._request(MODELS_PATH, first_contact=True).get("data", [])
+        names = [entry.get("id") for entry in listed if isinstance(entry, dict)] if isinstance(listed, list) else []
         if len(names) != 1:
             raise ValueError(f"expected {self.base} to serve one model (or a model name to ask for), got {names}")
         return names[0]
@@ -106,37 +230,91 @@ class CompletionsServer:
         """`text`, once the server has tokenized it to `prompt_ids`; a `RuntimeError` showing where they part."""
         if text is None:
             raise ValueError("expected the prompt's text with prompt_format='text', got none")
-        tokens = self._request(TOKENIZE_PATH, {"model": self.model, "input": text}, root=True).get("tokens")
+        address = self.root + TOKENIZE_PATH
+
+        def attempt() -> list[int]:
+            tokens = self._attempt(address, {"model": self.model, "input": text}).get("tokens")
+            if not _int_list(tokens):
+                raise _Retry("malformed body (no `tokens` list of ids)")
+            return tokens
+
+        tokens = self._with_retries(address, attempt)
         if tokens != list(prompt_ids):
-            at = next((i for i, (a, b) in enumerate(zip(tokens or [], prompt_ids)) if a != b),
-                      min(len(tokens or []), len(prompt_ids)))
+            at = next((i for i, (a, b) in enumerate(zip(tokens, prompt_ids)) if a != b),
+                      min(len(tokens), len(prompt_ids)))
             raise RuntimeError(
-                f"expected {self.root} to tokenize the prompt to our {len(prompt_ids)} ids, got {len(tokens or [])} "
-                f"ids, first different at {at}: {(tokens or [])[at : at + 4]} vs {list(prompt_ids)[at : at + 4]}"
+                f"expected {self.root} to tokenize the prompt to our {len(prompt_ids)} ids, got {len(tokens)} "
+                f"ids, first different at {at}: {tokens[at : at + 4]} vs {list(prompt_ids)[at : at + 4]}"
             )
         return text
 
-    def complete(self, prompt_ids: list[int], max_new_tokens: int, text: Optional[str] = None) -> Completion:
+    @staticmethod
+    def _completion(answer: dict[str, Any], max_new_tokens: int) -> Completion:
+        """The one choice of a completions answer; `_Retry` naming what is wrong with a malformed or cut one."""
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            raise _Retry("malformed body (expected one choice)")
+        choice = choices[0]
+        text, token_ids, finish = choice.get("text"), choice.get("token_ids"), choice.get("finish_reason")
+        if not isinstance(text, str) and not (text is None and token_ids is not None):
+            raise _Retry("malformed body (no `text`)")
+        if token_ids is not None and not (_int_list(token_ids) and len(token_ids) <= max_new_tokens):
+            raise _Retry(f"malformed body (`token_ids` is not a list of at most {max_new_tokens} ids)")
+        if finish not in FINISH_REASONS:
+            raise _Retry(f"cut off (finish_reason {finish!r})")
+        if finish == "length" and token_ids is not None and len(token_ids) < max_new_tokens:
+            raise _Retry(f"cut off (finish_reason 'length' after {len(token_ids)} of {max_new_tokens} tokens)")
+        return Completion(text=text or "", token_ids=token_ids, finish_reason=finish)
+
+    def complete(self, prompt_ids: list[int], max_new_tokens: int, text: Optional[str] = None,
+                 check: Optional[Callable[[Completion], Optional[str]]] = None) -> Completion:
         """The greedy answer to one prompt of token ids (its `text` too with `prompt_format="text"`), at most
-        `max_new_tokens` tokens long."""
+        `max_new_tokens` tokens long, retried on faults; `check(completion)` may name what else makes an answer
+        unusable (retried too). `CompletionFailed` when every attempt failed; `ServerRefused` when refused."""
         prompt = list(prompt_ids) if self.prompt_format == "token_ids" else self._text_prompt(prompt_ids, text)
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_new_tokens, "stream": False,
                 "return_token_ids": True, **GREEDY}
-        answer = self._request(COMPLETIONS_PATH, body)
-        choices = answer.get("choices")
-        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            raise RuntimeError(f"expected one choice from {self.base + COMPLETIONS_PATH}, got {str(answer)[:300]}")
-        choice = choices[0]
-        token_ids = choice.get("token_ids")
-        if token_ids is not None and not (isinstance(token_ids, list) and all(isinstance(t, int) for t in token_ids)):
-            raise RuntimeError(f"expected `token_ids` to be a list of ints from {self.base}, got {str(token_ids)[:200]}")
-        return Completion(text=choice.get("text") or "", token_ids=token_ids, finish_reason=choice.get("finish_reason"))
+        address = self.base + COMPLETIONS_PATH
 
-    def complete_all(self, prompts: list[list[int]], texts: list[str], max_new_tokens: int) -> Iterator[Completion]:
+        def attempt() -> Completion:
+            completion = self._completion(self._attempt(address, body), max_new_tokens)
+            problem = check(completion) if check is not None else None
+            if problem is not None:
+                raise _Retry(problem)
+            return completion
+
+        try:
+            return self._with_retries(address, attempt)
+        except ServerRefused:
+            self._stop.set()
+            raise
+
+    def _complete_or_failure(self, prompt_ids: list[int], max_new_tokens: int, text: Optional[str],
+                             check: Optional[Callable[[Completion], Optional[str]]]) -> Union[Completion, Failure]:
+        try:
+            return self.complete(prompt_ids, max_new_tokens, text, check)
+        except CompletionFailed as failed:
+            return Failure(failed.reason)
+
+    def complete_all(self, prompts: list[list[int]], texts: list[str], max_new_tokens: int,
+                     check: Optional[Callable[[Completion], Optional[str]]] = None
+                     ) -> Iterator[Union[Completion, Failure]]:
         """The answers to `prompts` (token ids, and their `texts`), in their order, `concurrency` requests at a
-        time."""
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            yield from pool.map(self.complete, prompts, itertools.repeat(max_new_tokens), texts)
+        time: a [`Completion`], or a [`Failure`] where every attempt failed. A refusal (`ServerRefused`) raises,
+        and the requests not yet sent are dropped."""
+        self._stop.clear()
+        pool, futures = ThreadPoolExecutor(max_workers=self.concurrency), []
+        try:
+            futures = [pool.submit(self._complete_or_failure, ids, max_new_tokens, text, check)
+                       for ids, text in zip(prompts, texts)]
+            for future in futures:
+                yield future.result()
+        except BaseException:  # refused, interrupted, or the caller stopped reading early: no request waits to retry
+            if not all(future.done() for future in futures):
+                self._stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def returns_token_ids(self, prompt_ids: list[int], text: Optional[str] = None) -> bool:
         """Whether the server returns answers as token ids (asked with a one-token answer to the prompt)."""

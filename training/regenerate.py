@@ -7,7 +7,8 @@ python -m training.regenerate --target smollm2-135m --prompts training/prompts/s
     --out data/regen --max_new_tokens 192 --batch_size 16 --limit 1200
 ```
 
-Rerunning the same command resumes after the last completed shard.
+Rerunning the same command resumes after the last completed shard (and, with `--server`, asks again for the prompts
+recorded as failed).
 
 Through a serving engine (any OpenAI-compatible completions server; the prompts go as token ids formatted by the
 target's tokenizer, answers are greedy):
@@ -16,6 +17,11 @@ target's tokenizer, answers are greedy):
 python -m training.regenerate --target smollm2-135m --prompts training/prompts/sharegpt_train.jsonl \
     --out data/regen-server --server http://127.0.0.1:8000 --concurrency 32 --max_new_tokens 192
 ```
+
+A server's faults (5xx, stalls past `--server_timeout`, dropped connections, empty, cut or malformed answers) are
+retried `--server_attempts` times per prompt with exponential backoff from `--server_retry_delay`; a prompt still
+without an answer is recorded as failed in `progress.json` (no row is written for it, `--export` never packs it) and
+listed at the end. A refusal no retry heals (401, 403, 404, 422: wrong address, model or credentials) stops the run.
 
 Split over processes or machines: `accelerate launch --num_processes 8 training/regenerate.py ...` gives each
 process one set of the prompts (its GPU in process, or `--server` per process), or `--num_shards K --shard_index i`
@@ -37,7 +43,9 @@ from jetspec.targets import SMOLLM2_ALIAS, load_target, resolve_dtype  # noqa: E
 from modeling_jetspec.configuration_jetspec import default_target_layer_ids  # noqa: E402
 
 from training.answers import read_prompts, regenerate, save_compact  # noqa: E402
-from training.completions import CompletionsServer  # noqa: E402
+from training.completions import (  # noqa: E402
+    DEFAULT_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT, MAX_RETRY_DELAY, CompletionsServer,
+)
 from training.feature_store import StoreWriter, store_settings  # noqa: E402
 from training.rows import compact_ids  # noqa: E402
 
@@ -107,6 +115,21 @@ class RegenerateArguments:
     server_model: Optional[str] = field(
         default=None, metadata={"help": "With --server: the served model's name; defaults to the one it lists."}
     )
+    server_attempts: int = field(
+        default=DEFAULT_ATTEMPTS,
+        metadata={"help": "With --server: attempts per prompt (1 retries nothing) before it is recorded as failed "
+                          "(5xx, 408, 429, timeouts, dropped connections, empty, cut or malformed answers)."},
+    )
+    server_retry_delay: float = field(
+        default=DEFAULT_RETRY_DELAY,
+        metadata={"help": f"With --server: seconds before the first retry, doubled before each next one (at most "
+                          f"{MAX_RETRY_DELAY:g})."},
+    )
+    server_timeout: float = field(
+        default=DEFAULT_TIMEOUT,
+        metadata={"help": "With --server: seconds a request may wait for the server's next bytes before the attempt "
+                          "fails (the whole answer comes at once: allow for the longest one under load)."},
+    )
     num_shards: Optional[int] = field(
         default=None,
         metadata={"help": "Split the prompts over this many processes or machines (disjoint sets by id hash, each "
@@ -129,6 +152,18 @@ def target_tokenizer(target: str):
     return AutoTokenizer.from_pretrained(target)
 
 
+def report_failures(failed: dict[str, str], out: str, where: str, shown: int = 10) -> None:
+    """Prints the prompts recorded as failed (the first `shown`, each with its reason) and how to retry them."""
+    if not failed:
+        return
+    print(f"{len(failed)} prompt{'s' if len(failed) > 1 else ''} failed, {where} (recorded in {out}'s progress.json; "
+          "rerun the same command to ask again):")
+    for id_, reason in list(failed.items())[:shown]:
+        print(f"  {id_}: {reason}")
+    if len(failed) > shown:
+        print(f"  ... and {len(failed) - shown} more")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     (args,) = HfArgumentParser(RegenerateArguments).parse_args_into_dataclasses(args=argv)
     state = PartialState()
@@ -142,6 +177,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             raise ValueError("expected --export FILE.npz with --export_only, got none")
         summary = save_compact(args.out, args.export)
         print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
+        report_failures(summary["failed"], args.out, "not packed")
         return
     if args.prompts is None:
         raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
@@ -160,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     model, server, writer = None, None, None
     if args.server is not None:
         server = CompletionsServer(args.server, concurrency=args.concurrency, model=args.server_model,
-                                   prompt_format=args.server_prompt)
+                                   prompt_format=args.server_prompt, timeout=args.server_timeout,
+                                   max_attempts=args.server_attempts, retry_delay=args.server_retry_delay)
         tokenizer = target_tokenizer(args.target)
         print(f"answering through {server.base} ({server.model}), {server.concurrency} requests at a time")
     else:
@@ -196,11 +233,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"{stats['rows']} rows in {args.out}{part} ({stats['new_rows']} new, {stats['new_tokens']} tokens "
         f"in {stats['seconds']:.0f} s, {stats['new_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s)"
     )
+    report_failures(stats["failed"], args.out, "in no shard")
     if args.export is not None:
         state.wait_for_everyone()  # every part is done before the union is packed
         if state.is_main_process:
             summary = save_compact(args.out, args.export)
             print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
+            if summary["failed"] != stats["failed"]:  # other parts' failures
+                report_failures(summary["failed"], args.out, "not packed")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
 
 from jetspec.host import host_kind  # noqa: E402
 from jetspec.targets import load_target, resolve_dtype  # noqa: E402
@@ -55,7 +55,10 @@ from training.rows import (  # noqa: E402
     answer_lengths, answer_token_cap, first_rows, load_rows, load_source, row_key, split_train_eval,
 )
 from training.shipping import push_folder, write_card  # noqa: E402
-from training.trainer import JetSpecTrainer, JetSpecTrainingArguments, unwrap_head  # noqa: E402
+from training.trainer import (  # noqa: E402
+    CHECKPOINT_MARKER, JetSpecTrainer, JetSpecTrainingArguments, checkpoint_problem, last_complete_checkpoint,
+    unwrap_head,
+)
 
 LOOKUP_PRIOR_ROWS = 1000  # training rows the lookup prior is measured on (about 5 s per 1,000 rows)
 DRAFT_VOCAB_ROWS = 1_000_000  # training rows whose answer tokens choose a draft vocabulary (a stream's first ones)
@@ -243,18 +246,39 @@ def parse_args(argv=None) -> tuple[HeadArguments, DataArguments, JetSpecTraining
 
 
 def resolve_checkpoint(args: JetSpecTrainingArguments) -> str | None:
-    """`resume_from_checkpoint` as a folder: a path as given, `true` for the latest one in `output_dir`."""
+    """`resume_from_checkpoint` as a folder: a path as given, `true` for the newest complete one in `output_dir`.
+
+    A checkpoint is complete once its marker, written last, matches its files ([`training.trainer.checkpoint_problem`]);
+    `true` skips newer incomplete ones (a run killed while writing one), printing why, and never loads them. A folder
+    given by path is refused when its marker does not match, or, without a marker (a checkpoint of an older version),
+    when the Trainer's last file, `trainer_state.json`, is missing or unreadable."""
     value = args.resume_from_checkpoint
     if value is None or str(value).lower() in ("", "false"):
         return None
     if str(value).lower() == "true":
-        last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        last = last_complete_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
         if last is None:
-            raise ValueError(f"expected a checkpoint-* folder in {args.output_dir} to resume from, got none")
+            raise ValueError(f"expected a complete checkpoint-* folder in {args.output_dir} to resume from, got none")
+        print(f"jetspec: resuming from {last}")
         return last
     if not Path(value).is_dir():
         raise ValueError(f"expected resume_from_checkpoint to be a checkpoint folder or true, got {value!r}")
+    problem = checkpoint_problem(value)
+    if problem is not None:
+        if (Path(value) / CHECKPOINT_MARKER).is_file() or not readable_json(Path(value) / TRAINER_STATE_NAME):
+            raise ValueError(f"expected a complete checkpoint to resume from, got {value}, an incomplete one "
+                             f"({problem}); resume from an earlier one, or with true")
+        print(f"jetspec: {value} has no {CHECKPOINT_MARKER} (written by an older version?); its trainer state is "
+              "whole, so it is loaded")
     return str(value)
+
+
+def readable_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 @torch.no_grad()

@@ -14,11 +14,23 @@ hold the token of every slot that carries loss and -100 elsewhere, so the `Train
 (`num_items_in_batch`, over the micro-batches of a step and over processes) is the denominator of the step's loss.
 
 Only the head trains. The target is frozen; its embeddings and LM head are borrowed by the head, not saved with it.
+
+Checkpoints. The `Trainer` writes a `checkpoint-N` folder file by file; a process killed meanwhile leaves half of one.
+[`JetSpecTrainer`] writes a marker last, `checkpoint_complete.json` (every file's size, written once every process
+has saved its part), and rotates (`save_total_limit`) only complete checkpoints, never the one just completed:
+[`last_complete_checkpoint`] resumes from the newest checkpoint whose marker matches its files and skips the others,
+saying so.
 """
 
 import dataclasses
+import json
+import os
+import re
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -440,6 +452,82 @@ def distillation_terms(model, batch: dict, features: torch.Tensor, final: torch.
     return total, count, student_hidden, teacher_hidden
 
 
+CHECKPOINT_MARKER = "checkpoint_complete.json"
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's `checkpoint-{global_step}` folders
+
+
+def write_checkpoint_marker(folder: Path, step: int) -> None:
+    """Marks `folder` complete: `CHECKPOINT_MARKER` lists the size of every file in it, written atomically, last."""
+    files = {str(path.relative_to(folder)): path.stat().st_size for path in sorted(folder.rglob("*"))
+             if path.is_file() and path.name != CHECKPOINT_MARKER}
+    tmp = folder / f".{CHECKPOINT_MARKER}.tmp"
+    tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / CHECKPOINT_MARKER)
+
+
+def checkpoint_problem(folder) -> str | None:
+    """Why `folder` is not a complete checkpoint (no marker, an unreadable one, a file missing or of another size
+    than recorded), or None when it is."""
+    marker = Path(folder) / CHECKPOINT_MARKER
+    if not marker.is_file():
+        return f"no {CHECKPOINT_MARKER}: it was being written when the run stopped"
+    try:
+        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
+        assert isinstance(files, dict) and files
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return f"{CHECKPOINT_MARKER} is unreadable"
+    for name, size in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} holds {path.stat().st_size} bytes, not the {size} recorded"
+    return None
+
+
+def checkpoint_folders(output_dir) -> list[Path]:
+    """The `checkpoint-N` folders of `output_dir`, by step N."""
+    found = [path for path in Path(output_dir).iterdir() if path.is_dir() and CHECKPOINT_PATTERN.match(path.name)]
+    return sorted(found, key=lambda path: int(CHECKPOINT_PATTERN.match(path.name).group(1)))
+
+
+def last_complete_checkpoint(output_dir, report: Callable[[str], None] = print) -> str | None:
+    """The newest complete `checkpoint-N` of `output_dir` (highest N), None when there is none; each newer one that
+    is not complete is skipped and reported (never loaded)."""
+    for folder in reversed(checkpoint_folders(output_dir)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return str(folder)
+        report(f"jetspec: skipping {folder}, an incomplete checkpoint ({problem}); it is not loaded")
+    return None
+
+
+def rotate_complete_checkpoints(output_dir, limit: int | None, keep: list) -> list[Path]:
+    """Deletes checkpoints beyond `limit` (the `save_total_limit`): the incomplete ones (never loadable) and the
+    oldest complete ones by completion time, never those in `keep` (the one just completed, the best one). The
+    Trainer's own rotation counts half-written folders and protects the highest step, which may be one of them.
+    Returns the deleted folders."""
+    if limit is None or limit <= 0:
+        return []
+    keep = {Path(path).resolve() for path in keep if path is not None}
+    complete, deleted = [], []
+    for folder in checkpoint_folders(output_dir):
+        if checkpoint_problem(folder) is None:
+            complete.append(folder)
+        elif folder.resolve() not in keep:
+            print(f"jetspec: deleting {folder}, an incomplete checkpoint left by a stopped run")
+            deleted.append(folder)
+    complete.sort(key=lambda folder: (folder / CHECKPOINT_MARKER).stat().st_mtime_ns)
+    kept = [folder for folder in complete if folder.resolve() in keep]
+    for folder in reversed(complete):  # the most recent first
+        if folder not in kept and len(kept) < limit:
+            kept.append(folder)
+    deleted += [folder for folder in complete if folder not in kept]
+    for folder in deleted:
+        shutil.rmtree(folder, ignore_errors=True)
+    return deleted
+
+
 class JetSpecTrainer(Trainer):
     """`Trainer` that distills `target` into a JetSpec head (`model`). See the module docstring.
 
@@ -509,6 +597,22 @@ class JetSpecTrainer(Trainer):
             return super().get_eval_dataloader(eval_dataset)
         finally:
             self.data_collator = training_collator
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, then its completeness marker (once every process has written its part), then
+        the rotation of complete checkpoints ([`rotate_complete_checkpoints`]) instead of the Trainer's."""
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        if self.args.should_save:
+            (folder / CHECKPOINT_MARKER).unlink(missing_ok=True)  # a folder rewritten is incomplete until marked
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # each process's RNG state is in the folder
+        if self.args.should_save:
+            write_checkpoint_marker(folder, self.state.global_step)
+            rotate_complete_checkpoints(folder.parent, limit, keep=[folder, self.state.best_model_checkpoint])
 
     # ------------------------------------------------------------------------------------------------ one batch
     def _target_states(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
