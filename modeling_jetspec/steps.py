@@ -52,7 +52,7 @@ from .tree import (
     lookup_logprobs,
     lookup_match,
     marginal_children,
-    verification_mask,
+    verify_attention_mask,
     with_lookup,
 )
 
@@ -178,16 +178,8 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         n + 1 entries; [`compact`] keeps the accepted ones.
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
-
-    def mask(window):  # (A, 1, n + 1, S + n + 1)
-        return verification_mask(state.valid, trees.ancestors, float_dtype(target), window, state.positions, positions)
-
-    if windows is None:
-        attention_mask = mask(None)
-    elif None in windows:  # every layer slides (Mistral): one mask
-        attention_mask = mask(windows[None])
-    else:  # one mask per layer type; the model hands each layer its own
-        attention_mask = {layer_type: mask(window) for layer_type, window in windows.items()}
+    attention_mask = verify_attention_mask(state.valid, trees.ancestors, float_dtype(target), windows,
+                                           state.positions, positions)
     out = target(
         input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
         attention_mask=attention_mask,
