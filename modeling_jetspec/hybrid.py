@@ -60,9 +60,11 @@ CACHELESS_LAYER_TYPES = ("moe", "mlp")  # no token mixing, nothing cached (Nemot
 TREE_VERIFY = ("auto", "tree", "chain")
 ROUND_MODES = ("chain", "tree")  # what a round runs; "auto" chooses one per round
 # a tree round's forward 1 runs as many leaf paths as their copies (each path's linear states and past keys/values,
-# and its logits) fit in this size, or in a quarter of the target's weights where that is larger; the rest run in
-# further forwards. A real Qwen3.5's recurrent states are 2 MiB per layer and path in fp32 (32 value heads x 128 x 128)
-PATHS_FORWARD_BYTES = 2**30
+# and its logits) fit in a quarter of the target's weights, or in this size where that is larger; the rest run in
+# further forwards. A real Qwen3.5 (about 9B, 24 gated delta-net layers of 32 value heads x 128 x 128) holds 18 GB of
+# bf16 weights and 24 MiB of recurrent states per path: a budget-32 tree's 20-odd leaves fit in one forward
+PATHS_FORWARD_BYTES = 64 * 2**20
+WEIGHTS_SHARE = 0.25
 
 
 def layer_types(target) -> list:
@@ -476,16 +478,16 @@ class HybridVerifier:
         self.unfolded = {}
 
     def _paths_per_forward(self, state, length: int) -> int:
-        """Leaf paths per forward: as many as fit in `PATHS_FORWARD_BYTES`, or a quarter of the target's weights where
-        that is more, each path counted at its copies of the row's linear states and past keys/values and its
-        logits over `length` positions."""
+        """Leaf paths per forward: as many as fit in `WEIGHTS_SHARE` of the target's weights, or in
+        `PATHS_FORWARD_BYTES` where that is more, each path counted at its copies of the row's linear states and past
+        keys/values and its logits over `length` positions."""
         a, past = state.valid.shape
         per_path = sum(t.numel() * t.element_size() for s in read_states(state.cache, copy=False).values()
                        for t in (s.conv, s.recurrent) if t is not None) / a
         per_path += sum(t.shape[1] * (past + length) * t.shape[-1] * t.element_size() for i in self.attention
                         for t in kv_layer_entries(state.cache.layers[i]))
         per_path += length * self.vocab * 4
-        return max(1, int(max(PATHS_FORWARD_BYTES, self.weight_bytes // 4) // per_path))
+        return max(1, int(max(PATHS_FORWARD_BYTES, self.weight_bytes * WEIGHTS_SHARE) // per_path))
 
     def _mode_seconds(self, state, trees) -> dict:
         """"auto": the seconds of a chain verify and of a tree verify (forward 1) of this batch and tree size, timed

@@ -21,7 +21,8 @@ from tiny import oracle_head, prompts, tiny_head, tiny_target
 
 from modeling_jetspec import hybrid
 from modeling_jetspec.hybrid import HybridVerifier, _fold_length, leaf_paths
-from modeling_jetspec.state import JetSpecStats
+from modeling_jetspec.state import JetSpecStats, TreeShape
+from modeling_jetspec.verifiers import measure_verify_seconds
 
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2"]
 MODES = ["chain", "tree"]
@@ -284,6 +285,24 @@ def test_auto_chooses_per_round_and_stays_lossless(family, monkeypatch):
     timed = [("tree_verify",) == key[:1] for key in head.verify_cost_cache[target]]
     assert any(timed)  # the two modes were timed, and kept on the head
     assert {"chain", "tree"} <= set(chosen)  # timing ran both
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_measured_verify_seconds_time_the_mode_they_price(mode, monkeypatch):
+    target = hybrid_target("qwen3_5_text")
+    head = tiny_head(target)
+    ran = []
+    verify = HybridVerifier._verify
+
+    def recording(self, round_mode, state, trees):
+        ran.append(round_mode)
+        return verify(self, round_mode, state, trees)
+
+    monkeypatch.setattr(HybridVerifier, "_verify", recording)
+    shape = TreeShape(depth=3, width=2, budget=6, scoring="logprob", path_conditioning=False)
+    seconds = measure_verify_seconds(target, head, shape, [2, 6], context_length=8, repeats=1, tree_verify=mode)
+    assert set(seconds) == {2, 6} and all(s > 0 for s in seconds.values())
+    assert set(ran) == {mode}
 
 
 # family, mode, gain on the (tied) output embeddings: peaked enough that drafts are accepted often, flat enough
