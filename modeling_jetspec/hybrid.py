@@ -12,19 +12,20 @@ targets, chosen per call with `tree_verify`:
   window, as transformers' `LinearAttentionCacheLayerMixin.crop` does, per row. A recurrent state has no recording
   (`Cache.is_croppable` is False): a row that rejected part of its path is replayed from the state before the round
   over its accepted tokens, one forward per distinct accepted length.
-- "tree" (`mode="tree"`): the whole tree, scanned depth by depth. Every node's root-to-node path runs in one forward
-  from its row's recurrent and convolution states before the round, batched over the nodes of one depth, in chunks
-  of at least the batch's size (more while their copies of the states stay small); attention layers see the row's
-  past and the path under the causal mask. No node keeps its states, so memory grows with a chunk, not with the
-  tree (a Qwen3.5 state is megabytes per row and layer). After acceptance a row keeps its root's states, or, where
-  it accepted more, runs its accepted path once more from the states before the round (one forward per distinct
-  accepted length). It costs depth + 1 target forwards per round (more chunks where states are large) plus those
-  reruns, instead of one.
-
-"auto" is "chain": a round of the tree scan costs depth + 1 sequential forwards, a chain one or two, and at batch 1 a
-forward's time is mostly reading the weights, whatever its width; the scan pays only where a tree's tau exceeds the
-chain's by that ratio (the counts, from `tests/test_hybrid.py`, and the estimate at Qwen3.5 size are in the project's
-`docs/targets.md`).
+- "tree" (`mode="tree"`): at most 2 forwards per round. Forward 1 runs the tree's root-to-leaf paths, one batch row
+  per leaf, each from its row's recurrent and convolution states (copied per leaf), right-padded to the longest;
+  attention layers see the row's past and the path under the causal mask. A causal forward's output at a node
+  depends only on the node's path, so every node's logits, features and keys/values are read from a leaf row that
+  holds it. A row whose accepted path is a whole leaf path that no padding followed keeps that row's states (an
+  always-right drafter costs one forward per round). The others fold their committed tokens into their states in
+  forward 2, from the states before the round; padding would enter a state, so the fold runs one count of tokens
+  for all its rows ([`_fold_length`]), and a row left with some runs them first in its next round's forward 1
+  (their keys/values are already cached: they see the cache up to their own position and add nothing to it).
+  Memory: leaves x (states + past) for forward 1, within `PATHS_FORWARD_BYTES` or a share of the target's weights;
+  past that the leaf paths run in chunks, a few forwards more.
+- "auto" (the default): per round, the mode with the most expected tokens per second ([`ModeChooser`]): a chain
+  verify and a tree's forward 1 timed once per batch and tree size, the extra forwards (replays, folds) and the tau
+  each mode shows (a tree round shows the chain's too).
 
 Lossless: every committed token is the target's choice after exactly the committed tokens, whichever nodes are
 verified, and the state a row keeps is the state after exactly its committed tokens minus the anchor.

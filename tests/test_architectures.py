@@ -77,7 +77,7 @@ ATTENTION_FAMILIES = {
     "nanochat": ({}, "sdpa"),
     "vaultgemma": ({"sliding_window": 8}, "eager"),
 }
-# hybrid families, verified by modeling_jetspec/hybrid.py ("auto": chain): one linear-attention, Mamba or
+# hybrid families, verified by modeling_jetspec/hybrid.py ("auto": chain or tree per round): one linear-attention, Mamba or
 # convolution layer and one attention layer
 HYBRID_FAMILIES = {
     "qwen3_5_text": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
