@@ -289,8 +289,8 @@ class HybridVerifier:
             base.append(len(paths))
             for path in plan.paths:
                 paths.append((i, path, lead[i] + [anchors[i]] + [tokens[j - 1] for j in path[1:]]))
-        tree_kv = {i: tuple(t.new_zeros(a, t.shape[1], n1, t.shape[-1]) for t in kv_layer_entries(state.cache.layers[i]))
-                   for i in self.attention}
+        tree_kv = {i: tuple(t.new_zeros(a, t.shape[1], n1, t.shape[-1])
+                            for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
         logits = features = None
         ends = {}  # path index -> {(layer, s): LinearState (1, ...)}: the states after a path no padding follows
         chunk = self._paths_per_forward(state, max(len(p[2]) for p in paths))
@@ -419,7 +419,8 @@ class HybridVerifier:
         """A new cache for rows `rows` `(R,)` (a row may repeat): their first `past` key/value entries (default: the
         round's past) and linear `states` `{(layer, s): LinearState (R, ...)}`. Memory: a copy of each."""
         past = state.valid.shape[1] if past is None else past
-        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
+        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i]))
+                     for i in self.attention}
         return filled_cache(self.types, attention, states)
 
     def _paths_forward(self, state, part: list, leads: list):

@@ -199,8 +199,8 @@ def test_tree_round_costs_at_most_two_forwards(family, batch, monkeypatch):
     rounds = RoundForwards(monkeypatch)
     differ = 0
     for budget in (1, 5, 12, 30):
-        for head in (tiny_head(target, tree_depth=4, tree_width=3, tree_budget=budget),
-                     oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=budget)):
+        shape = dict(tree_depth=4, tree_width=3, tree_budget=budget)
+        for head in (tiny_head(target, **shape), oracle_head(target, plain, mask, mode="sometimes", **shape)):
             rounds.forwards.clear()
             tree = greedy(target, ids, mask, max_new_tokens=20, assistant_model=head, tree_verify="tree", **kwargs)
             assert torch.equal(tree, plain), budget
