@@ -57,7 +57,7 @@ def _decode(
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
     controller = None
     if shape.budget == "auto" and state.rows.numel():
-        controller = _budget_controller(head, model, shape, state.rows.shape[0])
+        controller = _budget_controller(head, model, shape, state.rows.shape[0], getattr(call.verifier, "mode", "auto"))
     while state.rows.numel():
         state = _round(head, call, state, stats, controller, RoundClock(state.anchors.device) if timed else None)
         _stream(call)
@@ -191,7 +191,7 @@ def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_len
     )
 
 
-def _budget_controller(head, target, shape: TreeShape, batch: int) -> BudgetController:
+def _budget_controller(head, target, shape: TreeShape, batch: int, tree_verify: str = "auto") -> BudgetController:
     """Verify costs are measured once per (target, device, dtype, batch size) and kept on the head.
 
     `head.verify_cost_cache` is keyed by the target object itself (weakly), never by `id(target)`: an id is reused
@@ -200,9 +200,10 @@ def _budget_controller(head, target, shape: TreeShape, batch: int) -> BudgetCont
     largest = max_tree_nodes(shape.depth, shape.width)
     candidates = sorted({min(b, largest) for b in DEFAULT_CANDIDATES})
     per_target = head.verify_cost_cache.setdefault(target, {})
-    key = (str(target.device), target.dtype, batch, tuple(candidates))
+    key = (str(target.device), target.dtype, batch, tuple(candidates), tree_verify)
     if key not in per_target:
-        per_target[key] = measure_verify_seconds(target, head, shape, candidates, batch_size=batch)
+        per_target[key] = measure_verify_seconds(target, head, shape, candidates, batch_size=batch,
+                                                 tree_verify=tree_verify)
     return BudgetController(candidates, per_target[key])
 
 

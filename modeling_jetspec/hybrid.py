@@ -12,25 +12,27 @@ targets, chosen per call with `tree_verify`:
   window, as transformers' `LinearAttentionCacheLayerMixin.crop` does, per row. A recurrent state has no recording
   (`Cache.is_croppable` is False): a row that rejected part of its path is replayed from the state before the round
   over its accepted tokens, one forward per distinct accepted length.
-- "tree" (`mode="tree"`): the whole tree, scanned depth by depth. Every node's root-to-node path runs in one forward
-  from its row's recurrent and convolution states before the round, batched over the nodes of one depth, in chunks
-  of at least the batch's size (more while their copies of the states stay small); attention layers see the row's
-  past and the path under the causal mask. No node keeps its states, so memory grows with a chunk, not with the
-  tree (a Qwen3.5 state is megabytes per row and layer). After acceptance a row keeps its root's states, or, where
-  it accepted more, runs its accepted path once more from the states before the round (one forward per distinct
-  accepted length). It costs depth + 1 target forwards per round (more chunks where states are large) plus those
-  reruns, instead of one.
-
-"auto" is "chain": a round of the tree scan costs depth + 1 sequential forwards, a chain one or two, and at batch 1 a
-forward's time is mostly reading the weights, whatever its width; the scan pays only where a tree's tau exceeds the
-chain's by that ratio (the counts, from `tests/test_hybrid.py`, and the estimate at Qwen3.5 size are in the project's
-`docs/targets.md`).
+- "tree" (`mode="tree"`): at most 2 forwards per round. Forward 1 runs the tree's root-to-leaf paths, one batch row
+  per leaf, each from its row's recurrent and convolution states (copied per leaf), right-padded to the longest;
+  attention layers see the row's past and the path under the causal mask. A causal forward's output at a node
+  depends only on the node's path, so every node's logits, features and keys/values are read from a leaf row that
+  holds it. A row whose accepted path is a whole leaf path that no padding followed keeps that row's states (an
+  always-right drafter costs one forward per round). The others fold their committed tokens into their states in
+  forward 2, from the states before the round; padding would enter a state, so the fold runs one count of tokens
+  for all its rows ([`_fold_length`]), and a row left with some runs them first in its next round's forward 1
+  (their keys/values are already cached: they see the cache up to their own position and add nothing to it).
+  Memory: leaves x (states + past) for forward 1, within `PATHS_FORWARD_BYTES` or a share of the target's weights;
+  past that the leaf paths run in chunks, a few forwards more.
+- "auto" (the default): per round, the mode with the most expected tokens per second ([`ModeChooser`]): a chain
+  verify and a tree's forward 1 timed once per batch and tree size, the extra forwards (replays, folds) and the tau
+  each mode shows (a tree round shows the chain's too).
 
 Lossless: every committed token is the target's choice after exactly the committed tokens, whichever nodes are
 verified, and the state a row keeps is the state after exactly its committed tokens minus the anchor.
 """
 
 import functools
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -49,16 +51,21 @@ from .compat import (
     stop_past_recording,
 )
 from .state import Acceptance, DraftTrees, RoundState
-from .steps import compact, keep_accepted_entries, logits_to_keep, prefill
-from .tree import verification_mask
+from .steps import compact, feature_layers, float_dtype, keep_accepted_entries, logits_to_keep, prefill
+from .timing import median_seconds
+from .tree import verify_attention_mask
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # keys/values; windows are applied by the mask
 STATE_LAYER_TYPES = ("linear_attention", "conv")  # a recurrent and/or convolution state per row
 CACHELESS_LAYER_TYPES = ("moe", "mlp")  # no token mixing, nothing cached (Nemotron-H's MoE layers)
 TREE_VERIFY = ("auto", "tree", "chain")
-# the tree scan's forwards take at least the batch's nodes at a time, more while their copies of linear states and past
-# keys/values stay under this size
-SCAN_CHUNK_BYTES = 16 * 2**20
+ROUND_MODES = ("chain", "tree")  # what a round runs; "auto" chooses one per round
+# a tree round's forward 1 runs as many leaf paths as their copies (each path's linear states and past keys/values,
+# and its logits) fit in a quarter of the target's weights, or in this size where that is larger; the rest run in
+# further forwards. A real Qwen3.5 (about 9B, 24 gated delta-net layers of 32 value heads x 128 x 128) holds 18 GB of
+# bf16 weights and 24 MiB of recurrent states per path: a budget-32 tree's 20-odd leaves fit in one forward
+PATHS_FORWARD_BYTES = 64 * 2**20
+WEIGHTS_SHARE = 0.25
 
 
 def layer_types(target) -> list:
@@ -155,13 +162,7 @@ def best_path(trees: DraftTrees) -> DraftTrees:
         `DraftTrees` of k nodes per row, node i's parent i - 1.
     """
     a, n = trees.tokens.shape
-    paths = []
-    for parents in trees.parents.tolist():
-        path, node = [], 0
-        while node in parents:  # node's first child is the first node naming it as parent
-            node = parents.index(node) + 1
-            path.append(node)
-        paths.append(path)
+    paths = [firsts_path(parents) for parents in trees.parents.tolist()]
     k = max(len(p) for p in paths)
     nodes = torch.tensor([p + p[-1:] * (k - len(p)) for p in paths], device=trees.tokens.device)  # (A, k), 1-based
     parents = torch.arange(k, device=nodes.device).expand(a, k)
@@ -171,14 +172,16 @@ def best_path(trees: DraftTrees) -> DraftTrees:
 
 
 class HybridVerifier:
-    """Verifies a round of a hybrid target by its best path ("chain") or its whole tree ("tree"); see the module.
+    """Verifies a round of a hybrid target by its best path ("chain") or its whole tree ("tree"), or chooses between
+    them per round ("auto", [`ModeChooser`]); see the module.
 
     A `state.Verifier`, like `verifiers.TreeVerifier`: `prefill`, `verify`, `compact`, `discard`, and
-    `target_forwards`, which counts every forward: the prefill, the chain's verify and its replays, each depth of the
-    tree scan. Between `verify` and `compact` it keeps the round's pending linear states.
+    `target_forwards`, which counts every forward: the prefill, the chain's verify and its replays, the tree's
+    leaf-path forwards and its fold, and the forwards timing the two modes for "auto". Between `verify` and
+    `compact` it keeps what the round needs (`self.round`).
 
     Args:
-        mode (`str`): `tree_verify` of the call, "auto" (= "chain"), "chain" or "tree".
+        mode (`str`): `tree_verify` of the call, "auto", "chain" or "tree".
         windows (`dict`, *optional*): sliding windows per layer type, from `verifiers.verify_windows`.
     """
 
@@ -186,20 +189,27 @@ class HybridVerifier:
         check_hybrid_layer_types(target)
         if mode not in TREE_VERIFY:
             raise ValueError(f"expected tree_verify in {TREE_VERIFY}, got {mode!r}")
-        self.target, self.head, self.windows = target, head, windows
-        self.mode = "chain" if mode == "auto" else mode
+        self.target, self.head, self.windows, self.mode = target, head, windows, mode
         self.types = layer_types(target)
         self.attention = [i for i, t in enumerate(self.types) if t in ATTENTION_LAYER_TYPES]
-        # the linear states before the round, {(layer, s): LinearState (A, ...)}: the chain's copies, or the tree's cache
-        # own (its scan leaves them untouched); tree: also the roots' states after the round's scan
-        self.pending = self.root = None
+        self.recurrent = None  # whether some layer keeps a recurrent state (known after the prefill)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+        self.vocab = target.config.get_text_config(decoder=True).vocab_size
+        # {batch row: tokens}: the committed tokens after the point a row's linear states stand at, before its anchor
+        # (a tree round's fold can leave some, see `_fold_length`); the next tree round runs them first
+        self.unfolded = {}
+        self.round = None  # what `verify` leaves for `compact`: (mode, what that mode needs)
         self.added = 0  # entries the last verify added to the attention layers
         self.target_forwards = 0
+        self.chooser = ModeChooser() if mode == "auto" else None
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
         """`steps.prefill` into a new [`HybridCache`]."""
         self.target_forwards += 1
-        return prefill(self.head, self.target, input_ids, attention_mask, HybridCache(self.types))
+        self.unfolded = {}
+        state, logits = prefill(self.head, self.target, input_ids, attention_mask, HybridCache(self.types))
+        self.recurrent = any(s.recurrent is not None for s in read_states(state.cache, copy=False).values())
+        return state, logits
 
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """Verify the round's trees (`DraftTrees`, n nodes per row) after `state`'s cache.
@@ -207,79 +217,173 @@ class HybridVerifier:
         Returns:
             `(trees, logits, features)`: the trees verified (chain: the best paths, k nodes per row), the target's
             logits after each of their nodes `(A, n + 1, V)` in fp32 and the head's features `(A, n + 1, kH)`. The
-            attention layers hold past + n + 1 entries; the linear layers' states of the round wait in `pending`.
+            attention layers hold past + n + 1 entries; the linear layers still hold the states before the round.
         """
-        if self.mode == "chain":
-            chain = best_path(trees)
-            self.pending = read_states(state.cache)  # the states before the round, for replays and discards
-            for layer in state.cache.layers:
-                if isinstance(layer, LinearAttentionCacheLayerMixin):
-                    layer.activate_past_recording()
-            tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
-            self.added = tokens.shape[1]
-            out = self._forward(state.cache, tokens, state.anchor_pos[:, None] + chain.depths,
-                                self._masks(state.valid, state.positions, chain.depths, chain.ancestors,
-                                            state.anchor_pos))
-            return chain, out.logits.float(), self.head.target_features(out.hidden_states)
-        self.pending = read_states(state.cache, copy=False)  # the scan leaves the cache's states as they are
-        logits, features, tree_kv = self._scan(state, trees)
-        self.added = trees.depths.shape[1]
-        for index, (keys, values) in tree_kv.items():  # the cache now holds past + n + 1 entries, as a tree verify's
-            state.cache.layers[index].update(keys, values)
-        return trees, logits, features
+        mode = self.mode
+        if self.chooser is not None:
+            mode = self.chooser.next_mode(self._mode_seconds(state, trees))
+        return self._verify(mode, state, trees)
 
     def compact(self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
                 keep: torch.Tensor) -> RoundState:
         """`steps.compact` for the attention layers; each surviving row's linear states become those after its
-        accepted nodes."""
-        if self.mode == "chain":
-            states = self._chain_states(state, trees, acc.count)
-        else:
-            states = self._tree_states(state, trees, acc)
-        self.pending = self.root = None
+        accepted nodes (or, after a tree round, after all but its last few committed tokens: `unfolded`)."""
+        mode, data = self.round
+        self.round = None
+        forwards = self.target_forwards
+        if self.chooser is not None:
+            self.chooser.observe(mode, trees, acc, self.recurrent)
         keep_entries = functools.partial(keep_accepted_entries, layers=self.attention)
-        state = compact(self.head, state, trees, acc, features, keep, keep_entries=keep_entries)
-        write_states(state.cache, {key: s.map(lambda t: t[keep]) for key, s in states.items()})
+        if mode == "chain":
+            states = self._chain_states(state, trees, acc.count, data)
+            state = compact(self.head, state, trees, acc, features, keep, keep_entries=keep_entries)
+            write_states(state.cache, {key: s.map(lambda t: t[keep]) for key, s in states.items()})
+        else:
+            state = self._tree_compact(state, trees, acc, features, keep, data, keep_entries)
+        if self.chooser is not None:
+            self.chooser.extra(mode, self.target_forwards - forwards)
         return state
 
     def discard(self, state: RoundState, trees: DraftTrees):
         """Undo a `verify` without compacting (timing repeats)."""
+        mode, data = self.round
+        self.round = None
         for index in self.attention:
             state.cache.layers[index].crop(-self.added)  # the chain's or the tree's entries
-        if self.mode == "chain":
-            write_states(state.cache, self.pending)
+        if mode == "chain":
+            write_states(state.cache, data)
             self._stop_recording(state.cache)
-        self.pending = self.root = None
+
+    # -------------------------------------------------------------------------------------------- the two modes
+    def _verify(self, mode: str, state: RoundState, trees: DraftTrees):
+        if mode == "tree":
+            return self._verify_tree(state, trees)
+        self._fold_all(state)  # a chain starts from the states after every committed token but the anchor
+        chain = best_path(trees)
+        before = read_states(state.cache)  # the states before the round, for replays and discards
+        for layer in state.cache.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                layer.activate_past_recording()
+        tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
+        self.added = tokens.shape[1]
+        positions = state.anchor_pos[:, None] + chain.depths
+        out = self._forward(state.cache, tokens, positions,
+                            self._masks(state.valid, state.positions, chain.ancestors, positions))
+        self.round = ("chain", before)
+        return chain, out.logits.float(), self.head.target_features(out.hidden_states)
+
+    def _verify_tree(self, state: RoundState, trees: DraftTrees):
+        """Forward 1 of a tree round: every root-to-leaf path, one batch row per leaf, each from its row's linear
+        states (the row's `unfolded` tokens first), in as few forwards as `_paths_per_forward` allows (one at the
+        default bound). Every node's logits, features and keys/values are read from a leaf row that holds it: a
+        causal forward's output at a node depends only on the tokens up to it, which are the node's path."""
+        a, n1 = trees.depths.shape
+        rows = state.rows.tolist()
+        anchors = state.anchors.tolist()
+        shapes = ([(t.tokens, t.parents) for t in trees.host] if trees.host is not None
+                  else list(zip(trees.tokens.tolist(), trees.parents.tolist())))
+        plans = [leaf_paths(tokens, parents) for tokens, parents in shapes]
+        lead = [self.unfolded.get(r, []) for r in rows]
+        paths, base = [], []  # (active row, node path root first, the row's tokens); each row's first path
+        for i, ((tokens, _), plan) in enumerate(zip(shapes, plans)):
+            base.append(len(paths))
+            for path in plan.paths:
+                paths.append((i, path, lead[i] + [anchors[i]] + [tokens[j - 1] for j in path[1:]]))
+        tree_kv = {i: tuple(t.new_zeros(a, t.shape[1], n1, t.shape[-1])
+                            for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
+        logits = features = None
+        ends = {}  # path index -> {(layer, s): LinearState (1, ...)}: the states after a path no padding follows
+        chunk = self._paths_per_forward(state, max(len(p[2]) for p in paths))
+        for start in range(0, len(paths), chunk):
+            part = paths[start : start + chunk]
+            out, cache, length = self._paths_forward(state, part, [len(lead[i]) for i, _, _ in part])
+            feats = self.head.target_features(out.hidden_states)  # (R, L, kH)
+            if logits is None:
+                logits = out.logits.new_zeros(a, n1, out.logits.shape[-1], dtype=torch.float32)
+                features = feats.new_zeros(a, n1, feats.shape[-1])
+            # the nodes whose source path is in this forward: (active row, node, row in the forward, offset)
+            where = [(i, j, base[i] + p - start, len(lead[i]) + depth) for i, plan in enumerate(plans)
+                     for j, (p, depth) in enumerate(plan.source) if start <= base[i] + p < start + len(part)]
+            ii, jj, pp, oo = (torch.tensor(x, device=state.anchors.device) for x in zip(*where))
+            logits[ii, jj], features[ii, jj] = out.logits[pp, oo].float(), feats[pp, oo]
+            past = state.valid.shape[1]
+            for index, (keys, values) in tree_kv.items():
+                step_keys, step_values = kv_layer_entries(cache.layers[index])
+                keys[ii, :, jj], values[ii, :, jj] = step_keys[pp, :, past + oo], step_values[pp, :, past + oo]
+            for p, (_, _, tokens) in enumerate(part):
+                if len(tokens) == length:  # no padding after the path: its states are the path's
+                    ends[start + p] = {key: LinearState(*linear_state(cache.layers[key[0]], key[1])).map(
+                        lambda t, p=p: t[p : p + 1].clone()) for key in read_states(cache, copy=False)}
+            del out, cache
+        index_of = {}
+        for p, (i, path, _) in enumerate(paths):
+            index_of[i, path[-1]] = p
+        self.added = n1
+        for index, (keys, values) in tree_kv.items():  # the cache now holds past + n + 1 entries, as a tree verify's
+            state.cache.layers[index].update(keys, values)
+        self.round = ("tree", TreeRound(plans, lead, anchors, shapes, index_of, ends))
+        return trees, logits, features
+
+    def _tree_compact(self, state, trees, acc, features, keep, data, keep_entries) -> RoundState:
+        """After a tree round: the attention layers keep the accepted nodes (`steps.compact`); a row whose accepted
+        path is a whole leaf path that no padding followed takes that path's states from forward 1; the others fold
+        their committed tokens into their states in one forward (forward 2), as many as `_fold_length` chooses."""
+        counts, nodes = acc.count.tolist(), acc.nodes.tolist()
+        rows = state.rows.tolist()
+        done, todo = {}, {}  # active row -> states from forward 1; active row -> committed tokens to fold
+        for i, plan in enumerate(data.plans):
+            path = nodes[i][: counts[i]]
+            committed = data.lead[i] + [data.anchors[i]] + [data.shapes[i][0][j - 1] for j in path[1:]]
+            end = data.index_of.get((i, plan.canonical[path[-1]]))
+            if end is not None and end in data.ends:
+                done[i] = data.ends[end]
+            else:
+                todo[i] = committed
+        anchor_pos = state.anchor_pos.tolist()
+        start = {i: anchor_pos[i] - len(data.lead[i]) for i in todo}  # the first unfolded position
+        state = compact(self.head, state, trees, acc, features, keep, keep_entries=keep_entries)
+        kept = keep.tolist()
+        self.unfolded = {}
+        ready = [(k, done[i]) for k, i in enumerate(kept) if i in done]
+        if ready:
+            stacked = {key: LinearState(*(torch.cat(parts) if parts[0] is not None else None for parts in zip(
+                *((s[key].conv, s[key].recurrent) for _, s in ready)))) for key in ready[0][1]}
+            write_states(state.cache, _rows_of(state.cache, [k for k, _ in ready], stacked))
+        waiting = {k: todo[i] for k, i in enumerate(kept) if i in todo}
+        if waiting:
+            length = _fold_length([len(t) for t in waiting.values()])
+            fold = [k for k, t in waiting.items() if len(t) >= length]
+            self._fold(state, fold, [waiting[k][:length] for k in fold], [start[kept[k]] for k in fold])
+            for k, tokens in waiting.items():
+                rest = tokens[length:] if k in fold else tokens
+                if rest:
+                    self.unfolded[rows[kept[k]]] = rest
+        return state
 
     # -------------------------------------------------------------------------------------------- pieces
-    def _forward(self, cache, tokens, positions, masks, **kwargs):
+    def _forward(self, cache, tokens, positions, masks, hidden: bool = True, **kwargs):
         """One target forward (counted in `target_forwards`)."""
         self.target_forwards += 1
         return self.target(
             input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=cache, use_cache=True,
-            output_hidden_states=True, **kwargs,
+            output_hidden_states=feature_layers(self.head) if hidden else False, **kwargs,
         )
 
-    def _masks(self, valid, past_positions, depths, ancestors, anchor_pos) -> dict:
-        """`{layer type: mask}`: the tree-causal verify mask `(A, 1, n + 1, S + n + 1)` of nodes at `depths`
-        `(A, n + 1)` seeing `ancestors` `(A, n + 1, n + 1)`, for attention layer types (with their sliding windows),
-        None (no padding among the new tokens) for linear ones."""
-        positions = anchor_pos[:, None] + depths
-        dtype = self.target.dtype if self.target.dtype.is_floating_point else torch.float32
-        masks = {}
-        for t in set(self.types):
-            window = None if self.windows is None else self.windows.get(t, self.windows.get(None))
-            masks[t] = None if t in STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES else verification_mask(
-                valid, ancestors, dtype, window, past_positions, positions
-            )
-        return masks
+    def _masks(self, valid, past_positions, seen, positions, causal_past: bool = False) -> dict:
+        """`{layer type: mask}` (`tree.verify_attention_mask`): the verify mask `(A, 1, T, S + T)` of new tokens at
+        `positions` `(A, T)` seeing `seen` `(A, T, T)` of each other, for attention layer types (with their sliding
+        windows), None for linear and cacheless ones."""
+        return verify_attention_mask(
+            valid, seen, float_dtype(self.target), self.windows, past_positions, positions, layer_types=self.types,
+            unmasked=STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES, causal_past=causal_past,
+        )
 
     def _stop_recording(self, cache):
         for layer in cache.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 stop_past_recording(layer)
 
-    def _chain_states(self, state, chain, count: torch.Tensor) -> dict:
+    def _chain_states(self, state, chain, count: torch.Tensor, before: dict) -> dict:
         """The linear states after each row's accepted nodes (`count` of shape `(A,)`, root included) of the chain.
 
         Convolution states: the K recorded inputs ending at the last accepted one. Recurrent states: the final one
@@ -287,110 +391,277 @@ class HybridVerifier:
         """
         k1 = chain.tokens.shape[1] + 1
         states = {}
-        for (index, s), before in self.pending.items():
+        for (index, s), old in before.items():
             layer = state.cache.layers[index]
             conv = None
-            if before.conv is not None:  # recorded: (A, C, K + k + 1), the K inputs before the round first
-                size = before.conv.shape[-1]
+            if old.conv is not None:  # recorded: (A, C, K + k + 1), the K inputs before the round first
+                size = old.conv.shape[-1]
                 window = count[:, None, None] + torch.arange(size, device=count.device)  # (A, 1, K)
-                conv = linear_state(layer, s)[0].gather(2, window.expand(-1, before.conv.shape[1], -1))
-            rec = linear_state(layer, s)[1].clone() if before.recurrent is not None else None
+                conv = linear_state(layer, s)[0].gather(2, window.expand(-1, old.conv.shape[1], -1))
+            rec = linear_state(layer, s)[1].clone() if old.recurrent is not None else None
             states[index, s] = LinearState(conv, rec)
         self._stop_recording(state.cache)
         if any(s.recurrent is not None for s in states.values()):
             tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
             for v in sorted(set(count[count < k1].tolist())):
                 rows = (count == v).nonzero()[:, 0]
-                self._rerun(state, rows, tokens[rows, :v], states, conv=False)
+                cache = self._replay_cache(state, rows, {key: s.map(lambda t: t[rows]) for key, s in before.items()})
+                depths = torch.arange(v, device=tokens.device).expand(rows.shape[0], v)
+                seen = torch.ones(v, v, dtype=torch.bool, device=tokens.device).tril().expand(rows.shape[0], v, v)
+                positions = state.anchor_pos[rows, None] + depths
+                masks = self._masks(state.valid[rows], state.positions[rows], seen, positions)
+                self._forward(cache, tokens[rows, :v], positions, masks, hidden=False,
+                              **logits_to_keep(self.target, 1))
+                _put_states(states, rows, cache, conv=False)
         return states
 
-    def _tree_states(self, state, trees, acc: Acceptance) -> dict:
-        """The linear states after each row's accepted nodes of the tree: the root's (kept by the scan) where only the
-        root was accepted, else its accepted path run again from the states before the round, one forward per
-        distinct accepted length."""
-        states = self.root
-        tokens = torch.cat([state.anchors[:, None], trees.tokens], dim=1).gather(1, acc.nodes)  # (A, K) the paths
-        for v in sorted(set(acc.count[acc.count > 1].tolist())):
-            rows = (acc.count == v).nonzero()[:, 0]
-            self._rerun(state, rows, tokens[rows, :v], states, conv=True)
-        return states
+    def _replay_cache(self, state, rows: torch.Tensor, states: dict, past: int | None = None) -> HybridCache:
+        """A new cache for rows `rows` `(R,)` (a row may repeat): their first `past` key/value entries (default: the
+        round's past) and linear `states` `{(layer, s): LinearState (R, ...)}`. Memory: a copy of each."""
+        past = state.valid.shape[1] if past is None else past
+        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i]))
+                     for i in self.attention}
+        return filled_cache(self.types, attention, states)
 
-    def _rerun(self, state, rows: torch.Tensor, tokens: torch.Tensor, states: dict, conv: bool):
-        """Run `tokens` `(R, v)` after rows `rows` from the states before the round, and put the recurrent (and with
-        `conv`, the convolution) states that come out into `states` `{(layer, s): LinearState (A, ...)}`."""
-        _, step = self._paths_forward(state, rows, tokens)
-        _put_states(states, rows, step, conv)
-
-    def _paths_forward(self, state, rows: torch.Tensor, tokens: torch.Tensor, last_only: bool = False):
-        """One forward of the paths `tokens` `(R, v)` (a row's anchor, then nodes one depth apart) of rows `rows`
-        `(R,)` (a row may repeat), each after its row's past and its linear states before the round (`pending`).
-
-        Memory per path: its row's linear states and past keys/values, copied once into a new cache.
+    def _paths_forward(self, state, part: list, leads: list):
+        """One forward of the leaf paths `part` `[(active row, nodes, tokens)]`, right-padded to the longest, each
+        after its row's past and from its row's linear states. A row's first `leads[p]` tokens are committed tokens
+        whose keys/values the cache already holds (`unfolded`): they see the past up to their own position and no
+        new entry, and no other token sees their new entries.
 
         Returns:
-            `(output, cache)`: the target's output (with `last_only`, logits of the last position only) and the cache
-            the forward filled (the past, then the path's entries; the linear states after the path).
+            `(output, cache, L)`: the target's output, the cache the forward filled (past, then the paths' entries;
+            the linear states after each padded row) and the rows' length L.
         """
-        past, (r, v) = state.valid.shape[1], tokens.shape
-        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
-        cache = filled_cache(self.types, attention, {key: s.map(lambda t: t[rows]) for key, s in self.pending.items()})
-        depths = torch.arange(v, device=tokens.device).expand(r, v)
-        ancestors = torch.ones(v, v, dtype=torch.bool, device=tokens.device).tril().expand(r, v, v)
-        masks = self._masks(state.valid[rows], state.positions[rows], depths, ancestors, state.anchor_pos[rows])
-        out = self._forward(cache, tokens, state.anchor_pos[rows, None] + depths, masks,
-                            **(logits_to_keep(self.target, 1) if last_only else {}))
-        return out, cache
+        device = state.anchors.device
+        length = max(len(tokens) for _, _, tokens in part)
+        rows = torch.tensor([i for i, _, _ in part], device=device)
+        ids = torch.tensor([tokens + tokens[-1:] * (length - len(tokens)) for _, _, tokens in part], device=device)
+        lead = torch.tensor(leads, device=device)[:, None, None]  # (R, 1, 1)
+        steps = torch.arange(length, device=device)
+        positions = state.anchor_pos[rows, None] - lead[:, 0] + steps  # (R, L)
+        query, key = steps[None, :, None], steps[None, None, :]
+        seen = (key <= query) & (key >= lead) & (query >= lead)  # (R, L, L): causal over the path, no lead entry
+        masks = self._masks(state.valid[rows], state.positions[rows], seen, positions, causal_past=True)
+        linear = read_states(state.cache, copy=False)
+        cache = self._replay_cache(state, rows, {key: s.map(lambda t: t[rows]) for key, s in linear.items()})
+        out = self._forward(cache, ids, positions, masks, **logits_to_keep(self.target, 0))
+        return out, cache, length
 
-    def _scan(self, state, trees):
-        """The whole tree, depth by depth: every node's root-to-node path in one forward per depth (in chunks of at
-        most `_chunk` nodes), each from its row's states before the round. No node's linear states are kept but the
-        roots' (`self.root`): memory grows with the chunk, not with the tree.
+    def _fold(self, state, rows: list, tokens: list, starts: list):
+        """Forward 2 of a tree round: active rows `rows` fold `tokens` (one list per row, all of one length,
+        committed and already held by the attention layers) into their linear states, from the positions
+        `starts`. Their queries see the cache up to their own position and none of their new entries."""
+        if not rows:
+            return
+        device = state.anchors.device
+        index = torch.tensor(rows, device=device)
+        ids = torch.tensor(tokens, device=device)
+        r, v = ids.shape
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(v, device=device)
+        seen = torch.zeros(r, v, v, dtype=torch.bool, device=device)
+        masks = self._masks(state.valid[index], state.positions[index], seen, positions, causal_past=True)
+        linear = read_states(state.cache, copy=False)
+        cache = self._replay_cache(state, index, {key: s.map(lambda t: t[index]) for key, s in linear.items()})
+        self._forward(cache, ids, positions, masks, hidden=False, **logits_to_keep(self.target, 1))
+        _put_states(linear, index, cache, conv=True)
 
-        Returns:
-            `(logits (A, n + 1, V) fp32, features (A, n + 1, kH), tree_kv {layer: (keys, values) (A, H, n + 1, D)})`.
-        """
+    def _fold_all(self, state):
+        """Fold every row's `unfolded` tokens (one forward per distinct count): before a chain round, which starts
+        from the states after every committed token but the anchor. Only "auto" leaves any for a chain round."""
+        if not self.unfolded:
+            return
+        rows = state.rows.tolist()
+        waiting = {k: self.unfolded[r] for k, r in enumerate(rows) if r in self.unfolded}
+        anchor_pos = state.anchor_pos.tolist()
+        for v in sorted({len(t) for t in waiting.values()}):
+            group = [k for k, t in waiting.items() if len(t) == v]
+            self._fold(state, group, [waiting[k] for k in group], [anchor_pos[k] - v for k in group])
+        self.unfolded = {}
+
+    def _paths_per_forward(self, state, length: int) -> int:
+        """Leaf paths per forward: as many as fit in `WEIGHTS_SHARE` of the target's weights, or in
+        `PATHS_FORWARD_BYTES` where that is more, each path counted at its copies of the row's linear states and past
+        keys/values and its logits over `length` positions."""
+        a, past = state.valid.shape
+        per_path = sum(t.numel() * t.element_size() for s in read_states(state.cache, copy=False).values()
+                       for t in (s.conv, s.recurrent) if t is not None) / a
+        per_path += sum(t.shape[1] * (past + length) * t.shape[-1] * t.element_size() for i in self.attention
+                        for t in kv_layer_entries(state.cache.layers[i]))
+        per_path += length * self.vocab * 4
+        return max(1, int(max(PATHS_FORWARD_BYTES, self.weight_bytes * WEIGHTS_SHARE) // per_path))
+
+    def _mode_seconds(self, state, trees) -> dict:
+        """"auto": the seconds of a chain verify and of a tree verify (forward 1) of this batch and tree size, timed
+        once per (target, device, dtype, batch, nodes) and kept on the head beside the measured budget's costs."""
         a, n1 = trees.depths.shape
-        tokens = torch.cat([state.anchors[:, None], trees.tokens], dim=1)  # (A, n + 1)
-        tree_kv = {i: tuple(t.new_zeros(*t.shape[:2], n1, t.shape[-1])
-                            for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
-        self.root = {key: s.map(torch.empty_like) for key, s in self.pending.items()}
-        logits = features = None
-        chunk = self._chunk(state)
-        for d in range(int(trees.depths.max()) + 1):
-            r, j = (trees.depths == d).nonzero(as_tuple=True)  # (N_d,) row and node of every node at depth d
-            paths = tokens[r[:, None], path_nodes(trees, r, j, d)]  # (N_d, d + 1)
-            for c in range(0, r.shape[0], chunk):
-                rc, jc = r[c : c + chunk], j[c : c + chunk]
-                out, step = self._paths_forward(state, rc, paths[c : c + chunk], last_only=True)
-                feats = self.head.target_features(out.hidden_states)[:, -1]  # (N, kH)
-                if logits is None:
-                    logits = out.logits.new_zeros(a, n1, out.logits.shape[-1], dtype=torch.float32)
-                    features = feats.new_zeros(a, n1, feats.shape[-1])
-                logits[rc, jc], features[rc, jc] = out.logits[:, -1].float(), feats
-                for i, (keys, values) in tree_kv.items():
-                    step_keys, step_values = kv_layer_entries(step.layers[i])
-                    keys[rc, :, jc], values[rc, :, jc] = step_keys[:, :, -1], step_values[:, :, -1]
-                if d == 0:  # the roots, in row order: their states are a row's when only the root is accepted
-                    _put_states(self.root, rc, step, conv=True)
-        return logits, features, tree_kv
+        per_target = self.head.verify_cost_cache.setdefault(self.target, {})
+        key = ("tree_verify", str(self.target.device), self.target.dtype, a, n1)
+        if key not in per_target:
+            self._fold_all(state)
 
-    def _chunk(self, state) -> int:
-        """Nodes per scan forward: the batch, or more where their linear states and past keys/values fit in
-        `SCAN_CHUNK_BYTES` (so a tree costs about the memory of a chain verify, whatever its size)."""
-        a = state.valid.shape[0]
-        batch_bytes = sum(t.numel() * t.element_size() for s in self.pending.values() for t in (s.conv, s.recurrent)
-                          if t is not None)  # the batch's linear states
-        batch_bytes += sum(t[:, :, : state.valid.shape[1]].numel() * t.element_size() for i in self.attention
-                           for t in kv_layer_entries(state.cache.layers[i]))  # and its past keys/values
-        return max(a, SCAN_CHUNK_BYTES * a // max(batch_bytes, 1))
+            def once(mode):
+                self._verify(mode, state, trees)
+                self.discard(state, trees)
+
+            per_target[key] = {mode: median_seconds(functools.partial(once, mode), repeats=2, warmup=1)
+                               for mode in ROUND_MODES}
+        return per_target[key]
 
 
-def path_nodes(trees: DraftTrees, rows: torch.Tensor, nodes: torch.Tensor, depth: int) -> torch.Tensor:
-    """The root-to-node path of each node `nodes[i]` (at `depth`) of row `rows[i]`: its ancestors ordered by depth,
-    of shape `(N, depth + 1)`, the root first and the node last."""
-    seen = trees.ancestors[rows, nodes]  # (N, n + 1): the node and its ancestors
-    at = trees.depths[rows][:, None, :] == torch.arange(depth + 1, device=rows.device)[None, :, None]  # (N, d + 1, n + 1)
-    return (seen[:, None, :] & at).long().argmax(-1)  # (N, d + 1): the one ancestor at each depth
+@dataclass
+class TreeRound:
+    """What a tree round's forward 1 leaves for its compaction."""
+
+    plans: list  # per active row, its `LeafPaths`
+    lead: list  # per active row, the unfolded tokens its paths ran first
+    anchors: list  # per active row, its anchor
+    shapes: list  # per active row, `(tokens, parents)` of its tree
+    index_of: dict  # (active row, leaf) -> index of its path
+    ends: dict  # path index -> the linear states after the path, for the paths no padding followed
+
+
+@dataclass
+class LeafPaths:
+    """A tree's root-to-leaf paths and where each node is read from (`leaf_paths`)."""
+
+    paths: list  # per leaf, its nodes root first (node 0 the root)
+    source: list  # per node 0..n, `(path index, depth)`: a path holding it (its own where it is a leaf) and where
+    canonical: list  # per node 0..n, the first node with its parent and token (a tree padded with copies of its
+    # last node holds them twice; acceptance takes the first)
+
+
+def leaf_paths(tokens: list, parents: list) -> LeafPaths:
+    """The root-to-leaf paths of one tree (`tokens`, `parents` of nodes 1..n, root excluded), one per distinct leaf:
+    a node that repeats an earlier node's parent and token (the padding of `steps._stack_trees`) is read from that
+    node's path."""
+    n = len(tokens)
+    canonical, first = [0] * (n + 1), {}
+    for j in range(1, n + 1):
+        canonical[j] = first.setdefault((canonical[parents[j - 1]], tokens[j - 1]), j)
+    has_child = [False] * (n + 1)
+    for j in range(1, n + 1):
+        if canonical[j] == j:
+            has_child[canonical[parents[j - 1]]] = True
+    paths, leaf_index = [], {}
+    for j in range(n + 1):
+        if canonical[j] == j and not has_child[j]:
+            path, node = [j], j
+            while node:
+                node = canonical[parents[node - 1]]
+                path.append(node)
+            leaf_index[j] = len(paths)
+            paths.append(path[::-1])
+    source = [None] * (n + 1)
+    depth = [0] * (n + 1)
+    for j in range(1, n + 1):
+        depth[j] = depth[parents[j - 1]] + 1
+    for j in range(n, -1, -1):  # children follow their parents: a parent's source is one of its children's
+        if canonical[j] != j:
+            continue
+        if j in leaf_index:
+            source[j] = (leaf_index[j], depth[j])
+        if j:
+            parent = canonical[parents[j - 1]]
+            if source[parent] is None:
+                source[parent] = (source[j][0], depth[parent])
+    for j in range(n + 1):
+        if source[j] is None:
+            source[j] = source[canonical[j]]
+    return LeafPaths(paths, source, canonical)
+
+
+def _fold_length(lengths: list) -> int:
+    """Forward 2 folds one count of tokens for every row it runs (a row's tokens cannot be padded: padding would
+    enter its state). The count chosen leaves the fewest tokens unfolded in any row (ties: the larger count): rows
+    with at least that many fold that many, the others none, and what stays is run first in the next round's
+    forward 1. At batch 1 a row folds all its tokens; at batch 2 what stays is at most about a tree's depth."""
+    best = None
+    for m in sorted(set(lengths)):
+        left = max(n - m if n >= m else n for n in lengths)
+        if best is None or left <= best[0]:
+            best = (left, m)
+    return best[1]
+
+
+def _rows_of(cache, rows: list, states: dict) -> dict:
+    """`states` `{(layer, s): LinearState (1, ...)}` written into rows `rows` of a copy of the cache's own
+    states."""
+    out = {}
+    for key, new in states.items():
+        conv, recurrent = linear_state(cache.layers[key[0]], key[1])
+        index = torch.tensor(rows, device=(conv if conv is not None else recurrent).device)
+        if conv is not None and new.conv is not None:
+            conv = conv.index_copy(0, index, new.conv.to(conv.dtype))
+        if recurrent is not None and new.recurrent is not None:
+            recurrent = recurrent.index_copy(0, index, new.recurrent.to(recurrent.dtype))
+        out[key] = LinearState(conv, recurrent)
+    return out
+
+
+class ModeChooser:
+    """`tree_verify="auto"`: each round's mode, the one with the most expected tokens per second, `tau(m) /
+    (t(m) + e(m) * t(chain))`, from `t(m)`, the measured seconds of a verify in mode m (a chain's forward, a tree's
+    forward 1), `e(m)` the forwards its rounds run after the verify (chain: replays; tree: the fold), priced as a
+    chain's verify (a forward of at most depth + 1 tokens per row), and `tau(m)` the mean committed tokens per row and
+    round. A tree round tells both taus (the chain's is the part of the accepted path along first children) and the
+    chain's replays; a chain round only its own. The first two rounds are trees, and so is every `explore_every`-th
+    round while chains are chosen."""
+
+    def __init__(self, explore_every: int = 8, window: int = 32):
+        self.explore_every = explore_every
+        self.tau = {mode: deque(maxlen=window) for mode in ROUND_MODES}
+        self.forwards = {mode: deque(maxlen=window) for mode in ROUND_MODES}
+        self.rounds = 0
+
+    def next_mode(self, seconds: dict) -> str:
+        if self.rounds < 2 or not self.tau["tree"] or self.rounds % self.explore_every == 0:
+            mode = "tree"
+        else:
+            mode = max(ROUND_MODES, key=lambda m: self.rate(m, seconds))
+        self.rounds += 1
+        return mode
+
+    def rate(self, mode: str, seconds: dict) -> float:
+        """Expected committed tokens per second and row in `mode`."""
+        tau = sum(self.tau[mode]) / max(len(self.tau[mode]), 1)
+        extra = sum(self.forwards[mode]) / max(len(self.forwards[mode]), 1)
+        return tau / (seconds[mode] + extra * seconds["chain"])
+
+    def observe(self, mode: str, trees: DraftTrees, acc: Acceptance, recurrent: bool):
+        """A round's acceptance: its tau, and after a tree round the chain's tau and replays on the same round."""
+        counts = acc.count.tolist()
+        self.tau[mode].append(sum(counts) / len(counts))
+        if mode != "tree":
+            return
+        nodes = acc.nodes.tolist()
+        parents = [t.parents for t in trees.host] if trees.host is not None else trees.parents.tolist()
+        chain_counts = []
+        for path, count, parent in zip(nodes, counts, parents):
+            firsts = {}
+            for j, p in enumerate(parent, start=1):
+                firsts.setdefault(p, j)  # a node's first child: the chain's node at the next depth
+            along = 1
+            while along < count and firsts.get(path[along - 1]) == path[along]:
+                along += 1
+            chain_counts.append(along)
+        self.tau["chain"].append(sum(chain_counts) / len(chain_counts))
+        longest = [len(firsts_path(parent)) + 1 for parent in parents]
+        replays = {c for c, k1 in zip(chain_counts, longest) if c < k1} if recurrent else set()
+        self.forwards["chain"].append(len(replays))
+
+    def extra(self, mode: str, forwards: int):
+        """The forwards a round ran after its verify (replays, fold)."""
+        self.forwards[mode].append(forwards)
+
+
+def firsts_path(parents: list) -> list:
+    """The nodes of a tree's best path (`best_path`): the first child at every depth from the root."""
+    path, node = [], 0
+    while node in parents:
+        node = parents.index(node) + 1
+        path.append(node)
+    return path
 
 
 def _put_states(states: dict, rows: torch.Tensor, cache, conv: bool):

@@ -41,8 +41,7 @@ from .tree import (
     build_tree,
     entropy,
     marginal_children,
-    verification_block_mask,
-    verification_mask,
+    verify_attention_mask,
 )
 
 
@@ -174,19 +173,9 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
         n + 1 entries; [`compact`] keeps the accepted ones.
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
-    flex = attn_implementation(target) == "flex_attention"
-
-    def mask(window):  # (A, 1, n + 1, S + n + 1): a BlockMask for flex_attention, else an additive float mask
-        if flex:
-            return verification_block_mask(state.valid, trees.ancestors, window, state.positions, positions)
-        return verification_mask(state.valid, trees.ancestors, float_dtype(target), window, state.positions, positions)
-
-    if windows is None:
-        attention_mask = mask(None)
-    elif None in windows:  # every layer slides (Mistral): one mask
-        attention_mask = mask(windows[None])
-    else:  # one mask per layer type; the model hands each layer its own
-        attention_mask = {layer_type: mask(window) for layer_type, window in windows.items()}
+    flex = attn_implementation(target) == "flex_attention"  # a BlockMask for flex_attention, else additive masks
+    attention_mask = verify_attention_mask(state.valid, trees.ancestors, float_dtype(target), windows,
+                                           state.positions, positions, flex=flex)
     with linear_forms(target, forms):
         out = target(
             input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)

@@ -281,6 +281,7 @@ def verification_allowed(
     window: int | None = None,
     past_positions: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    causal_past: bool = False,
 ) -> torch.Tensor:
     """Where the target's verify forward over the tree (root first) may attend after a cache.
 
@@ -291,15 +292,20 @@ def verification_allowed(
             (transformers' rule), on top of the rest. Needs the positions below.
         past_positions (`torch.LongTensor` of shape `(B, S)`, *optional*): position id of every cache entry.
         positions (`torch.LongTensor` of shape `(B, T)`, *optional*): position id of every tree node.
+        causal_past (`bool`, *optional*, defaults to `False`): a query sees a cache entry only at a position up to its
+            own (needs the positions): for new tokens that re-read committed ones whose entries the cache holds.
 
     Returns:
         `torch.BoolTensor` of shape `(B, T, S + T)`: node i sees the valid cache entries, its ancestors and itself.
     """
     b, t, _ = ancestors.shape
-    allowed = torch.cat([past_valid[:, None, :].expand(b, t, -1), ancestors], dim=-1)  # (B, T, S+T)
+    if (window is not None or causal_past) and (past_positions is None or positions is None):
+        raise ValueError("expected past_positions and positions with a sliding window or causal_past, got none")
+    past = past_valid[:, None, :].expand(b, t, -1)  # (B, T, S)
+    if causal_past:
+        past = past & (past_positions[:, None, :] <= positions[:, :, None])
+    allowed = torch.cat([past, ancestors], dim=-1)  # (B, T, S+T)
     if window is not None:
-        if past_positions is None or positions is None:
-            raise ValueError("expected past_positions and positions with a sliding window, got none")
         keys = torch.cat([past_positions, positions], dim=1)  # (B, S+T)
         allowed = allowed & (positions[:, :, None] - keys[:, None, :] < window)
     return allowed
@@ -312,6 +318,7 @@ def verification_mask(
     window: int | None = None,
     past_positions: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    causal_past: bool = False,
 ) -> torch.Tensor:
     """Additive 4D mask for the target's verify forward over the tree (root first) after a cache: the
     [`verification_allowed`] entries (see there for the arguments) in the target's floating `dtype`.
@@ -320,7 +327,7 @@ def verification_mask(
         `torch.Tensor` of shape `(B, 1, T, S + T)`: 0 where attention is allowed, the dtype's minimum elsewhere
         (an additive float mask: a boolean one would be added to the scores by eager attention).
     """
-    allowed = verification_allowed(past_valid, ancestors, window, past_positions, positions)
+    allowed = verification_allowed(past_valid, ancestors, window, past_positions, positions, causal_past)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
@@ -344,6 +351,64 @@ def verification_block_mask(
         return allowed[batch, query, key]
 
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=kv, device=allowed.device)
+
+
+def verify_attention_mask(
+    past_valid: torch.Tensor,
+    seen: torch.Tensor,
+    dtype: torch.dtype,
+    windows: dict | None = None,
+    past_positions: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    layer_types: list | None = None,
+    unmasked: tuple = (),
+    causal_past: bool = False,
+    flex: bool = False,
+):
+    """The `attention_mask` a verify forward hands the target: the one place it is built (the attention targets'
+    verify in `steps.py`, the hybrid verifiers' forwards in `hybrid.py`).
+
+    Args:
+        past_valid, seen, past_positions, positions, causal_past: as in [`verification_mask`] (`seen`, the
+            new tokens' `ancestors`: which new token each new token sees).
+        dtype (`torch.dtype`): the target's floating dtype.
+        windows (`dict`, *optional*): sliding windows, from `verifiers.verify_windows`: `{layer type: window}`, or
+            `{None: window}` when every layer slides; `None` when no layer slides.
+        layer_types (`list`, *optional*): the target's layer types. When given, the result is a dict over them
+            (a layer type missing from `windows` takes the `None` entry's window, else none).
+        unmasked (`tuple`, *optional*): layer types that get `None` (no padding among the new tokens: recurrent,
+            convolution and cacheless layers).
+        flex (`bool`, *optional*): a flex_attention target: `BlockMask`s ([`verification_block_mask`]) instead of
+            additive masks (attention targets only: no `causal_past`).
+
+    Returns:
+        One additive mask `(B, 1, T, S + T)` when no layer type needs its own (no `layer_types`, and `windows` is
+        `None` or `{None: window}`), else `{layer type: mask or None}`: the model hands each layer the one of its
+        type. Types with the same window share one mask.
+    """
+    built = {}
+
+    def one(window):
+        if window in built:
+            return built[window]
+        if flex:
+            if causal_past:
+                raise ValueError("expected no causal_past with a flex_attention BlockMask, got causal_past=True")
+            built[window] = verification_block_mask(past_valid, seen, window, past_positions, positions)
+        else:
+            built[window] = verification_mask(past_valid, seen, dtype, window, past_positions, positions, causal_past)
+        return built[window]
+
+    if layer_types is None:
+        if windows is None:
+            return one(None)
+        if None in windows:  # every layer slides (Mistral): one mask
+            return one(windows[None])
+        return {layer_type: one(window) for layer_type, window in windows.items()}
+    return {
+        t: None if t in unmasked else one(None if windows is None else windows.get(t, windows.get(None)))
+        for t in sorted(set(layer_types))
+    }
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:

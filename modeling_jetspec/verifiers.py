@@ -137,11 +137,13 @@ def verify_seconds(verifier: Verifier, state: RoundState, trees: DraftTrees, rep
 
 @torch.no_grad()
 def measure_verify_seconds(target, head, shape: TreeShape, budgets, batch_size: int = 1, context_length: int = 64,
-                           repeats: int = 3) -> dict:
+                           repeats: int = 3, tree_verify: str = "auto") -> dict:
     """Median wall time of a verify round at each budget b, at this batch size, after a prefilled random context.
 
     The trees are the head's own ([`draft`] at `shape` without path conditioning or lookup branch, so b nodes), and
-    the forward is [`verify`] as `generate` runs it.
+    the forward is the verify of the call's verifier ([`verifier_for`] with `tree_verify`). A hybrid target is timed
+    in the mode it runs: "chain" its chain verify, "tree" a tree round's forward 1 over the leaf paths, "auto" the
+    tree's, the mode "auto" starts in (its rounds' own verify times then inform the budget, `budget.py`).
 
     Returns:
         `dict` from budget to seconds.
@@ -149,7 +151,9 @@ def measure_verify_seconds(target, head, shape: TreeShape, budgets, batch_size: 
     vocab = target.config.get_text_config(decoder=True).vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (batch_size, context_length), generator=g).to(target.device)
-    verifier = verifier_for(target, head)
+    if is_hybrid(target) and tree_verify == "auto":
+        tree_verify = "tree"
+    verifier = verifier_for(target, head, tree_verify)
     state, _ = verifier.prefill(prompt, None)
     alone = replace(shape, path_conditioning=False, lookup=0)
     return {b: verify_seconds(verifier, state, draft(head, state, alone, b), repeats) for b in budgets}

@@ -77,8 +77,8 @@ ATTENTION_FAMILIES = {
     "nanochat": ({}, "sdpa"),
     "vaultgemma": ({"sliding_window": 8}, "eager"),
 }
-# hybrid families, verified by modeling_jetspec/hybrid.py ("auto": chain): one linear-attention, Mamba or
-# convolution layer and one attention layer
+# hybrid families, verified by modeling_jetspec/hybrid.py ("auto": chain or tree, per round): one linear-attention,
+# Mamba or convolution layer and one attention layer
 HYBRID_FAMILIES = {
     "qwen3_5_text": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
     "qwen3_5_moe_text": ({**LINEAR, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),

@@ -1,6 +1,7 @@
 """Hybrid targets (linear-attention or convolution layers next to attention layers) decode losslessly with both
 verifiers of `modeling_jetspec/hybrid.py`: "chain" (the best path in one forward, recorded convolution states cut
-back, recurrent rows replayed) and "tree" (the whole tree scanned depth by depth from each node's parent's states).
+back, recurrent rows replayed) and "tree" (every root-to-leaf path in one forward, a batch row per leaf, then one
+fold of the committed tokens into the rows' states), and with "auto", which chooses one of the two per round.
 
 Settings, bracketing acceptance (tiny random Qwen3.5 dense and MoE, Qwen3-Next and LFM2 targets, fp32):
   (a) a random untrained head: drafts mostly wrong;
@@ -17,6 +18,11 @@ from test_architectures import HYBRID_FAMILIES, VOCAB, family_target
 from test_lossless import LookupBranch
 from test_sampling import ALPHA, NEW, MarginalHead, exact_distribution, goodness_of_fit, sample
 from tiny import oracle_head, prompts, tiny_head, tiny_target
+
+from modeling_jetspec import hybrid
+from modeling_jetspec.hybrid import HybridVerifier, _fold_length, leaf_paths
+from modeling_jetspec.state import JetSpecStats, TreeShape
+from modeling_jetspec.verifiers import measure_verify_seconds
 
 FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2"]
 MODES = ["chain", "tree"]
@@ -67,9 +73,9 @@ def test_always_right_drafter_commits_whole_paths(family, mode):  # (b)
     tree = greedy(target, ids, mask, max_new_tokens=13, assistant_model=head, tree_verify=mode)
     assert torch.equal(tree, plain)
     assert head.last_stats.tau == 4.0 and head.last_stats.rounds == 3  # 1 from the prefill, 3 rounds of 3 + bonus
-    # chain: one forward per round, nothing to replay; tree: one forward per depth 0..3 (the tiny states fit in one
-    # chunk), then the accepted path once more for the states the rows keep (every row accepted all 3 depths)
-    assert count.calls == 1 + 3 * (1 if mode == "chain" else 5)
+    # one forward per round in either mode: the chain has nothing to replay; the tree's accepted path is a whole
+    # root-to-leaf path that no padding followed in its forward, so the rows keep that forward's states
+    assert count.calls == 1 + 3
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,7 +96,7 @@ def test_sometimes_right_drafter_matches_greedy(family, mode, batch):  # (c)
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
 def test_stats_count_every_target_forward(family, mode):
     # (c) sometimes right, at batch 3: chains are cut short, so rows with recurrent states (Qwen3.5) are replayed;
-    # the tree scan runs a forward per depth. The statistics count the forwards the target really ran.
+    # a tree round runs its leaf paths, then folds. The statistics count the forwards the target really ran.
     target = hybrid_target(family)
     ids, mask = prompts(3, vocab_size=VOCAB)
     plain = greedy(target, ids, mask, max_new_tokens=24)
@@ -102,8 +108,10 @@ def test_stats_count_every_target_forward(family, mode):
     assert torch.equal(out.sequences, plain)
     stats = out.jetspec_stats
     assert stats.target_forwards == count.calls
-    if mode == "tree" or family == "qwen3_5_text":  # scan steps or replays: more forwards than prefill + rounds
+    if mode == "chain" and family == "qwen3_5_text":  # replays: more forwards than prefill + rounds
         assert count.calls > 1 + stats.rounds
+    if mode == "tree":  # the leaf paths, and a fold in the rounds whose accepted path was not a whole leaf path
+        assert 1 + stats.rounds <= count.calls <= 1 + 2 * stats.rounds
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -139,8 +147,8 @@ def test_measured_budget_and_path_conditioning_stay_lossless(mode):
         assert torch.equal(tree, plain), kwargs
 
 
-def test_tree_accepts_more_than_chain_and_costs_more_forwards():
-    """The measurement behind `tree_verify="auto"` == "chain" (counts, not times; `docs/targets.md`)."""
+def test_tree_accepts_more_than_chain_in_as_few_forwards():
+    """Counts, not times, behind `docs/targets.md`'s table."""
     target = hybrid_target("qwen3_5_text")
     ids, mask = prompts(1, vocab_size=VOCAB)
     plain = greedy(target, ids, mask, max_new_tokens=40)
@@ -157,8 +165,144 @@ def test_tree_accepts_more_than_chain_and_costs_more_forwards():
     (chain_tau, chain_rounds, chain_forwards), (tree_tau, tree_rounds, tree_forwards) = result.values()
     assert tree_tau > chain_tau  # a tree accepts through later siblings, a chain stops at its first miss
     assert chain_rounds <= chain_forwards <= 2 * chain_rounds  # one verify, plus at most one replay at batch 1
-    # depths 0..4 every round, and a rerun of the accepted path in the rounds that accepted more than the root
-    assert 5 * tree_rounds < tree_forwards <= 6 * tree_rounds
+    # the leaf paths every round, and a fold in the rounds whose accepted path was not a whole leaf path
+    assert tree_rounds <= tree_forwards <= 2 * tree_rounds
+
+
+class RoundForwards:
+    """The target forwards of each round (`JetSpecStats.add_round`'s `forwards`), and its rows' accepted counts."""
+
+    def __init__(self, monkeypatch):
+        self.forwards, self.counts = [], []
+        add_round = JetSpecStats.add_round
+
+        def recording(stats, budget, counts, *args, forwards):
+            self.forwards.append(forwards)
+            self.counts.append(list(counts))
+            return add_round(stats, budget, counts, *args, forwards=forwards)
+
+        monkeypatch.setattr(JetSpecStats, "add_round", recording)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_tree_round_costs_at_most_two_forwards(family, batch, monkeypatch):
+    # forward 1 over the leaf paths, then at most one fold, whatever the tree's size and the rows' accepted lengths
+    # (at batch 2 rows accept different lengths: the fold leaves a row some tokens, run first in its next round)
+    target = hybrid_target(family)
+    ids, mask = prompts(batch, vocab_size=VOCAB)
+    free = greedy(target, ids, mask, max_new_tokens=20)
+    answer = free[0, ids.shape[1] :].tolist()
+    first = next((k for k in range(6, len(answer)) if answer[k] not in answer[:k]), None)
+    kwargs = {"eos_token_id": answer[first]} if batch > 1 and first is not None else {}  # a row stops mid-answer
+    plain = greedy(target, ids, mask, max_new_tokens=20, **kwargs)
+    rounds = RoundForwards(monkeypatch)
+    differ = 0
+    for budget in (1, 5, 12, 30):
+        shape = dict(tree_depth=4, tree_width=3, tree_budget=budget)
+        for head in (tiny_head(target, **shape), oracle_head(target, plain, mask, mode="sometimes", **shape)):
+            rounds.forwards.clear()
+            tree = greedy(target, ids, mask, max_new_tokens=20, assistant_model=head, tree_verify="tree", **kwargs)
+            assert torch.equal(tree, plain), budget
+            assert rounds.forwards and max(rounds.forwards) <= 2, (budget, rounds.forwards)
+            differ += sum(len(set(c)) > 1 for c in rounds.counts)
+            rounds.counts.clear()
+    if batch > 1:
+        assert differ > 0  # some round's rows accepted different lengths
+
+
+def test_tree_forward_runs_every_leaf_path_in_one_batch(monkeypatch):
+    # one forward 1 per round holds a batch row per distinct leaf; a tiny `PATHS_FORWARD_BYTES` splits it into
+    # chunks of one path (more forwards, same tokens)
+    target = hybrid_target("qwen3_5_text")
+    ids, mask = prompts(2, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=12)
+    shapes = []
+    paths_forward = HybridVerifier._paths_forward
+
+    def recording(self, state, part, leads):
+        shapes.append(len(part))
+        return paths_forward(self, state, part, leads)
+
+    monkeypatch.setattr(HybridVerifier, "_paths_forward", recording)
+    head = tiny_head(target, tree_depth=3, tree_width=3, tree_budget=12)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=12, assistant_model=head, tree_verify="tree"), plain)
+    assert max(shapes) > 2 * 3  # a 12-node tree of width 3 has more leaves than depths, in each of 2 rows
+    rounds = len(shapes)
+    shapes.clear()
+    monkeypatch.setattr(hybrid, "PATHS_FORWARD_BYTES", 1)
+    monkeypatch.setattr(HybridVerifier, "__init__", _small_weights(HybridVerifier.__init__))
+    head = tiny_head(target, tree_depth=3, tree_width=3, tree_budget=12)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=12, assistant_model=head, tree_verify="tree"), plain)
+    assert set(shapes) == {1} and len(shapes) > rounds
+
+
+def _small_weights(init):
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.weight_bytes = 0  # so that PATHS_FORWARD_BYTES alone bounds a forward
+
+    return wrapped
+
+
+def test_leaf_paths_read_every_node_from_a_path_holding_it():
+    # root 0; 1 and 2 under the root; 3 under 1; 4 a copy of 3 (the padding of a shorter tree)
+    plan = leaf_paths([5, 6, 7, 7], [0, 0, 1, 1])
+    assert plan.paths == [[0, 2], [0, 1, 3]]
+    assert plan.canonical == [0, 1, 2, 3, 3]
+    for node, (path, depth) in enumerate(plan.source):
+        assert plan.paths[path][depth] == plan.canonical[node]
+
+
+def test_fold_length_keeps_few_tokens_unfolded():
+    assert _fold_length([5]) == 5  # batch 1: all of them
+    assert _fold_length([3, 8]) == 8  # folding 3 would leave 5, folding 8 leaves the other row's 3
+    assert _fold_length([4, 4, 2]) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
+def test_auto_chooses_per_round_and_stays_lossless(family, monkeypatch):
+    # "auto" times a chain verify and a tree verify once, explores trees, then runs the mode with the most expected
+    # tokens per second; switching from a tree round to a chain round folds what a tree round left unfolded
+    target = hybrid_target(family)
+    ids, mask = prompts(2, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=30)
+    chosen = []
+    verify = HybridVerifier._verify
+
+    def recording(self, mode, state, trees):
+        chosen.append(mode)
+        return verify(self, mode, state, trees)
+
+    monkeypatch.setattr(HybridVerifier, "_verify", recording)
+    head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
+    count = ForwardCount(target)
+    out = greedy(target, ids, mask, max_new_tokens=30, assistant_model=head, tree_verify="auto",
+                 return_dict_in_generate=True)
+    count.handle.remove()
+    assert torch.equal(out.sequences, plain)
+    assert out.jetspec_stats.target_forwards == count.calls
+    timed = [("tree_verify",) == key[:1] for key in head.verify_cost_cache[target]]
+    assert any(timed)  # the two modes were timed, and kept on the head
+    assert {"chain", "tree"} <= set(chosen)  # timing ran both
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_measured_verify_seconds_time_the_mode_they_price(mode, monkeypatch):
+    target = hybrid_target("qwen3_5_text")
+    head = tiny_head(target)
+    ran = []
+    verify = HybridVerifier._verify
+
+    def recording(self, round_mode, state, trees):
+        ran.append(round_mode)
+        return verify(self, round_mode, state, trees)
+
+    monkeypatch.setattr(HybridVerifier, "_verify", recording)
+    shape = TreeShape(depth=3, width=2, budget=6, scoring="logprob", path_conditioning=False)
+    seconds = measure_verify_seconds(target, head, shape, [2, 6], context_length=8, repeats=1, tree_verify=mode)
+    assert set(seconds) == {2, 6} and all(s > 0 for s in seconds.values())
+    assert set(ran) == {mode}
 
 
 # family, mode, gain on the (tied) output embeddings: peaked enough that drafts are accepted often, flat enough

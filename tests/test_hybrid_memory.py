@@ -1,12 +1,12 @@
-"""Tree verification of a gated delta-net target (Qwen3.5) costs about the memory of a chain verify, not memory per
-tree node and row.
+"""A tree round on a gated delta-net target (Qwen3.5) holds leaves x (linear states + past) for its leaf paths, up
+to a bound: past `hybrid.PATHS_FORWARD_BYTES` (or a share of the target's weights, tiny here) the paths run in
+chunks, a few forwards instead of one.
 
 A gated delta-net layer keeps a recurrent state of `linear_num_value_heads x key dim x value dim` per row: here
-8 x 128 x 128 fp32, 0.5 MiB per layer and row (Qwen3.5's defaults, 32 value heads, make it 2 MiB). A scan that kept
-every node's states held `rows x (budget + 1) x layers` of them, and as many again in flight per depth; at the
-default budget (32 nodes) that was over 100 states per row (a tiny Qwen3.5 with the default head sizes: 1.17 GB peak
-at batch 1, 3.22 GB at batch 4, against 0.49 and 0.61 GB for chain verify). Each measurement runs in a fresh
-process (peak RSS, `ru_maxrss`) under a 3 GB address-space limit.
+8 x 128 x 128 fp32, 0.5 MiB per layer and row (Qwen3.5's defaults, 32 value heads, make it 2 MiB). The old
+depth-by-depth scan, which kept every node's states, peaked at 1.17 GB at batch 1 and 3.22 GB at batch 4 on this
+target, against 0.49 and 0.61 GB for chain verify. Each measurement runs in a fresh process (peak RSS,
+`ru_maxrss`) under a 3 GB address-space limit.
 """
 
 import json
@@ -21,13 +21,16 @@ BATCH = 4
 LIMIT_BYTES = 3 * 2**30
 
 
-def measure(mode: str, batch: int) -> dict:
-    """Peak RSS (MiB) before and after one greedy `generate` call with a random head, `tree_verify=mode`."""
+def measure(mode: str, batch: int, bound_mib: float) -> dict:
+    """Peak RSS (MiB) before and after one greedy `generate` call with a random head, `tree_verify=mode`, with
+    `PATHS_FORWARD_BYTES` at `bound_mib` (0: the default), and the call's forwards per round."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from modeling_jetspec import JetSpecDraftModel
+    from modeling_jetspec import JetSpecDraftModel, hybrid
 
+    if bound_mib:
+        hybrid.PATHS_FORWARD_BYTES = int(bound_mib * 2**20)
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(
         vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -47,31 +50,37 @@ def measure(mode: str, batch: int) -> dict:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         run(ids, mode)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"mode": mode, "batch": batch, "before_mib": before / 1024, "peak_mib": after / 1024,
-            "rounds": head.last_stats.rounds}
+    stats = head.last_stats
+    return {"mode": mode, "batch": batch, "bound_mib": bound_mib, "before_mib": before / 1024,
+            "peak_mib": after / 1024, "rounds": stats.rounds,
+            "forwards_per_round": (stats.target_forwards - 1) / max(stats.rounds, 1)}
 
 
-def peak(mode: str) -> dict:
+def peak(mode: str, bound_mib: float = 0) -> dict:
     """[`measure`] in a fresh process, its address space capped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, __file__, mode, str(BATCH)], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=1800, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES)),
+        [sys.executable, __file__, mode, str(BATCH), str(bound_mib)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=1800,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES)),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_tree_verify_memory_stays_near_chain_verify():
-    chain, tree = peak("chain"), peak("tree")
-    print(f"\nchain {chain}\ntree  {tree}")
-    assert chain["rounds"] >= 1 and tree["rounds"] >= 1  # both really verified rounds
-    # the issue's bound, whole process: the old scan measured about 2x here (its node states alone: 4 rows x 33
-    # nodes x 3 layers x 0.53 MiB = 210 MiB, held while about as many more were in flight)
-    assert tree["peak_mib"] <= 1.5 * chain["peak_mib"]
-    # and what the call added: the tree scan's chunks and reruns hold a few states per row, not one per node
-    assert tree["peak_mib"] - tree["before_mib"] <= 160
+def test_tree_verify_memory_follows_its_bound():
+    chain, tree, small = peak("chain"), peak("tree"), peak("tree", bound_mib=8)
+    print(f"\nchain {chain}\ntree  {tree}\nsmall {small}")
+    assert chain["rounds"] >= 1 and tree["rounds"] >= 1 and small["rounds"] >= 1  # all really verified rounds
+    # 4 rows x about 20 leaves x 1.5 MiB of states: past the default 64 MiB, so two chunks of paths, and a fold
+    assert tree["forwards_per_round"] <= 3
+    # what the call added: the paths' copies and the forward's working tensors, not one state per node and depth
+    assert tree["peak_mib"] - tree["before_mib"] <= 480
+    # an 8 MiB bound runs 5 paths per forward: more forwards, and about the old scan's memory (measured: 15.5
+    # forwards per round, +152 MiB; the default bound: 3 forwards per round, +381 MiB; chain: +24 MiB)
+    assert small["forwards_per_round"] > tree["forwards_per_round"]
+    assert small["peak_mib"] <= 1.5 * chain["peak_mib"] and small["peak_mib"] - small["before_mib"] <= 200
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]))))
+    print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))))

@@ -1,0 +1,127 @@
+"""Target forwards per round and tokens per forward of hybrid verification, at a real Qwen3.5's state sizes.
+
+A random Qwen3.5 whose gated delta-net layers have a real one's sizes (32 value heads and 16 key heads of 128: a
+recurrent state of 32 x 128 x 128 per layer and row, 2 MiB in fp32), with a small hidden size and few layers, so
+the states are real and the weights are not. Tiny states hide what a tree costs: a tree verify whose memory grows
+with the states runs more forwards, and only real sizes show it.
+
+Two drafters that know the target's greedy continuation: "always" (the right token is always the top candidate)
+and "sometimes" (it is the 1st, 2nd or 3rd candidate by position, so the accepted path runs through later
+siblings), at the head's default tree (depth 7, budget 32, width 3 here). Each run is checked against plain greedy
+`generate` (float32) and prints one JSON line: rounds, tau, target forwards per round (mean, max) and committed
+tokens per target forward (the prefill excluded).
+
+The leaf paths of a tree round run in one forward while their copies of the rows' states fit in
+`hybrid.PATHS_FORWARD_BYTES` or a quarter of the target's weights. This model's weights are tiny, so the floor
+applies; `--weights-gb` sets the bound a real target of that many GB of weights gets (18: Qwen3.5 9B in bf16).
+
+    OMP_NUM_THREADS=1 nice -n 19 python scripts/hybrid_forwards.py --layers 4 --new-tokens 24
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modeling_jetspec import JetSpecDraftModel, hybrid  # noqa: E402
+from modeling_jetspec.state import JetSpecStats  # noqa: E402
+
+
+class KnowingHead(JetSpecDraftModel):
+    """A drafter that knows each row's greedy continuation (`reference`, `(B, L)` token ids by absolute position,
+    prompts not left-padded): it ranks the right token first ("always") or 1st, 2nd or 3rd by position
+    ("sometimes", behind decoys)."""
+
+    reference: torch.Tensor = None
+    mode: str = "always"
+
+    def draft(self, input_ids, position_ids, *args, **kwargs):
+        out = super().draft(input_ids, position_ids, *args, **kwargs)
+        logits = torch.full_like(out.logits, -1e4)
+        vocab = logits.shape[-1]
+        for i in range(input_ids.shape[0]):
+            row = self._row(int(input_ids[i, 0]), int(position_ids[i, 0]))
+            for t in range(input_ids.shape[1]):
+                position = int(position_ids[i, t])
+                token = int(self.reference[row, position]) if position < self.reference.shape[1] else 0
+                logits[i, t, token] = 0.0
+                if self.mode == "sometimes":
+                    for j in range((position * 7) % 3):  # decoys ranked above the right token
+                        logits[i, t, (token + 1 + j) % vocab] = 1.0 - 0.25 * j
+        out.logits = logits
+        return out
+
+    def _row(self, anchor: int, position: int) -> int:
+        """The reference row a batch row decodes: the first one holding its anchor at its position."""
+        for row in range(self.reference.shape[0]):
+            if position < self.reference.shape[1] and int(self.reference[row, position]) == anchor:
+                return row
+        return 0
+
+
+def qwen35(layers: int, vocab: int, seed: int = 0):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_value_heads=32, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )  # a real Qwen3.5's gated delta-net sizes; every 4th layer full attention
+    return Qwen3_5ForCausalLM(config).eval()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--prompt-length", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=["tree", "chain"])
+    parser.add_argument("--drafters", nargs="+", default=["always", "sometimes"])
+    parser.add_argument("--weights-gb", type=float, default=0.0,
+                        help="bound forward 1 as a target with this many GB of weights would (0: this model's)")
+    args = parser.parse_args(argv)
+    if args.weights_gb:
+        hybrid.PATHS_FORWARD_BYTES = int(args.weights_gb * 1e9 * hybrid.WEIGHTS_SHARE)
+    target = qwen35(args.layers, args.vocab)
+    per_round = []
+    add_round = JetSpecStats.add_round
+
+    def recording(stats, budget, counts, *rest, forwards):
+        per_round.append(forwards)
+        return add_round(stats, budget, counts, *rest, forwards=forwards)
+
+    JetSpecStats.add_round = recording
+    for batch in args.batch:
+        ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=args.new_tokens)
+        for drafter in args.drafters:
+            for mode in args.modes:
+                head = KnowingHead.from_target(target, tree_width=3).eval()  # default depth 7, budget 32
+                head.reference = torch.nn.functional.pad(plain, (0, 64))
+                head.mode = drafter
+                per_round.clear()
+                with torch.no_grad():
+                    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=args.new_tokens, assistant_model=head, tree_verify=mode)
+                stats = head.last_stats
+                forwards = stats.target_forwards - 1  # the prefill excluded
+                print(json.dumps({
+                    "batch": batch, "drafter": drafter, "mode": mode, "equal_to_greedy": torch.equal(out, plain),
+                    "rounds": stats.rounds, "tau": round(stats.tau, 2),
+                    "forwards_per_round": round(forwards / max(stats.rounds, 1), 2), "max_forwards": max(per_round),
+                    "tokens_per_forward": round(stats.round_tokens / max(forwards, 1), 2),
+                    "paths_forward_mib": round(max(hybrid.PATHS_FORWARD_BYTES, 0) / 2**20),
+                }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
