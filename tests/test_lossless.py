@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicCache
 import modeling_jetspec.decode as decode
 import modeling_jetspec.integration as integration
 import modeling_jetspec.steps as steps
+import modeling_jetspec.tree as tree_module
 from modeling_jetspec import JetSpecGenerateOutput
 from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
@@ -309,13 +310,13 @@ def use_flex(monkeypatch, compiled: bool) -> list:
 
         monkeypatch.setattr(transformers_flex, "compile_friendly_flex_attention", uncompiled)
     block_masks = []
-    build = steps.verification_block_mask
+    build = tree_module.verification_block_mask
 
     def recording(*args, **kwargs):
         block_masks.append(build(*args, **kwargs))
         return block_masks[-1]
 
-    monkeypatch.setattr(steps, "verification_block_mask", recording)
+    monkeypatch.setattr(tree_module, "verification_block_mask", recording)  # where verify_attention_mask finds it
     return block_masks
 
 

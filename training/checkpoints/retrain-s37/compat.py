@@ -1,0 +1,225 @@
+"""Every touch of a transformers name that is private or undocumented, each named here and said why it is needed.
+
+The tree loop runs inside `generate` and reaches into caches the library does not expose as an API: these are the
+places an upgrade of transformers can break it. Each touch is one small function or constant below;
+`tests/test_compat.py` checks every one against the installed transformers (the attribute, signature or class
+exists and behaves as assumed), so an upgrade fails there, in one place. Where transformers has a public API
+(`PreTrainedModel.set_attn_implementation`, `Cache.crop`, `Cache.batch_select_indices`, a cache layer's `update` /
+`crop` / `reorder_cache` / `activate_past_recording`) the package calls it directly.
+
+Touches that are the library's documented extension points are listed in the test but not wrapped, since they must
+stay where they are: the head overrides `PreTrainedModel._init_weights` and sets `_no_split_modules` /
+`_keys_to_ignore_on_load_missing` (`modeling_jetspec.py`), as every transformers model does.
+
+This module imports nothing from the package: every other file may import it.
+"""
+
+import inspect
+
+import torch
+from transformers import GenerationMixin
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+__all__ = [
+    "DummyLayer",
+    "DynamicLayer",
+    "LinearAttentionCacheLayerMixin",
+    "LinearAttentionLayer",
+    "ROW_WISE_PROCESSORS",
+    "assisted_decoding_with",
+    "attn_implementation",
+    "custom_decode_kwargs",
+    "fill_linear_state",
+    "kv_layer_entries",
+    "linear_state",
+    "linear_state_count",
+    "pad_token_tensor",
+    "pads_finished_rows",
+    "repetition_penalty_for_row",
+    "set_linear_state",
+    "stop_past_recording",
+]
+
+
+# ------------------------------------------------------------------------------------------------ model and generate
+def attn_implementation(model) -> str:
+    """The attention implementation a model runs with ("eager", "sdpa", "flash_attention_2", ...).
+
+    transformers 5.23 has a public setter (`set_attn_implementation`, used to switch flash attention to sdpa for a
+    tree mask) but no public getter: the value lives in the config's `_attn_implementation` property.
+    """
+    return model.config._attn_implementation
+
+
+def pad_token_tensor(generation_config):
+    """The pad token `generate` resolved for this call (`pad_token_id`, else the first `eos_token_id`), as a
+    0-dim tensor or `None`.
+
+    `generate`'s `_prepare_special_tokens` stores it on the call's copy of the generation config as
+    `_pad_token_tensor` before a decoding method runs; `_sample` reads the same attribute. Reading it (rather than
+    `pad_token_id`) pads finished rows exactly as plain `generate` does.
+    """
+    return generation_config._pad_token_tensor
+
+
+def pads_finished_rows(stopping_criteria) -> bool:
+    """Whether plain decoding pads a row that a stopping criterion has finished, as `_sample` (private) decides it.
+
+    `_sample` pads finished rows only when some criterion has an `eos_token_id` attribute (`EosTokenCriteria`, from
+    the generation config's `eos_token_id`); otherwise a row that a criterion stopped keeps receiving real tokens
+    until every row has stopped, and all rows end at the same length. The tree loop mirrors both.
+    """
+    return any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+
+
+def custom_decode_kwargs(decode) -> set:
+    """The keyword arguments `generate` hands a callable `custom_generate` besides its usual ones.
+
+    `generate` (`_extract_generation_mode_kwargs`) passes a custom decoding method the arguments of the private
+    `GenerationMixin._sample` (`input_ids`, `logits_processor`, `stopping_criteria`, `generation_config`, model
+    kwargs), plus every keyword of the call that the callable names and `_sample` does not: the tree loop's
+    `_decode` mirrors `_sample`'s signature and receives its `jetspec_*` arguments this way.
+    """
+    return set(inspect.signature(decode).parameters) - set(inspect.signature(GenerationMixin._sample).parameters)
+
+
+def assisted_decoding_with(model, generator, input_ids, logits_processor, stopping_criteria, generation_config,
+                           synced_gpus=False, streamer=None, **model_kwargs):
+    """Run transformers' `_assisted_decoding` (private) with `generator` as its candidate generator (what
+    `candidate_generator.chain_generate` runs).
+
+    `_assisted_decoding` builds its generator with the model's `_get_candidate_generator` (private, no public way to
+    pass one in 5.23); the instance attribute set here shadows that method for this call only.
+    """
+    model._get_candidate_generator = lambda **kwargs: generator
+    try:
+        return model._assisted_decoding(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
+            streamer=streamer, **model_kwargs,
+        )
+    finally:
+        del model._get_candidate_generator
+
+
+# ------------------------------------------------------------------------------------------------ logits processors
+# transformers' processors whose output row depends only on that row's tokens and scores (no batch-sized state, no
+# batch index), read from their `__call__`: a node's scores are processed on its row alone. Matched by exact type (a
+# subclass may override `__call__`); `processors.check_processors` names which others are honoured and refuses the rest.
+# The list is kept by hand because transformers does not mark row-wise processors; the compat test runs each on a
+# batch and on its rows alone.
+ROW_WISE_PROCESSORS = (
+    EpsilonLogitsWarper, EtaLogitsWarper, ExponentialDecayLengthPenalty, ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization, MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
+)
+
+
+def repetition_penalty_for_row(processor: RepetitionPenaltyLogitsProcessor, row: int):
+    """A repetition penalty acting on batch row `row` alone, or `None` when `processor` already acts row-wise.
+
+    `generate` gives the penalty a per-row `prompt_ignore_length` tensor `(B,)` (each row's left padding) through
+    its constructor argument of that name and keeps it in the attribute of the same name (undocumented); a row
+    processed alone needs that row's entry.
+    """
+    skip = processor.prompt_ignore_length
+    if not isinstance(skip, torch.Tensor):
+        return None
+    return RepetitionPenaltyLogitsProcessor(processor.penalty, prompt_ignore_length=skip[row : row + 1])
+
+
+# ------------------------------------------------------------------------------------------------ cache layers
+# The cache layer classes (`transformers.cache_utils`, not exported at the top level): a key/value layer
+# (`DynamicLayer`), a layer that caches nothing (`DummyLayer`) and a recurrent / convolution state layer
+# (`LinearAttentionLayer`, a `LinearAttentionCacheLayerMixin`), which the hybrid verifier builds caches from.
+
+
+def kv_layer_entries(layer: DynamicLayer):
+    """`(keys, values)` of a key/value cache layer, each `(B, H_kv, S, D)`, or `None` when the layer holds none
+    (it reads another layer's keys/values).
+
+    A `DynamicLayer` keeps them in its undocumented `keys` / `values` attributes, allocated on the first `update`
+    (`is_initialized`); the tree loop moves accepted entries in place there, as `DynamicLayer.crop` slices them.
+    """
+    if not layer.is_initialized:
+        return None
+    return layer.keys, layer.values
+
+
+def set_kv_layer_entries(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor):
+    """Replace a key/value cache layer's entries (each `(B, H_kv, S', D)`), as `DynamicLayer.crop` does."""
+    layer.keys, layer.values = keys, values
+
+
+def linear_state_count(layer: LinearAttentionCacheLayerMixin) -> int:
+    """How many (convolution, recurrent) state pairs a linear-attention layer keeps (`number_of_states`)."""
+    return layer.number_of_states
+
+
+def linear_state(layer: LinearAttentionCacheLayerMixin, index: int) -> tuple:
+    """`(conv, recurrent)` state `index` of a linear-attention layer, each a tensor or `None` when not allocated.
+
+    Kept in the undocumented dicts `conv_states` / `recurrent_states` with `is_*_initialized` flags; the layer's
+    API writes them (`update_*_state`) but has no reader. While past recording is on, `conv` holds every input of
+    the forward after the K before it, `(B, C, K + T)`.
+    """
+    conv = layer.conv_states[index] if layer.is_conv_states_initialized[index] else None
+    recurrent = layer.recurrent_states[index] if layer.is_recurrent_states_initialized[index] else None
+    return conv, recurrent
+
+
+def set_linear_state(layer: LinearAttentionCacheLayerMixin, index: int, conv=None, recurrent=None):
+    """Make state `index` of an allocated linear-attention layer hold `conv` / `recurrent` (`None`: unchanged).
+
+    The layer's `update_*_state` methods fold new inputs into the state; restoring a state (after a rejected chain,
+    or a tree node's) replaces it, which only the undocumented dicts allow.
+    """
+    if conv is not None:
+        layer.conv_states[index] = conv
+    if recurrent is not None:
+        layer.recurrent_states[index] = recurrent
+
+
+def fill_linear_state(layer: LinearAttentionLayer, index: int, conv=None, recurrent=None):
+    """Allocate state `index` of an empty `LinearAttentionLayer` holding `conv` `(B, C, K)` / `recurrent`.
+
+    Through the layer's own update methods (a first update is its prefill); `update_conv_state` takes the kernel
+    size K as `conv_kernel_size` (a keyword of `LinearAttentionLayer`'s, not of the abstract mixin's).
+    """
+    if conv is not None:
+        layer.update_conv_state(conv, state_idx=index, conv_kernel_size=conv.shape[-1])
+    if recurrent is not None:
+        layer.update_recurrent_state(recurrent, state_idx=index)
+
+
+def stop_past_recording(layer: LinearAttentionCacheLayerMixin):
+    """End a past recording without cropping: the layer keeps only its last K convolution inputs again.
+
+    transformers has `activate_past_recording` but no public way back; `generate` ends a recording by setting the
+    `record_past` flag (`DeferredStopCheck.finish`), and so does this.
+    """
+    layer.record_past = False

@@ -1,0 +1,219 @@
+"""The decoding loop: one `generate` call as a prefill and rounds (arXiv 2606.18394, sections 3.2-3.4;
+`docs/design.md`, "§2 The round").
+
+[`_decode`] is the decoding method `generate` runs for a JetSpec head (handed to it as a callable
+`custom_generate` by `integration.tree_generate`): it checks the call, prefills through the call's verifier, commits
+each row's first token, then runs [`_round`] (draft, verify, accept, commit, compact; `steps.py`) until every row
+has finished, and returns the sequences (and, with `return_dict_in_generate`, scores, logits and statistics) as
+plain `generate` does. A `tree_budget="auto"` call picks each round's budget from measured costs (`budget.py`).
+"""
+
+import functools
+import time
+from dataclasses import replace
+
+import torch
+
+from .budget import DEFAULT_CANDIDATES, BudgetController
+from .compat import pad_token_tensor, pads_finished_rows
+from .continuations import LookupRecord
+from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
+from .processors import check_processors, choose_token, pick_token, processors_per_row
+from .steps import accept, commit, draft, select_rows
+from .stopping import stop_plan
+from .timing import RoundClock, clock, rounds_timed
+from .tree import max_tree_nodes
+from .verifiers import measure_verify_seconds
+
+
+def _decode(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    jetspec_head=None,
+    jetspec_shape=None,
+    jetspec_streamer=None,
+    jetspec_verifier=None,
+    **model_kwargs,
+):
+    """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
+    head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
+    attention_mask = model_kwargs.get("attention_mask")
+    _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
+    if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
+        streamer.put(input_ids.cpu())
+    call = _start_call(input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config,
+                       streamer)
+    # a lookup chain may be accepted past the head's depths
+    stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
+    timed = shape.budget == "auto" or rounds_timed()
+    started = clock() if timed else time.perf_counter()
+    before = call.verifier.target_forwards
+    state, logits = call.verifier.prefill(input_ids, attention_mask)
+    stats.target_forwards += call.verifier.target_forwards - before
+    state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
+    controller = None
+    if shape.budget == "auto" and state.rows.numel():
+        controller = _budget_controller(head, model, shape, state.rows.shape[0], getattr(call.verifier, "mode", "auto"))
+    while state.rows.numel():
+        state = _round(head, call, state, stats, controller, RoundClock(state.anchors.device) if timed else None)
+        _stream(call)
+    stats.total_seconds = (clock() if timed else time.perf_counter()) - started
+    return _finish(head, call, stats, generation_config, input_ids.shape[1])
+
+
+def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller, timer: RoundClock | None = None):
+    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round").
+
+    Its reads of the device: the draft's candidates and the commit's acceptance (`steps.draft`, `steps.commit`),
+    and, when timed (`timer`), the clock's once at the end.
+    """
+    mark = timer.mark if timer is not None else lambda: None
+    mark()
+    before = call.verifier.target_forwards
+    budget = controller.next_budget() if controller is not None else call.shape.budget
+    histories = call.histories() if call.shape.lookup else None
+    drafter = getattr(call.verifier, "draft", None) or draft  # the static path drafts over its fixed-shape buffers
+    trees = drafter(head, state, call.shape, budget, histories, call.lookup_record, call.lookup_index)
+    mark()
+    trees, logits, features = call.verifier.verify(state, trees)
+    mark()
+    acc = accept(logits, trees, call.active, call.choose)
+    done = commit(call, acc, logits)
+    state = call.verifier.compact(state, trees, done.acceptance, features, done.keep)
+    if call.active and hasattr(call.verifier, "reclaim"):  # holes and out-of-window columns (reclaim.py)
+        state = call.verifier.reclaim(state, max(call.lengths[row] for row in call.active) - 1)
+    mark()
+    outside, verify = 0.0, 0.0
+    if timer is not None:
+        drafting, verify, rest = timer.intervals()
+        outside = drafting + rest  # the round outside its verify forward
+    if controller is not None:
+        controller.update(done.paths, budget, outside, verify)
+    stats.add_round(budget, done.counts, done.tokens, outside, verify, forwards=call.verifier.target_forwards - before)
+    return state
+
+
+def _check_call(input_ids, attention_mask, processors, stopping, generation_config):
+    """Refuse, before any forward, what the loop cannot decode as plain `generate` would."""
+    batch, prompt_length = input_ids.shape
+    if generation_config.num_beams > 1:
+        raise ValueError(f"expected num_beams == 1 for tree speculative decoding, got {generation_config.num_beams}")
+    if prompt_length == 0:
+        raise ValueError("expected a non-empty prompt, got input_ids with 0 tokens")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"expected an attention_mask of the shape of input_ids {tuple(input_ids.shape)}, got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    check_processors(processors, batch)
+    if pads_finished_rows(stopping) and pad_token_tensor(generation_config) is None:
+        raise ValueError(
+            "expected a pad_token_id (or an eos_token_id) with a stopping criterion that has an eos_token_id: plain "
+            "decoding pads the rows it finishes, got none"
+        )
+
+
+def _start_call(input_ids, shape, verifier, processors, stopping, generation_config, streamer) -> Call:
+    """The call's settings and its sequences, holding the prompts (room for new tokens grows as they come)."""
+    batch, prompt_length = input_ids.shape
+    pad = pad_token_tensor(generation_config)
+    pad = int(pad) if pad is not None else 0  # without a pad token every row ends at the same length (`Call.end`)
+    sequences = input_ids.new_full((batch, prompt_length + min(generation_config.max_length - prompt_length, 64)), pad)
+    sequences[:, :prompt_length] = input_ids
+    wants_records = generation_config.return_dict_in_generate and (
+        generation_config.output_scores or generation_config.output_logits
+    )
+    device_stops, stop_length = stop_plan(stopping)
+    call = Call(
+        shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
+        max_length=generation_config.max_length, pads_finished=pads_finished_rows(stopping), pad_token=pad,
+        history=input_ids.tolist(), active=list(range(batch)), stopped_at=[None] * batch, streamer=streamer,
+        streamed=prompt_length, records=[[] for _ in range(batch)] if wants_records else None,
+        lookup_record=LookupRecord() if shape.lookup and shape.lookup_record else None,
+        device_stops=device_stops, stop_length=stop_length,
+    )
+    if generation_config.do_sample or len(processors):
+        per_row = processors_per_row(processors, batch)
+        call.choose = functools.partial(choose_token, per_row, generation_config.do_sample, call)
+    return call
+
+
+def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool, stats: JetSpecStats) -> RoundState:
+    """Commit each row's first token, picked from the prefill's processed `scores` `(B, V)` (every row has the same
+    length here, so the processors run on the whole batch, as in plain decoding); it becomes the row's anchor."""
+    first = pick_token(scores, do_sample)  # (B,)
+    acc = Acceptance(  # the prefill as a round whose tree is its root alone
+        nodes=torch.zeros_like(first)[:, None], tokens=first[:, None], count=torch.ones_like(first),
+        scores=[[row] for row in scores],
+    )
+    done = commit(call, acc, logits[:, None])
+    _stream(call)
+    stats.new_tokens += done.tokens
+    state = replace(state, anchors=first)
+    select = getattr(call.verifier, "select_rows", None) or select_rows  # the static path keeps its buffers' rows
+    return select(state, done.keep) if done.keep.numel() < first.shape[0] else state
+
+
+def _stream(call: Call, final: bool = False):
+    """Hand the streamer every step that all rows have reached, one `(B,)` tensor per step as plain `generate` does
+    (a padded row's step is its padding); `final`: every step up to the output's end."""
+    if call.streamer is None:
+        return
+    waiting = [length for length, stop in zip(call.lengths, call.stopped_at)
+               if not (call.pads_finished and stop is not None)]
+    limit = call.end() if final or not waiting else min(waiting)
+    if call.end() is not None:  # no step past the end (a stopped row may have run ahead of it)
+        limit = min(limit, call.end())
+    for step in range(call.streamed, limit):  # from the host's copy: a padded row's step is its padding
+        call.streamer.put(torch.tensor([h[step] if step < len(h) else call.pad_token for h in call.history]))
+    call.streamed = max(call.streamed, limit)
+
+
+def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_length: int):
+    _stream(call, final=True)
+    if call.streamer is not None:
+        call.streamer.end()
+    longest = call.end()
+    sequences = call.sequences[:, :longest]  # (B, longest); past each row's length: padding, never written
+    head.last_stats = stats
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    steps = longest - prompt_length
+    return JetSpecGenerateOutput(
+        sequences=sequences,
+        scores=_per_step(call.records, 0, steps) if generation_config.output_scores else None,
+        logits=_per_step(call.records, 1, steps) if generation_config.output_logits else None,
+        jetspec_stats=stats,
+    )
+
+
+def _budget_controller(head, target, shape: TreeShape, batch: int, tree_verify: str = "auto") -> BudgetController:
+    """Verify costs are measured once per (target, device, dtype, batch size) and kept on the head.
+
+    `head.verify_cost_cache` is keyed by the target object itself (weakly), never by `id(target)`: an id is reused
+    once a target is freed.
+    """
+    largest = max_tree_nodes(shape.depth, shape.width)
+    candidates = sorted({min(b, largest) for b in DEFAULT_CANDIDATES})
+    per_target = head.verify_cost_cache.setdefault(target, {})
+    key = (str(target.device), target.dtype, batch, tuple(candidates), tree_verify)
+    if key not in per_target:
+        per_target[key] = measure_verify_seconds(target, head, shape, candidates, batch_size=batch,
+                                                 tree_verify=tree_verify)
+    return BudgetController(candidates, per_target[key])
+
+
+
+def _per_step(records: list, which: int, steps: int) -> tuple:
+    """Per generated step, `(B, V)` scores (`which=0`) or logits (`which=1`); finished rows get zeros."""
+    zeros = torch.zeros_like(next(entry[which] for row in records for entry in row))  # (V,), on its device
+    return tuple(
+        torch.stack([rec[step][which] if step < len(rec) else zeros for rec in records]) for step in range(steps)
+    )
+
+
+# Written as `custom_generate/generate.py` next to a saved head, so that
