@@ -32,7 +32,6 @@ import collections
 import contextlib
 import inspect
 import os
-import sys
 
 import torch
 from torch.overrides import TorchFunctionMode

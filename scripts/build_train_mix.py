@@ -126,7 +126,7 @@ def math_prompts(rng: random.Random, count: int) -> list[dict]:
 
 
 def code_prompts(rng: random.Random) -> list[dict]:
-    combos = [(t, l, c) for t in CODE_TASKS for l in dict.fromkeys(CODE_LANGUAGES) for c in CODE_TEMPLATES]
+    combos = [(t, lang, c) for t in CODE_TASKS for lang in dict.fromkeys(CODE_LANGUAGES) for c in CODE_TEMPLATES]
     rng.shuffle(combos)
     return [
         {"id": f"code-{i:05d}", "source": "code", "prompt": template.format(lang=lang, task=task)}

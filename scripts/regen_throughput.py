@@ -13,7 +13,6 @@ import argparse
 import json
 import time
 
-import torch
 
 from jetspec.targets import apply_chat_template, load_target, resolve_dtype
 from modeling_jetspec.configuration_jetspec import default_target_layer_ids

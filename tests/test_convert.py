@@ -187,8 +187,8 @@ IMPORT_CASES = [(layout, arch, causal) for layout in LAYOUTS for arch in ("qwen3
                 if not (layout == "muse_glimmer_assistant" and causal)]
 
 
-@pytest.mark.parametrize("layout,arch,causal", IMPORT_CASES, ids=[f"{l}-{a}-{'causal' if c else 'bidir'}"
-                                                                  for l, a, c in IMPORT_CASES])
+@pytest.mark.parametrize("layout,arch,causal", IMPORT_CASES, ids=[f"{lay}-{a}-{'causal' if c else 'bidir'}"
+                                                                  for lay, a, c in IMPORT_CASES])
 @torch.no_grad()
 def test_imported_head_drafts_like_the_reference_forward(tmp_path, layout, arch, causal):
     target = target_for(arch)

@@ -7,7 +7,6 @@ goodness-of-fit test at alpha = 1e-3: with a fixed seed the outcome is determini
 would fail it for one seed in a thousand. Plain sampling goes through the same test, which checks the reference.
 """
 
-import itertools
 
 import pytest
 import torch

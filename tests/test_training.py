@@ -32,8 +32,6 @@ from training.trainer import (
     JetSpecCollator,
     JetSpecTrainer,
     JetSpecTrainingArguments,
-    draw_anchors,
-    pack_blocks,
     unwrap_head,
 )
 

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from .losses import LOSS_CHUNK_SLOTS, LOSS_KINDS, chain_accept_length, check_loss_kind, chunked_argmax, chunked_block_loss_terms
