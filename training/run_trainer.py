@@ -526,6 +526,11 @@ def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
     for weights in staging.glob("*.safetensors"):
         tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(weights).items()}
         save_file(tensors, weights, metadata={"format": "pt"})
+    config_path = staging / "config.json"
+    if config_path.is_file():  # the config says what the weights now are
+        config = json.loads(config_path.read_text())
+        config["dtype"] = "bfloat16"
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
     (staging / "training_args.json").write_text(json.dumps(run_config, indent=1, default=str) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
