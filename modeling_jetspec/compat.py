@@ -223,3 +223,14 @@ def stop_past_recording(layer: LinearAttentionCacheLayerMixin):
     `record_past` flag (`DeferredStopCheck.finish`), and so does this.
     """
     layer.record_past = False
+
+
+def compile_all_devices(compile_config) -> bool:
+    """Whether a `CompileConfig` asks `generate` to compile on every device, the CPU included (its private
+    `_compile_all_devices`, read by transformers' own auto-compile check)."""
+    return bool(getattr(compile_config, "_compile_all_devices", False))
+
+
+def mark_static_address(tensor) -> None:
+    """Tells `torch.compile` a buffer keeps its address across calls (CUDA graphs then read it in place)."""
+    torch._dynamo.mark_static_address(tensor)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
 
+from .compat import compile_all_devices, mark_static_address
 from .continuations import MAX_OCCURRENCES, RowIndexes
 from .decode import _decode
 from .layers import JetSpecContext
@@ -90,7 +91,7 @@ def compile_mode(mode: str, device: torch.device, generation_config) -> bool:
     if generation_config.disable_compile:
         return False
     config = generation_config.compile_config
-    return device.type in AUTO_COMPILE_DEVICES or bool(config is not None and config._compile_all_devices)
+    return device.type in AUTO_COMPILE_DEVICES or bool(config is not None and compile_all_devices(config))
 
 
 def compile_options(device: torch.device, config=None) -> dict:
@@ -262,7 +263,7 @@ class StaticVerifier:
         self._past = torch.zeros((), dtype=torch.long, device=device)
         if self.compiled:  # fixed addresses: compiled graphs (CUDA graphs) read them in place
             for tensor in (*context.keys, *context.values, valid, positions, context.last, self._past):
-                torch._dynamo.mark_static_address(tensor)
+                mark_static_address(tensor)
         # the buffers a finished row's padded tree reads: every node a padded node
         self._pad = self._pad_trees(b, device)
         return StaticState(rows=state.rows, anchors=state.anchors.clone(), anchor_pos=state.anchor_pos.clone(),
