@@ -78,8 +78,18 @@ __all__ = ["BenchConfig", "LosslessError", "Method", "PromptRow", "aggregate", "
 
 
 METHOD_KINDS = (
-    "plain", "prompt_lookup", "chain", "tree", "auto", "path_conditioning", "lookup", "lookup_first", "gap", "lookup_gap",
-    "trie", "auto_lookup",
+    "plain",
+    "prompt_lookup",
+    "chain",
+    "tree",
+    "auto",
+    "path_conditioning",
+    "lookup",
+    "lookup_first",
+    "gap",
+    "lookup_gap",
+    "trie",
+    "auto_lookup",
 )
 DEFAULT_METHODS = METHOD_KINDS[:-2]  # the trie and auto with the lookup branch are asked for by name
 PROMPT_LOOKUP_TOKENS = 10
@@ -169,7 +179,10 @@ def with_baseline(plan: Sequence[Method]) -> list[Method]:
 
 
 def build_methods(
-    kinds: Sequence[str], budgets: Sequence[int], chain_depth: int, default_budget: int = 32,
+    kinds: Sequence[str],
+    budgets: Sequence[int],
+    chain_depth: int,
+    default_budget: int = 32,
     lookup_tokens: Optional[int] = None,
 ) -> list[Method]:
     """The measured methods, in the order of `kinds`.
@@ -195,11 +208,14 @@ def build_methods(
         "prompt_lookup": Method("prompt_lookup", "prompt_lookup", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "chain": Method("chain", "chain", chain, uses_head=True, budget=chain_depth),
         "auto": Method("auto", "auto", {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True),
-        "auto_lookup": Method("auto-lookup", "auto_lookup", {"tree_budget": "auto", "tree_lookup": lookup_tokens},
-                              uses_head=True),
+        "auto_lookup": Method(
+            "auto-lookup", "auto_lookup", {"tree_budget": "auto", "tree_lookup": lookup_tokens}, uses_head=True
+        ),
         "path_conditioning": Method(
-            f"tree-{default_budget}-pc", "path_conditioning",
-            {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0}, uses_head=True,
+            f"tree-{default_budget}-pc",
+            "path_conditioning",
+            {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0},
+            uses_head=True,
             budget=default_budget,
         ),
     }
@@ -209,8 +225,9 @@ def build_methods(
             methods.append(single[kind])
             continue
         suffix, extra = per_budget[kind]
-        methods += [Method(f"tree-{b}{suffix}", kind, {"tree_budget": b, **extra}, uses_head=True, budget=b)
-                    for b in budgets]
+        methods += [
+            Method(f"tree-{b}{suffix}", kind, {"tree_budget": b, **extra}, uses_head=True, budget=b) for b in budgets
+        ]
     return methods
 
 
@@ -230,7 +247,12 @@ def portable_name(name_or_path: Optional[str]) -> Optional[str]:
 
 # ------------------------------------------------------------------------------------------------ per-prompt rows
 HEAD_FIELDS = (
-    "tau", "acceptance_per_depth", "target_forwards", "rounds", "outside_verify_seconds", "verify_seconds",
+    "tau",
+    "acceptance_per_depth",
+    "target_forwards",
+    "rounds",
+    "outside_verify_seconds",
+    "verify_seconds",
 )
 
 
@@ -260,9 +282,15 @@ class PromptRow:
 
     def as_dict(self) -> dict:
         row = {
-            "suite": self.suite, "prompt_id": self.prompt_id, "method": self.method,
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "seconds": self.seconds,
-            "tokens_per_s": self.tokens_per_s, "speedup": self.speedup, "slot": self.slot,
+            "suite": self.suite,
+            "prompt_id": self.prompt_id,
+            "method": self.method,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "speedup": self.speedup,
+            "slot": self.slot,
             "equality": self.verdict.kind,
         }
         if self.verdict.kind != "exact":
@@ -320,12 +348,30 @@ class Bench:
         for method in self.plan:  # plain among them: in half precisions its own tokens are judged too
             tokens, seconds, stats = runs[method.name]
             verdict = check_lossless(
-                input_ids[0].cpu(), reference, tokens, self.target.dtype, self.float32_logits, self.tie_tolerance,
-                label=f"method {method.name!r} on {suite} prompt {prompt['id']!r}", memo=memo,
+                input_ids[0].cpu(),
+                reference,
+                tokens,
+                self.target.dtype,
+                self.float32_logits,
+                self.tie_tolerance,
+                label=f"method {method.name!r} on {suite} prompt {prompt['id']!r}",
+                memo=memo,
             )
             speedup = (len(tokens) / seconds) / (len(reference) / plain_seconds)
-            rows.append(PromptRow(suite, prompt["id"], method.name, input_ids.shape[1], len(tokens), seconds,
-                                  speedup, order.index(method), verdict, stats))
+            rows.append(
+                PromptRow(
+                    suite,
+                    prompt["id"],
+                    method.name,
+                    input_ids.shape[1],
+                    len(tokens),
+                    seconds,
+                    speedup,
+                    order.index(method),
+                    verdict,
+                    stats,
+                )
+            )
         return rows
 
 
@@ -363,8 +409,14 @@ def measure_costs(
     step_mask = torch.ones(1, past + 1, dtype=torch.long, device=target.device)
 
     def step():
-        target(input_ids=state.anchors[:, None], attention_mask=step_mask, position_ids=state.anchor_pos[:, None],
-               past_key_values=state.cache, use_cache=True, **logits_to_keep(target, 1))
+        target(
+            input_ids=state.anchors[:, None],
+            attention_mask=step_mask,
+            position_ids=state.anchor_pos[:, None],
+            past_key_values=state.cache,
+            use_cache=True,
+            **logits_to_keep(target, 1),
+        )
         state.cache.crop(-1)
 
     t_step = median_seconds(step, repeats=repeats, warmup=2)
@@ -401,8 +453,14 @@ def limit_speedup(tau: Optional[float], budget_costs: Optional[dict], costs: dic
 # ------------------------------------------------------------------------------------------------ aggregates
 def _quartiles(values: list) -> dict:
     q25, q50, q75 = np.percentile(values, [25, 50, 75])
-    return {"median": float(q50), "q25": float(q25), "q75": float(q75), "iqr": float(q75 - q25),
-            "min": float(min(values)), "max": float(max(values))}
+    return {
+        "median": float(q50),
+        "q25": float(q25),
+        "q75": float(q75),
+        "iqr": float(q75 - q25),
+        "min": float(min(values)),
+        "max": float(max(values)),
+    }
 
 
 def aggregate(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) -> dict:
@@ -506,9 +564,12 @@ def versions() -> dict:
     except PackageNotFoundError:
         jetspec_version = None
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
-        ).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -580,8 +641,9 @@ def run_benchmark(
             bench.generate(method, first_ids, first_mask, max_new_tokens=min(8, config.max_new_tokens))
     costs = None
     if any(m.uses_head for m in bench.plan):
-        costs = measure_costs(target, head, first_ids, config.budgets, head.config.tree_depth,
-                              repeats=config.cost_repeats)
+        costs = measure_costs(
+            target, head, first_ids, config.budgets, head.config.tree_depth, repeats=config.cost_repeats
+        )
     rows = _measure_prompts(bench, prompts, progress)
     results = {
         "started_at": started_at,
@@ -601,8 +663,9 @@ def run_benchmark(
 
 def _bench(target, tokenizer, head, config: BenchConfig, float32_logits, baseline_head=None) -> Bench:
     """The run's constants; the lookup methods use the head's own chain length when it has one."""
-    plan = build_methods(config.methods, config.budgets, head.config.tree_depth, head.config.tree_budget,
-                         head.config.tree_lookup)
+    plan = build_methods(
+        config.methods, config.budgets, head.config.tree_depth, head.config.tree_budget, head.config.tree_lookup
+    )
     if baseline_head is not None:
         plan = with_baseline(plan)
     common = {"max_new_tokens": config.max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
@@ -649,9 +712,21 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
 
 
 RECORDED_HEAD_CONFIG = (
-    "num_hidden_layers", "block_size", "block_attention", "target_layer_ids", "tree_depth", "tree_width",
-    "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior", "tree_lookup_branches",
-    "tree_lookup_record", "draft_vocab_size", "last_context_input",
+    "num_hidden_layers",
+    "block_size",
+    "block_attention",
+    "target_layer_ids",
+    "tree_depth",
+    "tree_width",
+    "tree_budget",
+    "tree_scoring",
+    "path_conditioning",
+    "tree_lookup",
+    "tree_lookup_prior",
+    "tree_lookup_branches",
+    "tree_lookup_record",
+    "draft_vocab_size",
+    "last_context_input",
 )
 
 

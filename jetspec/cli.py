@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="answer one prompt, with and without the head, and compare speed")
     gen.add_argument(
-        "prompt", nargs="?", default=DEMO_PROMPT,
+        "prompt",
+        nargs="?",
+        default=DEMO_PROMPT,
         help=f"the user's message (the target's chat template is applied); default: {DEMO_PROMPT!r}",
     )
     gen.add_argument("--max-new-tokens", type=_positive_int, default=256, help="longest answer (default 256)")
@@ -133,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", type=_budget, default=None, help="tree budget B or 'auto' (default: the head's config)"
     )
     gen.add_argument(
-        "--show-drafts", action="store_true",
+        "--show-drafts",
+        action="store_true",
         help="mark each token of the answer by where it came from: the head's draft, the prompt-lookup branch or "
         "the target's own (bonus) token; coloured in a terminal, [head] {lookup} in plain text",
     )
@@ -149,28 +152,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head", default=None, help="saved head folder (default: the committed head of --target)")
     bench.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     bench.add_argument(
-        "--methods", default=None,
+        "--methods",
+        default=None,
         help="comma-separated method kinds among plain, prompt_lookup, chain, tree, auto, path_conditioning, lookup, "
         "lookup_first (default: all)",
     )
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every method")
     bench.add_argument(
-        "--baseline-head", default=None,
+        "--baseline-head",
+        default=None,
         help="a second saved head for the same target: every head method runs once more with it (`<name>@baseline`)",
     )
     for sub in (gen, bench):
         sub.add_argument(
-            "--dtype", default="auto",
+            "--dtype",
+            default="auto",
             help="target dtype: auto (bfloat16 on a CUDA device or a CPU with native bf16, else float32), float32 "
             "(output bitwise equal to plain greedy) or bfloat16 (equal up to numerical ties); default auto",
         )
         sub.add_argument(
-            "--draft-vocab-size", type=_positive_int, default=None,
+            "--draft-vocab-size",
+            type=_positive_int,
+            default=None,
             help="draft from the head's N most frequent tokens only (N <= the head's draft vocabulary), or the full "
             "vocabulary when N is the target's vocabulary size (default: the head's own)",
         )
         sub.add_argument(
-            "--threads", type=_positive_int, default=None,
+            "--threads",
+            type=_positive_int,
+            default=None,
             help="torch CPU threads (default: torch's choice; on a busy shared CPU, 1 avoids threads that only spin)",
         )
 
@@ -180,11 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("dst", help="output folder")
     convert.add_argument(
-        "--to", choices=("jetspec", "dflash"), default=None,
+        "--to",
+        choices=("jetspec", "dflash"),
+        default=None,
         help="output layout (default: dflash for one of our heads, jetspec for any other)",
     )
     convert.add_argument(
-        "--mask-token-id", type=int, default=None,
+        "--mask-token-id",
+        type=int,
+        default=None,
         help="with --to dflash: the in-vocabulary id keyed to our trained MASK vector (default: "
         "config.dflash_mask_token_id or vocab_size - 1)",
     )
@@ -255,8 +269,7 @@ def _check_inputs(args):
             args.baseline_head = resolve_head_path(args.baseline_head, args.target)
 
         methods = METHOD_KINDS if args.methods is None else parse_list(args.methods)
-        bench_config = BenchConfig(suites, budgets, args.max_new_tokens, args.limit, methods,
-                                   warmup=not args.no_warmup)
+        bench_config = BenchConfig(suites, budgets, args.max_new_tokens, args.limit, methods, warmup=not args.no_warmup)
     return dtype, dtype_reason, head_path, bench_config
 
 
@@ -266,8 +279,17 @@ def _bench(args, argv, target, tokenizer, head, bench_config, float32_logits, dt
 
     # the recorded command names local folders as results.json names models: never by an absolute path
     command = " ".join(["jetspec", *(portable_name(a) if os.path.isabs(a) else a for a in argv)])
-    results = run_benchmark(target, tokenizer, head, bench_config, args.out, float32_logits=float32_logits,
-                            command=command, dtype_reason=dtype_reason, baseline_head=baseline)
+    results = run_benchmark(
+        target,
+        tokenizer,
+        head,
+        bench_config,
+        args.out,
+        float32_logits=float32_logits,
+        command=command,
+        dtype_reason=dtype_reason,
+        baseline_head=baseline,
+    )
     out = Path(args.out)
     print((out / "results.md").read_text())
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, " + ", ".join(str(out / p) for p in results["plots"]))
@@ -284,7 +306,10 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
     from .targets import apply_chat_template
 
     enc = tokenizer(apply_chat_template(tokenizer, args.prompt), return_tensors="pt", add_special_tokens=False)
-    inputs = {"input_ids": enc["input_ids"].to(target.device), "attention_mask": enc["attention_mask"].to(target.device)}
+    inputs = {
+        "input_ids": enc["input_ids"].to(target.device),
+        "attention_mask": enc["attention_mask"].to(target.device),
+    }
     common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "return_dict_in_generate": True}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is not None:
@@ -304,17 +329,20 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
     prompt_ids = inputs["input_ids"][0].cpu()
     spec_tokens, plain_tokens = (out.sequences[0, len(prompt_ids) :].cpu() for out in (spec, plain))
     # half precisions: plain greedy's own tokens are judged on their prefixes too, beside the head's
-    plain_verdict = check_lossless(prompt_ids, plain_tokens, plain_tokens, target.dtype, float32_logits,
-                                   label="plain greedy's answer")
-    verdict = check_lossless(prompt_ids, plain_tokens, spec_tokens, target.dtype, float32_logits,
-                             label="the head's answer")
+    plain_verdict = check_lossless(
+        prompt_ids, plain_tokens, plain_tokens, target.dtype, float32_logits, label="plain greedy's answer"
+    )
+    verdict = check_lossless(
+        prompt_ids, plain_tokens, spec_tokens, target.dtype, float32_logits, label="the head's answer"
+    )
     stats = spec.jetspec_stats
     if args.show_drafts:
         from .drafts import counts, legend, render, token_sources
 
         lookup = head.config.tree_lookup
-        sources = token_sources(prompt_ids.tolist(), spec_tokens.tolist(), stats.accepted, lookup,
-                                head.config.tree_lookup_branches)
+        sources = token_sources(
+            prompt_ids.tolist(), spec_tokens.tolist(), stats.accepted, lookup, head.config.tree_lookup_branches
+        )
         colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print(render(tokenizer, spec_tokens.tolist(), sources, colour))
         print()
@@ -331,8 +359,10 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
         + _equality_note(verdict)
     )
     if verdict.judged is not None:
-        print(f"every token judged against the float32 target: {_judged_note(verdict.judged)} (jetspec), "
-              f"{_judged_note(plain_verdict.judged)} (plain greedy)")
+        print(
+            f"every token judged against the float32 target: {_judged_note(verdict.judged)} (jetspec), "
+            f"{_judged_note(plain_verdict.judged)} (plain greedy)"
+        )
     return 0
 
 

@@ -211,8 +211,12 @@ def judge_tokens(
     near = (gaps > 0) & ~bad
     first = int(bad.nonzero()[0]) if bad.any() else None
     return Judgement(
-        tokens=n, near_ties=int(near.sum()), violations=int(bad.sum()), max_gap=float(gaps.max()),
-        first_violation=first, violation_gap=float(gaps[first]) if first is not None else None,
+        tokens=n,
+        near_ties=int(near.sum()),
+        violations=int(bad.sum()),
+        max_gap=float(gaps.max()),
+        first_violation=first,
+        violation_gap=float(gaps[first]) if first is not None else None,
     )
 
 
@@ -293,7 +297,7 @@ def _violation_message(judged: Judgement, candidate, tolerance: float, label: st
     return (
         f"expected every token of {label} within {tolerance} float32 logits of the target's maximum at its own "
         f"prefix, got {judged.violations} of {judged.tokens} beyond it; the first at new token {at} "
-        f"({candidate[at:at + 5].tolist()}): float32 logit gap {judged.violation_gap:.3f} > tolerance {tolerance}"
+        f"({candidate[at : at + 5].tolist()}): float32 logit gap {judged.violation_gap:.3f} > tolerance {tolerance}"
     )
 
 
@@ -302,7 +306,7 @@ def _mismatch_message(verdict: Verdict, reference, candidate, dtype, tolerance: 
     rule = "bitwise" if strict_for(dtype) else "up to numerical ties"
     message = (
         f"expected {label} to reproduce plain greedy decoding ({dtype}, {rule}), got a difference at new token {at} "
-        f"({candidate[at:at + 5].tolist()} vs plain {reference[at:at + 5].tolist()}; lengths {len(candidate)} vs "
+        f"({candidate[at : at + 5].tolist()} vs plain {reference[at : at + 5].tolist()}; lengths {len(candidate)} vs "
         f"{len(reference)})"
     )
     if verdict.gap is not None:

@@ -122,8 +122,12 @@ def decide(capability: str, flags: frozenset, env: dict, probe: Callable[[], tup
     name = kind_name(capability, flags, forced)
     if forced:
         settings = ", ".join(f"{k}={env[k]}" for k in ISA_ENV if env.get(k)) or f"ATen capability {capability}"
-        return HostKind(name, "float32", f"auto: ATen or oneDNN held at AVX2 or below ({settings}), whatever the "
-                                         "CPU flags say", capability)
+        return HostKind(
+            name,
+            "float32",
+            f"auto: ATen or oneDNN held at AVX2 or below ({settings}), whatever the CPU flags say",
+            capability,
+        )
     bf16_ms, fp32_ms = probe()
     ratio = f"bf16 {bf16_ms:.3f} ms vs fp32 {fp32_ms:.3f} ms per (32x576)x(576x1536) linear"
     if bf16_ms < fp32_ms:

@@ -92,8 +92,7 @@ def read_kind(func, args, kwargs) -> str | None:
     kind = _VALUE_READS.get(func)
     if kind is not None:
         return kind
-    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put,
-                torch.Tensor.index_put_):
+    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put, torch.Tensor.index_put_):
         return "mask_index" if len(args) > 1 and _masks_by_value(args[1]) else None
     if func is torch.Tensor.to:
         return "cpu" if _to_host(args, kwargs) else None
@@ -180,9 +179,13 @@ class HostReadCounter(TorchFunctionMode):
 
             return synchronize
 
-        targets = [(torch.accelerator, "synchronize"), (torch.cuda, "synchronize"),
-                   (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "elapsed_time"),
-                   (torch.cuda.Stream, "synchronize")]
+        targets = [
+            (torch.accelerator, "synchronize"),
+            (torch.cuda, "synchronize"),
+            (torch.cuda.Event, "synchronize"),
+            (torch.cuda.Event, "elapsed_time"),
+            (torch.cuda.Stream, "synchronize"),
+        ]
         for owner, name in targets:
             self._patches.enter_context(_patched(owner, name, counted(getattr(owner, name))))
         if self.pretend_accelerator:

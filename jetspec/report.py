@@ -37,8 +37,7 @@ def _settings_lines(results: dict) -> list[str]:
         f"Command: `{results['command']}`  ",
         f"Started {results['started_at']}, {results['wall_seconds']:.0f} s; machine: {machine['platform']}, "
         f"{machine['cpu_count']} CPUs ({machine['torch_threads']} torch threads), host kind "
-        f"{machine.get('host_kind', 'not recorded')}"
-        + (f", {machine['cuda']}" if machine["cuda"] else "") + "  ",
+        f"{machine.get('host_kind', 'not recorded')}" + (f", {machine['cuda']}" if machine["cuda"] else "") + "  ",
         f"torch {versions['torch']}, transformers {versions['transformers']}, "
         f"jetspec {versions['jetspec']} ({versions['git_commit'] or 'no git commit'})  ",
         f"Target `{config['target']}` ({config['target_dtype']}, {config['attn_implementation']}); head "
@@ -140,8 +139,9 @@ def _figure(panels: int, title: str):
 def _quartile_bar(ax, x: float, a: dict, marker: str, label: str):
     """One method's median speedup at `x`, with a q25-q75 bar."""
     below, above = a["speedup_median"] - a["speedup_q25"], a["speedup_q75"] - a["speedup_median"]
-    ax.errorbar([x], [a["speedup_median"]], yerr=[[below], [above]], marker=marker, capsize=3, linestyle="none",
-                label=label)
+    ax.errorbar(
+        [x], [a["speedup_median"]], yerr=[[below], [above]], marker=marker, capsize=3, linestyle="none", label=label
+    )
 
 
 def _speedup_panel(ax, suite: str, aggregates: dict, budgets: list):
@@ -149,8 +149,12 @@ def _speedup_panel(ax, suite: str, aggregates: dict, budgets: list):
     if tree:
         xs = [b for b, _ in tree]
         med = np.array([a["speedup_median"] for _, a in tree])
-        err = np.array([[a["speedup_median"] - a["speedup_q25"] for _, a in tree],
-                        [a["speedup_q75"] - a["speedup_median"] for _, a in tree]])  # (2, budgets)
+        err = np.array(
+            [
+                [a["speedup_median"] - a["speedup_q25"] for _, a in tree],
+                [a["speedup_q75"] - a["speedup_median"] for _, a in tree],
+            ]
+        )  # (2, budgets)
         ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label="tree (measured)")
         limits = [a.get("limit_speedup") for _, a in tree]
         if all(v is not None for v in limits):

@@ -38,8 +38,9 @@ class BudgetController:
     choice, and every `explore_every * climb_every` rounds the largest, so that estimates stay fresh while
     exploration costs little: on a CPU a verify of the largest tree costs several times the chosen one's."""
 
-    def __init__(self, candidates, verify_seconds: dict, explore_every: int = 8, window: int = 64,
-                 climb_every: int = 4):
+    def __init__(
+        self, candidates, verify_seconds: dict, explore_every: int = 8, window: int = 64, climb_every: int = 4
+    ):
         self.candidates = sorted(candidates)
         self.verify_seconds = verify_seconds
         self.explore_every = explore_every
@@ -73,8 +74,9 @@ class BudgetController:
         nearest = {b: min(seen, key=lambda s: (abs(s - b), s)) for b in self.candidates}
         return {b: verify[b] + seen[nearest[b]] * b / nearest[b] for b in self.candidates}
 
-    def update(self, accepted_per_row: list, used_budget: int, other_seconds: float,
-               verify_seconds: float | None = None):
+    def update(
+        self, accepted_per_row: list, used_budget: int, other_seconds: float, verify_seconds: float | None = None
+    ):
         """Record one round at budget `used_budget`: accepted node indices per row (root first), the seconds the
         round spent outside its verify forward and, when given, in it."""
         self.other_seconds[used_budget].append(other_seconds)

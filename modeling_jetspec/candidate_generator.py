@@ -47,13 +47,22 @@ class JetSpecCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, head, target, generation_config, logits_processor=None, depth: int | None = None,
-                 lookup: int | None = None):
+    def __init__(
+        self,
+        head,
+        target,
+        generation_config,
+        logits_processor=None,
+        depth: int | None = None,
+        lookup: int | None = None,
+    ):
         config = head.config
         depth = config.tree_depth if depth is None else depth
         lookup = config.tree_lookup if lookup is None else lookup
         if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth < config.block_size:
-            raise ValueError(f"expected depth in [1, {config.block_size - 1}] (the head's block_size - 1), got {depth!r}")
+            raise ValueError(
+                f"expected depth in [1, {config.block_size - 1}] (the head's block_size - 1), got {depth!r}"
+            )
         if not isinstance(lookup, int) or isinstance(lookup, bool) or lookup < 0:
             raise ValueError(f"expected lookup >= 0 tokens, got {lookup!r}")
         head.attach_target(target)
@@ -66,8 +75,15 @@ class JetSpecCandidateGenerator(CandidateGenerator):
         self.context = None  # the head's JetSpecContext: the committed sequence minus its last token
         self.sources = []  # per round: ("head" | "lookup", candidates proposed, candidates accepted)
 
-    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict | None = None, model_outputs=None,
-                       is_first_iteration: bool = False, n_last_matches: int = 0, **kwargs):
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ):
         """Candidates after `input_ids` (`(1, L)`): `(input_ids + chain, logits of the head's chain or None)`.
 
         The first call of a generation returns `input_ids` unchanged: transformers' loop then runs the target on
@@ -121,7 +137,7 @@ class JetSpecCandidateGenerator(CandidateGenerator):
             logits[:, d] = self.logits_processor(ids, logits[:, d])
             pick = torch.multinomial(logits[:, d].softmax(-1), 1) if self.do_sample else logits[:, d].argmax(-1, True)
             ids = torch.cat([ids, pick], dim=-1)
-        return ids[:, input_ids.shape[1]:], logits
+        return ids[:, input_ids.shape[1] :], logits
 
 
 def full_vocabulary_logits(head, logits: torch.Tensor) -> torch.Tensor:
@@ -148,8 +164,14 @@ def _expected_accepted(prior, order: int, length: int) -> float:
     return float(sum(lookup_survival(prior, order, length)))
 
 
-def dflash_forward(head, noise_embeds: torch.Tensor, context_hidden_states: torch.Tensor,
-                   position_ids: torch.LongTensor, attention_mask: torch.Tensor | None, past_key_values):
+def dflash_forward(
+    head,
+    noise_embeds: torch.Tensor,
+    context_hidden_states: torch.Tensor,
+    position_ids: torch.LongTensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values,
+):
     """The head's forward as transformers' `DFlashTokenCandidateGenerator` calls it.
 
     Args:
@@ -189,8 +211,19 @@ def dflash_forward(head, noise_embeds: torch.Tensor, context_hidden_states: torc
     return BaseModelOutput(last_hidden_state=out.hidden_states)
 
 
-def chain_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                   streamer=None, jetspec_head=None, jetspec_depth=None, jetspec_lookup=None, **model_kwargs):
+def chain_generate(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    jetspec_head=None,
+    jetspec_depth=None,
+    jetspec_lookup=None,
+    **model_kwargs,
+):
     """A `custom_generate` callable running transformers' own `_assisted_decoding` with [`JetSpecCandidateGenerator`].
 
     `target.generate(**inputs, custom_generate=chain_generate, jetspec_head=head)` decodes exactly as
@@ -207,7 +240,14 @@ def chain_generate(model, input_ids, logits_processor, stopping_criteria, genera
     jetspec_head.last_candidate_generator = generator
     try:
         return assisted_decoding_with(
-            model, generator, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer,
+            model,
+            generator,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus,
+            streamer,
             **model_kwargs,
         )
     finally:

@@ -54,15 +54,32 @@ IMPORT_FORMATS = ("jetspec", "dflash", "muse_glimmer_assistant")  # what `from_p
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's name for a trained MASK vector
 HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 # what an import passes on to transformers' `from_pretrained`, besides the hub options
-LOAD_OPTIONS = ("dtype", "torch_dtype", "device_map", "max_memory", "offload_folder", "attn_implementation",
-                "low_cpu_mem_usage", "use_safetensors", "variant", "weights_only")
+LOAD_OPTIONS = (
+    "dtype",
+    "torch_dtype",
+    "device_map",
+    "max_memory",
+    "offload_folder",
+    "attn_implementation",
+    "low_cpu_mem_usage",
+    "use_safetensors",
+    "variant",
+    "weights_only",
+)
 
 # our name -> DFlash name, for the tensors outside the layers (layer tensors keep their names)
-_TOP_LEVEL = {"fc.weight": "fc.weight", "context_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight",
-              "d2t": "d2t"}
+_TOP_LEVEL = {
+    "fc.weight": "fc.weight",
+    "context_norm.weight": "hidden_norm.weight",
+    "norm.weight": "norm.weight",
+    "d2t": "d2t",
+}
 # checkpoint name (regex) -> ours, applied by transformers while loading (`key_mapping`)
-IMPORT_KEY_MAPPING = {r"^hidden_norm\.": "context_norm.", r"^encoder\.fc\.": "fc.",
-                      r"^encoder\.output_norm_enc\.": "context_norm."}
+IMPORT_KEY_MAPPING = {
+    r"^hidden_norm\.": "context_norm.",
+    r"^encoder\.fc\.": "fc.",
+    r"^encoder\.output_norm_enc\.": "context_norm.",
+}
 _LAYER_KEY = re.compile(
     r"layers\.\d+\.(self_attn\.[qkvo]_proj\.weight|self_attn\.[qk]_norm\.weight|mlp\.(gate|up|down)_proj\.weight"
     r"|(input|post_attention)_layernorm\.weight)"
@@ -142,8 +159,9 @@ def check_foreign_field_types(config: dict):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ValueError(f"expected {name} to be an int, got {type(value).__name__} {value!r}")
     ids = _field(config, "target_layer_ids")
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                              for i in ids)):
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
         raise ValueError(f"expected target_layer_ids to be a list of ints, got {ids!r}")
 
 
@@ -180,8 +198,11 @@ def check_computable(config: dict, normal: PretrainedConfig):
         ("use_aux_hidden_state", _field(config, "use_aux_hidden_state", True), (True,)),
         ("final_logit_softcapping", _field(config, "final_logit_softcapping") or None, (None,)),
         # loaders disagree on a partial rotary (transformers' Qwen3 rotary ignores it, vLLM rotates that fraction)
-        ("partial_rotary_factor", rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
-         (1, 1.0)),
+        (
+            "partial_rotary_factor",
+            rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
+            (1, 1.0),
+        ),
         ("rope_parameters.rope_type", rope.get("rope_type", "default"), ("default",)),
     ]
     for name, value, allowed in checks:
@@ -205,8 +226,11 @@ def attention_fields(config: dict, normal: PretrainedConfig, checkpoint_format: 
         causal, window = False, None if window is None else window + 1  # |p - k| <= W in transformers' mask
     else:
         extra = config.get("dflash_config") or {}
-        votes = {"is_causal": config.get("is_causal"), "dflash_config.causal": extra.get("causal"),
-                 "dflash_config.causal_head": extra.get("causal_head")}
+        votes = {
+            "is_causal": config.get("is_causal"),
+            "dflash_config.causal": extra.get("causal"),
+            "dflash_config.causal_head": extra.get("causal_head"),
+        }
         votes = {k: bool(v) for k, v in votes.items() if v is not None}
         if len(set(votes.values())) > 1:
             raise ValueError(
@@ -378,8 +402,13 @@ def import_checkpoint(load, path, checkpoint_format: str, config: dict, kwargs: 
     overrides, options = split_import_options(kwargs, checkpoint_format)
     mask_embedding = read_mask_embedding(path, options, _field(config, "mask_token_id"))
     converted = JetSpecConfig(**jetspec_fields(config, checkpoint_format, mask_embedding is not None, overrides))
-    head, info = load(config=converted, key_mapping=IMPORT_KEY_MAPPING, output_loading_info=True,
-                      ignore_mismatched_sizes=True, **options)
+    head, info = load(
+        config=converted,
+        key_mapping=IMPORT_KEY_MAPPING,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,
+        **options,
+    )
     check_loaded_weights(info, head)
     with torch.no_grad():  # mask_source="target": the slot is unused, zeros keep the state dict deterministic
         vector = mask_embedding if mask_embedding is not None else torch.zeros(head.config.hidden_size)
@@ -461,7 +490,9 @@ def dflash_config(head, mask_token_id: int | None = None) -> Qwen3Config:
         rms_norm_eps=c.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         max_position_embeddings=max_positions,
-        hidden_act="silu", attention_bias=False, tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
         use_sliding_window=sliding,
         sliding_window=c.sliding_window if sliding else None,
         layer_types=list(c.layer_types),

@@ -106,8 +106,17 @@ def custom_decode_kwargs(decode) -> set:
     return set(inspect.signature(decode).parameters) - set(inspect.signature(GenerationMixin._sample).parameters)
 
 
-def assisted_decoding_with(model, generator, input_ids, logits_processor, stopping_criteria, generation_config,
-                           synced_gpus=False, streamer=None, **model_kwargs):
+def assisted_decoding_with(
+    model,
+    generator,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    **model_kwargs,
+):
     """Run transformers' `_assisted_decoding` (private) with `generator` as its candidate generator (what
     `candidate_generator.chain_generate` runs).
 
@@ -117,8 +126,13 @@ def assisted_decoding_with(model, generator, input_ids, logits_processor, stoppi
     model._get_candidate_generator = lambda **kwargs: generator
     try:
         return model._assisted_decoding(
-            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=synced_gpus,
-            streamer=streamer, **model_kwargs,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus=synced_gpus,
+            streamer=streamer,
+            **model_kwargs,
         )
     finally:
         del model._get_candidate_generator
@@ -131,11 +145,26 @@ def assisted_decoding_with(model, generator, input_ids, logits_processor, stoppi
 # The list is kept by hand because transformers does not mark row-wise processors; the compat test runs each on a
 # batch and on its rows alone.
 ROW_WISE_PROCESSORS = (
-    EpsilonLogitsWarper, EtaLogitsWarper, ExponentialDecayLengthPenalty, ForcedBOSTokenLogitsProcessor,
-    ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor, LogitNormalization, MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
-    SequenceBiasLogitsProcessor, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 

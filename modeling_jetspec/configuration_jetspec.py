@@ -10,15 +10,26 @@ MASK_SOURCES = ("head", "target")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # field kinds checked by name before anything is derived from them (`check_field_types`)
 POSITIVE_INTS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "target_num_hidden_layers", "block_size",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "target_num_hidden_layers",
+    "block_size",
 )
-OPTIONAL_POSITIVE_INTS = ("head_dim", "max_position_embeddings", "target_hidden_size", "draft_vocab_size", "sliding_window")
+OPTIONAL_POSITIVE_INTS = (
+    "head_dim",
+    "max_position_embeddings",
+    "target_hidden_size",
+    "draft_vocab_size",
+    "sliding_window",
+)
 OPTIONAL_INTS = ("mask_token_id", "dflash_mask_token_id", "tree_depth")
 POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
 BOOLS = ("path_conditioning", "last_context_input")
 OPTIONAL_STRING_LISTS = ("layer_types", "layer_block_attention")
-
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -213,9 +224,15 @@ class JetSpecConfig(PretrainedConfig):
         block_attention: str = "causal",
         mask_source: str = "head",
         dflash_mask_token_id: int | None = None,
-        tree_depth: int | None = None, tree_width: int = 4, tree_budget: int = 32, tree_scoring: str = "logprob",
-        path_conditioning: bool = False, tree_lookup: int = 0, tree_lookup_prior: list | None = None,
-        tree_lookup_branches: str = "chain", tree_lookup_record: bool = False,
+        tree_depth: int | None = None,
+        tree_width: int = 4,
+        tree_budget: int = 32,
+        tree_scoring: str = "logprob",
+        path_conditioning: bool = False,
+        tree_lookup: int = 0,
+        tree_lookup_prior: list | None = None,
+        tree_lookup_branches: str = "chain",
+        tree_lookup_record: bool = False,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         layer_types: list[str] | None = None,
@@ -311,8 +328,15 @@ class JetSpecConfig(PretrainedConfig):
         if self.block_size < 2:
             raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
         check_tree_shape(
-            self.tree_depth, self.tree_width, self.tree_budget, self.tree_scoring, self.block_size,
-            self.path_conditioning, self.tree_lookup, self.tree_lookup_branches, self.tree_lookup_record,
+            self.tree_depth,
+            self.tree_width,
+            self.tree_budget,
+            self.tree_scoring,
+            self.block_size,
+            self.path_conditioning,
+            self.tree_lookup,
+            self.tree_lookup_branches,
+            self.tree_lookup_record,
         )
         check_lookup_prior(self.tree_lookup_prior, self.tree_lookup_record and bool(self.tree_lookup))
         if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:

@@ -47,7 +47,7 @@ class NgramIndex:
         """Index `history[len(self.tokens):]`, the tokens committed since the last update (`history`: the row's
         committed tokens, of which the indexed ones are a prefix)."""
         tokens = self.tokens
-        for token in history[len(tokens):]:
+        for token in history[len(tokens) :]:
             tokens.append(token)
             end = len(tokens)
             for n in range(1, min(self.max_ngram, end) + 1):
@@ -92,15 +92,20 @@ class RowIndexes(dict):
         """Row `row`'s index brought up to `history`; built anew when the history is not an extension of what it
         indexed (another order, a shorter history)."""
         index = self.get(row)
-        stale = index is None or index.max_ngram != max_ngram or len(history) < len(index.tokens) or (
-            index.tokens and history[len(index.tokens) - 1] != index.tokens[-1])
+        stale = (
+            index is None
+            or index.max_ngram != max_ngram
+            or len(history) < len(index.tokens)
+            or (index.tokens and history[len(index.tokens) - 1] != index.tokens[-1])
+        )
         if stale:
             index = self[row] = NgramIndex(max_ngram)
         return index.update(history)
 
 
-def continuation_trie(sequence: list, length: int, max_ngram: int = LOOKUP_MAX_NGRAM,
-                      max_occurrences: int = MAX_OCCURRENCES) -> tuple[dict, int]:
+def continuation_trie(
+    sequence: list, length: int, max_ngram: int = LOOKUP_MAX_NGRAM, max_occurrences: int = MAX_OCCURRENCES
+) -> tuple[dict, int]:
     """Counts of every earlier continuation of the sequence's last n tokens (n = `max_ngram` down to 1; the first n
     with a match), up to `length` tokens each: `({path: Counter(next token)}, n)`, `({}, 0)` without a match.
 

@@ -45,8 +45,9 @@ def _decode(
     _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
     if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
         streamer.put(input_ids.cpu())
-    call = _start_call(input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config,
-                       streamer)
+    call = _start_call(
+        input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config, streamer
+    )
     # a lookup chain may be accepted past the head's depths
     stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
     timed = shape.budget == "auto" or rounds_timed()
@@ -129,12 +130,23 @@ def _start_call(input_ids, shape, verifier, processors, stopping, generation_con
     )
     device_stops, stop_length = stop_plan(stopping)
     call = Call(
-        shape=shape, verifier=verifier, sequences=sequences, lengths=[prompt_length] * batch, stopping=stopping,
-        max_length=generation_config.max_length, pads_finished=pads_finished_rows(stopping), pad_token=pad,
-        history=input_ids.tolist(), active=list(range(batch)), stopped_at=[None] * batch, streamer=streamer,
-        streamed=prompt_length, records=[[] for _ in range(batch)] if wants_records else None,
+        shape=shape,
+        verifier=verifier,
+        sequences=sequences,
+        lengths=[prompt_length] * batch,
+        stopping=stopping,
+        max_length=generation_config.max_length,
+        pads_finished=pads_finished_rows(stopping),
+        pad_token=pad,
+        history=input_ids.tolist(),
+        active=list(range(batch)),
+        stopped_at=[None] * batch,
+        streamer=streamer,
+        streamed=prompt_length,
+        records=[[] for _ in range(batch)] if wants_records else None,
         lookup_record=LookupRecord() if shape.lookup and shape.lookup_record else None,
-        device_stops=device_stops, stop_length=stop_length,
+        device_stops=device_stops,
+        stop_length=stop_length,
     )
     if generation_config.do_sample or len(processors):
         per_row = processors_per_row(processors, batch)
@@ -147,7 +159,9 @@ def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool,
     length here, so the processors run on the whole batch, as in plain decoding); it becomes the row's anchor."""
     first = pick_token(scores, do_sample)  # (B,)
     acc = Acceptance(  # the prefill as a round whose tree is its root alone
-        nodes=torch.zeros_like(first)[:, None], tokens=first[:, None], count=torch.ones_like(first),
+        nodes=torch.zeros_like(first)[:, None],
+        tokens=first[:, None],
+        count=torch.ones_like(first),
         scores=[[row] for row in scores],
     )
     done = commit(call, acc, logits[:, None])
@@ -163,8 +177,9 @@ def _stream(call: Call, final: bool = False):
     (a padded row's step is its padding); `final`: every step up to the output's end."""
     if call.streamer is None:
         return
-    waiting = [length for length, stop in zip(call.lengths, call.stopped_at)
-               if not (call.pads_finished and stop is not None)]
+    waiting = [
+        length for length, stop in zip(call.lengths, call.stopped_at) if not (call.pads_finished and stop is not None)
+    ]
     limit = call.end() if final or not waiting else min(waiting)
     if call.end() is not None:  # no step past the end (a stopped row may have run ahead of it)
         limit = min(limit, call.end())
@@ -202,10 +217,10 @@ def _budget_controller(head, target, shape: TreeShape, batch: int, tree_verify: 
     per_target = head.verify_cost_cache.setdefault(target, {})
     key = (str(target.device), target.dtype, batch, tuple(candidates), tree_verify)
     if key not in per_target:
-        per_target[key] = measure_verify_seconds(target, head, shape, candidates, batch_size=batch,
-                                                 tree_verify=tree_verify)
+        per_target[key] = measure_verify_seconds(
+            target, head, shape, candidates, batch_size=batch, tree_verify=tree_verify
+        )
     return BudgetController(candidates, per_target[key])
-
 
 
 def _per_step(records: list, which: int, steps: int) -> tuple:

@@ -97,7 +97,10 @@ class HybridCache(DynamicCache):
     def __init__(self, types: list):
         super().__init__()
         self.layers = [
-            LinearAttentionLayer() if t in STATE_LAYER_TYPES else DummyLayer() if t in CACHELESS_LAYER_TYPES
+            LinearAttentionLayer()
+            if t in STATE_LAYER_TYPES
+            else DummyLayer()
+            if t in CACHELESS_LAYER_TYPES
             else DynamicLayer()
             for t in types
         ]
@@ -224,8 +227,9 @@ class HybridVerifier:
             mode = self.chooser.next_mode(self._mode_seconds(state, trees))
         return self._verify(mode, state, trees)
 
-    def compact(self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
-                keep: torch.Tensor) -> RoundState:
+    def compact(
+        self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor, keep: torch.Tensor
+    ) -> RoundState:
         """`steps.compact` for the attention layers; each surviving row's linear states become those after its
         accepted nodes (or, after a tree round, after all but its last few committed tokens: `unfolded`)."""
         mode, data = self.round
@@ -267,8 +271,9 @@ class HybridVerifier:
         tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
         self.added = tokens.shape[1]
         positions = state.anchor_pos[:, None] + chain.depths
-        out = self._forward(state.cache, tokens, positions,
-                            self._masks(state.valid, state.positions, chain.ancestors, positions))
+        out = self._forward(
+            state.cache, tokens, positions, self._masks(state.valid, state.positions, chain.ancestors, positions)
+        )
         self.round = ("chain", before)
         return chain, out.logits.float(), self.head.target_features(out.hidden_states)
 
@@ -280,8 +285,11 @@ class HybridVerifier:
         a, n1 = trees.depths.shape
         rows = state.rows.tolist()
         anchors = state.anchors.tolist()
-        shapes = ([(t.tokens, t.parents) for t in trees.host] if trees.host is not None
-                  else list(zip(trees.tokens.tolist(), trees.parents.tolist())))
+        shapes = (
+            [(t.tokens, t.parents) for t in trees.host]
+            if trees.host is not None
+            else list(zip(trees.tokens.tolist(), trees.parents.tolist()))
+        )
         plans = [leaf_paths(tokens, parents) for tokens, parents in shapes]
         lead = [self.unfolded.get(r, []) for r in rows]
         paths, base = [], []  # (active row, node path root first, the row's tokens); each row's first path
@@ -289,8 +297,10 @@ class HybridVerifier:
             base.append(len(paths))
             for path in plan.paths:
                 paths.append((i, path, lead[i] + [anchors[i]] + [tokens[j - 1] for j in path[1:]]))
-        tree_kv = {i: tuple(t.new_zeros(a, t.shape[1], n1, t.shape[-1])
-                            for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention}
+        tree_kv = {
+            i: tuple(t.new_zeros(a, t.shape[1], n1, t.shape[-1]) for t in kv_layer_entries(state.cache.layers[i]))
+            for i in self.attention
+        }
         logits = features = None
         ends = {}  # path index -> {(layer, s): LinearState (1, ...)}: the states after a path no padding follows
         chunk = self._paths_per_forward(state, max(len(p[2]) for p in paths))
@@ -302,8 +312,12 @@ class HybridVerifier:
                 logits = out.logits.new_zeros(a, n1, out.logits.shape[-1], dtype=torch.float32)
                 features = feats.new_zeros(a, n1, feats.shape[-1])
             # the nodes whose source path is in this forward: (active row, node, row in the forward, offset)
-            where = [(i, j, base[i] + p - start, len(lead[i]) + depth) for i, plan in enumerate(plans)
-                     for j, (p, depth) in enumerate(plan.source) if start <= base[i] + p < start + len(part)]
+            where = [
+                (i, j, base[i] + p - start, len(lead[i]) + depth)
+                for i, plan in enumerate(plans)
+                for j, (p, depth) in enumerate(plan.source)
+                if start <= base[i] + p < start + len(part)
+            ]
             ii, jj, pp, oo = (torch.tensor(x, device=state.anchors.device) for x in zip(*where))
             logits[ii, jj], features[ii, jj] = out.logits[pp, oo].float(), feats[pp, oo]
             past = state.valid.shape[1]
@@ -312,8 +326,12 @@ class HybridVerifier:
                 keys[ii, :, jj], values[ii, :, jj] = step_keys[pp, :, past + oo], step_values[pp, :, past + oo]
             for p, (_, _, tokens) in enumerate(part):
                 if len(tokens) == length:  # no padding after the path: its states are the path's
-                    ends[start + p] = {key: LinearState(*linear_state(cache.layers[key[0]], key[1])).map(
-                        lambda t, p=p: t[p : p + 1].clone()) for key in read_states(cache, copy=False)}
+                    ends[start + p] = {
+                        key: LinearState(*linear_state(cache.layers[key[0]], key[1])).map(
+                            lambda t, p=p: t[p : p + 1].clone()
+                        )
+                        for key in read_states(cache, copy=False)
+                    }
             del out, cache
         index_of = {}
         for p, (i, path, _) in enumerate(paths):
@@ -346,8 +364,15 @@ class HybridVerifier:
         self.unfolded = {}
         ready = [(k, done[i]) for k, i in enumerate(kept) if i in done]
         if ready:
-            stacked = {key: LinearState(*(torch.cat(parts) if parts[0] is not None else None for parts in zip(
-                *((s[key].conv, s[key].recurrent) for _, s in ready)))) for key in ready[0][1]}
+            stacked = {
+                key: LinearState(
+                    *(
+                        torch.cat(parts) if parts[0] is not None else None
+                        for parts in zip(*((s[key].conv, s[key].recurrent) for _, s in ready))
+                    )
+                )
+                for key in ready[0][1]
+            }
             write_states(state.cache, _rows_of(state.cache, [k for k, _ in ready], stacked))
         waiting = {k: todo[i] for k, i in enumerate(kept) if i in todo}
         if waiting:
@@ -365,8 +390,13 @@ class HybridVerifier:
         """One target forward (counted in `target_forwards`)."""
         self.target_forwards += 1
         return self.target(
-            input_ids=tokens, attention_mask=masks, position_ids=positions, past_key_values=cache, use_cache=True,
-            output_hidden_states=feature_layers(self.head) if hidden else False, **kwargs,
+            input_ids=tokens,
+            attention_mask=masks,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=feature_layers(self.head) if hidden else False,
+            **kwargs,
         )
 
     def _masks(self, valid, past_positions, seen, positions, causal_past: bool = False) -> dict:
@@ -374,8 +404,15 @@ class HybridVerifier:
         `positions` `(A, T)` seeing `seen` `(A, T, T)` of each other, for attention layer types (with their sliding
         windows), None for linear and cacheless ones."""
         return verify_attention_mask(
-            valid, seen, float_dtype(self.target), self.windows, past_positions, positions, layer_types=self.types,
-            unmasked=STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES, causal_past=causal_past,
+            valid,
+            seen,
+            float_dtype(self.target),
+            self.windows,
+            past_positions,
+            positions,
+            layer_types=self.types,
+            unmasked=STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES,
+            causal_past=causal_past,
         )
 
     def _stop_recording(self, cache):
@@ -410,8 +447,7 @@ class HybridVerifier:
                 seen = torch.ones(v, v, dtype=torch.bool, device=tokens.device).tril().expand(rows.shape[0], v, v)
                 positions = state.anchor_pos[rows, None] + depths
                 masks = self._masks(state.valid[rows], state.positions[rows], seen, positions)
-                self._forward(cache, tokens[rows, :v], positions, masks, hidden=False,
-                              **logits_to_keep(self.target, 1))
+                self._forward(cache, tokens[rows, :v], positions, masks, hidden=False, **logits_to_keep(self.target, 1))
                 _put_states(states, rows, cache, conv=False)
         return states
 
@@ -419,8 +455,9 @@ class HybridVerifier:
         """A new cache for rows `rows` `(R,)` (a row may repeat): their first `past` key/value entries (default: the
         round's past) and linear `states` `{(layer, s): LinearState (R, ...)}`. Memory: a copy of each."""
         past = state.valid.shape[1] if past is None else past
-        attention = {i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i]))
-                     for i in self.attention}
+        attention = {
+            i: tuple(t[rows, :, :past] for t in kv_layer_entries(state.cache.layers[i])) for i in self.attention
+        }
         return filled_cache(self.types, attention, states)
 
     def _paths_forward(self, state, part: list, leads: list):
@@ -484,15 +521,25 @@ class HybridVerifier:
         `PATHS_FORWARD_BYTES` where that is more, each path counted at its copies of the row's linear states and past
         keys/values and its logits over `length` positions."""
         a, past = state.valid.shape
-        per_path = sum(t.numel() * t.element_size() for s in read_states(state.cache, copy=False).values()
-                       for t in (s.conv, s.recurrent) if t is not None) / a
-        per_path += sum(t.shape[1] * (past + length) * t.shape[-1] * t.element_size() for i in self.attention
-                        for t in kv_layer_entries(state.cache.layers[i]))
+        per_path = (
+            sum(
+                t.numel() * t.element_size()
+                for s in read_states(state.cache, copy=False).values()
+                for t in (s.conv, s.recurrent)
+                if t is not None
+            )
+            / a
+        )
+        per_path += sum(
+            t.shape[1] * (past + length) * t.shape[-1] * t.element_size()
+            for i in self.attention
+            for t in kv_layer_entries(state.cache.layers[i])
+        )
         per_path += length * self.vocab * 4
         return max(1, int(max(PATHS_FORWARD_BYTES, self.weight_bytes * WEIGHTS_SHARE) // per_path))
 
     def _mode_seconds(self, state, trees) -> dict:
-        """"auto": the seconds of a chain verify and of a tree verify (forward 1) of this batch and tree size, timed
+        """ "auto": the seconds of a chain verify and of a tree verify (forward 1) of this batch and tree size, timed
         once per (target, device, dtype, batch, nodes) and kept on the head beside the measured budget's costs."""
         a, n1 = trees.depths.shape
         per_target = self.head.verify_cost_cache.setdefault(self.target, {})
@@ -504,8 +551,9 @@ class HybridVerifier:
                 self._verify(mode, state, trees)
                 self.discard(state, trees)
 
-            per_target[key] = {mode: median_seconds(functools.partial(once, mode), repeats=2, warmup=1)
-                               for mode in ROUND_MODES}
+            per_target[key] = {
+                mode: median_seconds(functools.partial(once, mode), repeats=2, warmup=1) for mode in ROUND_MODES
+            }
         return per_target[key]
 
 

@@ -27,15 +27,26 @@ from .tree import max_tree_nodes
 from .verifiers import TreeVerifier, verifier_for
 
 TREE_ARGUMENTS = (
-    "tree_depth", "tree_width", "tree_budget", "tree_scoring", "path_conditioning", "tree_lookup", "tree_lookup_prior",
-    "tree_lookup_branches", "tree_lookup_record",
+    "tree_depth",
+    "tree_width",
+    "tree_budget",
+    "tree_scoring",
+    "path_conditioning",
+    "tree_lookup",
+    "tree_lookup_prior",
+    "tree_lookup_branches",
+    "tree_lookup_record",
 )
 MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
 # model kwargs the tree loop reads; any other model kwarg (pixel_values, token_type_ids, past_key_values, ...) raises
 SUPPORTED_MODEL_KWARGS = ("input_ids", "inputs", "attention_mask")
 # `generate` arguments that are not model kwargs, honoured as in plain `generate` (the loop re-enters it)
 GENERATE_HONOURED = (
-    "generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "tokenizer",
+    "generation_config",
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "tokenizer",
     "trust_remote_code",
 )
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
@@ -136,8 +147,13 @@ def tree_generate(head, target, *args, **kwargs):
     loop = _decode if static is None else static_decode
     try:
         return target.generate(
-            *args, custom_generate=loop, jetspec_head=head, jetspec_shape=shape, jetspec_streamer=streamer,
-            jetspec_verifier=verifier, **kwargs,
+            *args,
+            custom_generate=loop,
+            jetspec_head=head,
+            jetspec_shape=shape,
+            jetspec_streamer=streamer,
+            jetspec_verifier=verifier,
+            **kwargs,
         )
     finally:
         if switch:
@@ -214,7 +230,8 @@ def check_tree_bounds(shape: TreeShape, head, target, batch: int, prompt_length:
     config = target.config.get_text_config()
     element = torch.finfo(target.dtype).bits // 8 if target.dtype.is_floating_point else 4
     per_row = (n + 1) * (
-        (prompt_length + n + 1) * element + config.vocab_size * (4 + element)
+        (prompt_length + n + 1) * element
+        + config.vocab_size * (4 + element)
         + (config.num_hidden_layers + 1) * config.hidden_size * element
     )
     if shape.path_conditioning:

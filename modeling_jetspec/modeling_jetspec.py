@@ -142,9 +142,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def check_target(self, target: PreTrainedModel):
         """Raise a `ValueError` when `target` is not the kind of model this head was built for."""
         if target.config.is_encoder_decoder:
-            raise ValueError(
-                f"expected a decoder-only target, got an encoder-decoder model ({type(target).__name__})"
-            )
+            raise ValueError(f"expected a decoder-only target, got an encoder-decoder model ({type(target).__name__})")
         text = _decoder_config(target)
         for name, want, have in (
             ("hidden size", self.config.target_hidden_size, text.hidden_size),
@@ -430,8 +428,9 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
         if self.config.last_context_input:  # every slot reads the context's last fused position
             x = x + self.last_context_proj(context.last[:, None, :].to(self.dtype))  # (B, 1, H)
-        return self._blocks(x, position_ids, self.layer_masks(attention_mask, position_ids, context), context,
-                            return_logits)
+        return self._blocks(
+            x, position_ids, self.layer_masks(attention_mask, position_ids, context), context, return_logits
+        )
 
     def forward(
         self,
@@ -481,8 +480,15 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
             x = x + self._last_context(input_ids, context, fused, last_context_index)
         return self._blocks(x, position_ids, masks, context, return_logits)
 
-    def dflash_step(self, noise_embeds=None, context_hidden_states=None, position_ids=None, attention_mask=None,
-                    past_key_values=None, **unknown):
+    def dflash_step(
+        self,
+        noise_embeds=None,
+        context_hidden_states=None,
+        position_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        **unknown,
+    ):
         """The head as transformers' own DFlash generator calls it (`speculation_type="dflash"`, generate hook
         uninstalled): see [`candidate_generator.dflash_forward`]. Its context lives in the generator's cache's
         entry of `dflash_contexts`, which goes with that cache at the end of the generation."""
@@ -540,7 +546,6 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         call's statistics as a convenience.
         """
         return tree_generate(self, target, *args, **kwargs)
-
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):

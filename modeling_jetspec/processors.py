@@ -51,11 +51,14 @@ def check_processors(processors, batch: int):
     Anything else (a user's processor, watermarking, subclasses of the above) may keep state across calls or mix
     rows, and is refused. Processors are matched by exact type.
     """
-    refused = sorted({
-        type(p).__name__ for p in processors
-        if type(p) not in (*ROW_WISE_PROCESSORS, RepetitionPenaltyLogitsProcessor, PrefixConstrainedLogitsProcessor)
-        and not (type(p) is UnbatchedClassifierFreeGuidanceLogitsProcessor and batch == 1)
-    })
+    refused = sorted(
+        {
+            type(p).__name__
+            for p in processors
+            if type(p) not in (*ROW_WISE_PROCESSORS, RepetitionPenaltyLogitsProcessor, PrefixConstrainedLogitsProcessor)
+            and not (type(p) is UnbatchedClassifierFreeGuidanceLogitsProcessor and batch == 1)
+        }
+    )
     if refused:
         raise ValueError(
             f"expected logits processors the tree loop runs exactly (those transformers builds from generation "

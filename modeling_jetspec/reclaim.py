@@ -52,8 +52,9 @@ def should_pack(width: int, packed: int) -> bool:
     return freed >= MIN_RECLAIM and 4 * freed >= width
 
 
-def reclaim(state: RoundState, window: int | None = None, live_bound: int | None = None,
-            force: bool = False) -> RoundState:
+def reclaim(
+    state: RoundState, window: int | None = None, live_bound: int | None = None, force: bool = False
+) -> RoundState:
     """Packs the target cache (and the head's context) when that frees enough columns; see the module's text.
 
     Args:
@@ -87,13 +88,16 @@ def reclaim(state: RoundState, window: int | None = None, live_bound: int | None
         packed = min(bound, context.valid.shape[1])  # the context holds the same positions, window or not
         if packed < context.valid.shape[1] and (force or should_pack(context.valid.shape[1], packed)):
             index = packed_order(context.valid, packed)
-            state = replace(state, context=replace(
-                context,
-                keys=[_gather_columns(k, index) for k in context.keys],
-                values=[_gather_columns(v, index) for v in context.values],
-                valid=context.valid.gather(1, index),
-                positions=None if context.positions is None else context.positions.gather(1, index),
-            ))
+            state = replace(
+                state,
+                context=replace(
+                    context,
+                    keys=[_gather_columns(k, index) for k in context.keys],
+                    values=[_gather_columns(v, index) for v in context.values],
+                    valid=context.valid.gather(1, index),
+                    positions=None if context.positions is None else context.positions.gather(1, index),
+                ),
+            )
     return state
 
 

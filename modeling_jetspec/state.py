@@ -60,8 +60,9 @@ class JetSpecStats:
     def acceptance_per_depth(self) -> list:
         return [count / max(self.row_rounds, 1) for count in self.accepted_at_depth]
 
-    def add_round(self, budget: int, counts: list, committed: int, outside_verify_s: float, verify_s: float,
-                  forwards: int):
+    def add_round(
+        self, budget: int, counts: list, committed: int, outside_verify_s: float, verify_s: float, forwards: int
+    ):
         """Record one verify round; `counts` holds each active row's accepted nodes (root included, host ints),
         `committed` the tokens the stopping criteria let through, `forwards` the target forwards the round's
         verifier ran (one for a tree verify; a scan or a replay runs more)."""
@@ -117,14 +118,24 @@ def resolve_tree_shape(config, **given) -> TreeShape:
         path_conditioning=pick("path_conditioning", config.path_conditioning),
         lookup=pick("tree_lookup", getattr(config, "tree_lookup", 0)),
         # False switches the head's prior off for this call (the whole chain first)
-        lookup_prior=None if given.get("tree_lookup_prior") is False
+        lookup_prior=None
+        if given.get("tree_lookup_prior") is False
         else pick("tree_lookup_prior", getattr(config, "tree_lookup_prior", None)),
         lookup_branches=pick("tree_lookup_branches", getattr(config, "tree_lookup_branches", "chain")),
         lookup_record=pick("tree_lookup_record", getattr(config, "tree_lookup_record", False)),
     )
     check_lookup_prior(shape.lookup_prior, shape.lookup_record and bool(shape.lookup))
-    check_tree_shape(shape.depth, shape.width, shape.budget, shape.scoring, config.block_size, shape.path_conditioning,
-                     shape.lookup, shape.lookup_branches, shape.lookup_record)
+    check_tree_shape(
+        shape.depth,
+        shape.width,
+        shape.budget,
+        shape.scoring,
+        config.block_size,
+        shape.path_conditioning,
+        shape.lookup,
+        shape.lookup_branches,
+        shape.lookup_record,
+    )
     return shape
 
 
@@ -215,8 +226,9 @@ class Verifier(Protocol):
         or fp32: greedy acceptance takes their argmax, processors and records upcast what they read) and the
         head's features of each node `(A, n + 1, k * H)`."""
 
-    def compact(self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
-                keep: torch.Tensor) -> RoundState:
+    def compact(
+        self, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor, keep: torch.Tensor
+    ) -> RoundState:
         """The state of the rows `keep` `(A',)` after their accepted nodes (see `steps.compact`)."""
 
     def discard(self, state: RoundState, trees: DraftTrees):
@@ -307,10 +319,9 @@ class Call:
         if self.stopped_at[row] is None:
             return False
         end = self.end()
-        return self.pads_finished or self.lengths[row] >= self.max_length or (
-            end is not None and self.lengths[row] >= end
+        return (
+            self.pads_finished or self.lengths[row] >= self.max_length or (end is not None and self.lengths[row] >= end)
         )
-
 
 
 def _paths(nodes: torch.Tensor, count: torch.Tensor) -> list:

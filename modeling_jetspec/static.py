@@ -140,9 +140,17 @@ def static_decode(
     `generate` has prepared by now)."""
     jetspec_verifier.plan(input_ids.shape[0], generation_config)
     return _decode(
-        model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-        jetspec_head=jetspec_head, jetspec_shape=jetspec_shape, jetspec_streamer=jetspec_streamer,
-        jetspec_verifier=jetspec_verifier, **model_kwargs,
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus,
+        jetspec_head=jetspec_head,
+        jetspec_shape=jetspec_shape,
+        jetspec_streamer=jetspec_streamer,
+        jetspec_verifier=jetspec_verifier,
+        **model_kwargs,
     )
 
 
@@ -193,8 +201,13 @@ def verify_forward(target, head, cache: StaticCache, input_ids, position_ids, an
     dtype = float_dtype(target)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min)
     out = target(
-        input_ids=input_ids, attention_mask=mask[:, None], position_ids=position_ids, past_key_values=cache,
-        use_cache=True, output_hidden_states=feature_layers(head), **logits_to_keep(target, 0),
+        input_ids=input_ids,
+        attention_mask=mask[:, None],
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=feature_layers(head),
+        **logits_to_keep(target, 0),
     )
     return out.logits, head.target_features(out.hidden_states)
 
@@ -231,8 +244,9 @@ class StaticVerifier:
         device = self.target.device
         self.compiled = compile_mode(self.mode, device, generation_config)
         self.options = compile_options(device, generation_config.compile_config) if self.compiled else {}
-        self._graphs = self.compiled and device.type == "cuda" and self.options.get("mode") in (
-            "reduce-overhead", "max-autotune")
+        self._graphs = (
+            self.compiled and device.type == "cuda" and self.options.get("mode") in ("reduce-overhead", "max-autotune")
+        )
         self._verify = _compiled(verify_forward, self.options) if self.compiled else verify_forward
         self._draft = _compiled(draft_forward, self.options) if self.compiled else draft_forward
 
@@ -258,46 +272,70 @@ class StaticVerifier:
             return full
 
         ctx = state.context
-        context = JetSpecContext([buffer(k) for k in ctx.keys], [buffer(v) for v in ctx.values], valid,
-                                 ctx.last.clone(), positions)
+        context = JetSpecContext(
+            [buffer(k) for k in ctx.keys], [buffer(v) for v in ctx.values], valid, ctx.last.clone(), positions
+        )
         self._past = torch.zeros((), dtype=torch.long, device=device)
         if self.compiled:  # fixed addresses: compiled graphs (CUDA graphs) read them in place
             for tensor in (*context.keys, *context.values, valid, positions, context.last, self._past):
                 mark_static_address(tensor)
         # the buffers a finished row's padded tree reads: every node a padded node
         self._pad = self._pad_trees(b, device)
-        return StaticState(rows=state.rows, anchors=state.anchors.clone(), anchor_pos=state.anchor_pos.clone(),
-                           past=prompt, cache=cache, valid=valid, positions=positions, context=context), logits
+        return StaticState(
+            rows=state.rows,
+            anchors=state.anchors.clone(),
+            anchor_pos=state.anchor_pos.clone(),
+            past=prompt,
+            cache=cache,
+            valid=valid,
+            positions=positions,
+            context=context,
+        ), logits
 
     def _pad_trees(self, rows: int, device) -> DraftTrees:
         n = self.nodes
         parents = torch.zeros(rows, n, dtype=torch.long, device=device)
         depths = torch.ones(rows, n + 1, dtype=torch.long, device=device)
         depths[:, 0] = 0
-        return DraftTrees(tokens=torch.full((rows, n), PAD_TOKEN, dtype=torch.long, device=device), parents=parents,
-                          depths=depths, ancestors=ancestor_mask(parents), budget=self.shape.budget)
+        return DraftTrees(
+            tokens=torch.full((rows, n), PAD_TOKEN, dtype=torch.long, device=device),
+            parents=parents,
+            depths=depths,
+            ancestors=ancestor_mask(parents),
+            budget=self.shape.budget,
+        )
 
     # ----------------------------------------------------------------------------------------------- the round
-    def draft(self, head, state: StaticState, shape: TreeShape, budget: int, histories: dict | None = None,
-              record=None, indexes: RowIndexes | None = None) -> DraftTrees:
+    def draft(
+        self,
+        head,
+        state: StaticState,
+        shape: TreeShape,
+        budget: int,
+        histories: dict | None = None,
+        record=None,
+        indexes: RowIndexes | None = None,
+    ) -> DraftTrees:
         """`steps.draft` over the buffers (one head forward for every row, finished rows included), each active
         row's tree padded to [`nodes`]."""
         if shape.lookup and histories is None:
             raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
         ctx = state.context
         self._step()
-        logits = self._draft(head, state.anchors, state.anchor_pos, ctx.keys, ctx.values, ctx.valid, ctx.last,
-                             ctx.positions, shape.depth)  # (B, depth, V_draft)
+        logits = self._draft(
+            head, state.anchors, state.anchor_pos, ctx.keys, ctx.values, ctx.valid, ctx.last, ctx.positions, shape.depth
+        )  # (B, depth, V_draft)
         if state.rows.shape[0] < self.batch:
             logits = logits[state.rows]
         children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
         if shape.lookup:
             indexes = RowIndexes() if indexes is None else indexes
-            children = [_with_lookup_branch(fn, history, shape, record, row, indexes)
-                        for fn, (row, history) in zip(children, histories.items())]
+            children = [
+                _with_lookup_branch(fn, history, shape, record, row, indexes)
+                for fn, (row, history) in zip(children, histories.items())
+            ]
         deepest = max(shape.depth, shape.lookup)
-        return self._padded([build_tree(fn, budget, deepest, shape.scoring) for fn in children],
-                            state.anchors.device)
+        return self._padded([build_tree(fn, budget, deepest, shape.scoring) for fn in children], state.anchors.device)
 
     def _padded(self, trees: list, device) -> DraftTrees:
         """The trees as tensors of [`nodes`] nodes each: padded nodes hang from the root, token -1."""
@@ -307,11 +345,13 @@ class StaticVerifier:
         extra = [n - len(t.tokens) for t in trees]
         parents = torch.tensor([t.parents + [0] * e for t, e in zip(trees, extra)], dtype=torch.long, device=device)
         return DraftTrees(
-            tokens=torch.tensor([t.tokens + [PAD_TOKEN] * e for t, e in zip(trees, extra)], dtype=torch.long,
-                                device=device),
+            tokens=torch.tensor(
+                [t.tokens + [PAD_TOKEN] * e for t, e in zip(trees, extra)], dtype=torch.long, device=device
+            ),
             parents=parents,
-            depths=torch.tensor([[0] + t.depths + [1] * e for t, e in zip(trees, extra)], dtype=torch.long,
-                                device=device),
+            depths=torch.tensor(
+                [[0] + t.depths + [1] * e for t, e in zip(trees, extra)], dtype=torch.long, device=device
+            ),
             ancestors=ancestor_mask(parents),
             budget=self.shape.budget,
             host=trees,
@@ -326,8 +366,9 @@ class StaticVerifier:
         position_ids = state.anchor_pos[:, None] + full.depths
         self._past.fill_(state.past)
         self._step()
-        logits, features = self._verify(self.target, self.head, state.cache, input_ids, position_ids, full.ancestors,
-                                        state.valid, self._past)
+        logits, features = self._verify(
+            self.target, self.head, state.cache, input_ids, position_ids, full.ancestors, state.valid, self._past
+        )
         if self._graphs:  # a CUDA graph's outputs are overwritten by its next replay
             logits, features = logits.clone(), features.clone()
         self.target_forwards += 1
@@ -345,8 +386,9 @@ class StaticVerifier:
             fields[name] = whole
         return DraftTrees(budget=trees.budget, **fields)
 
-    def compact(self, state: StaticState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor,
-                keep: torch.Tensor) -> StaticState:
+    def compact(
+        self, state: StaticState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor, keep: torch.Tensor
+    ) -> StaticState:
         """The accepted nodes' keys/values move into columns `past ..` of every row (gather, indexed write), the
         head's context gets their features in the same columns, and the bonus tokens become the anchors; finished
         rows get invalid columns and leave `rows`, not the buffers."""
@@ -389,7 +431,8 @@ class StaticVerifier:
         buffers = [entries for layer in state.cache.layers for entries in (layer.keys, layer.values)]
         for entries in (*buffers, *state.context.keys, *state.context.values):
             entries[:, :, :kept] = entries[:, :, :past].gather(
-                2, index[:, None, :, None].expand(-1, entries.shape[1], -1, entries.shape[-1]))
+                2, index[:, None, :, None].expand(-1, entries.shape[1], -1, entries.shape[-1])
+            )
         state.positions[:, :kept] = state.positions[:, :past].gather(1, index)
         state.valid[:, :kept] = valid.gather(1, index)
         state.valid[:, kept:] = False

@@ -98,8 +98,15 @@ def draft_block(head, context, anchor: torch.LongTensor, anchor_position: int, d
     return head.draft(block, positions, context).logits[:, 1 : depth + 1]
 
 
-def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dict | None = None,
-          record: LookupRecord | None = None, indexes: RowIndexes | None = None) -> DraftTrees:
+def draft(
+    head,
+    state: RoundState,
+    shape: TreeShape,
+    budget: int,
+    histories: dict | None = None,
+    record: LookupRecord | None = None,
+    indexes: RowIndexes | None = None,
+) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
     The head's logits at block slot d are its distribution of the token at depth d, `(A, N, V_draft)`; their top-W
@@ -129,8 +136,10 @@ def draft(head, state: RoundState, shape: TreeShape, budget: int, histories: dic
     children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
     if shape.lookup:
         indexes = RowIndexes() if indexes is None else indexes
-        children = [_with_lookup_branch(fn, history, shape, record, row, indexes)
-                    for fn, (row, history) in zip(children, histories.items())]
+        children = [
+            _with_lookup_branch(fn, history, shape, record, row, indexes)
+            for fn, (row, history) in zip(children, histories.items())
+        ]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
     if shape.path_conditioning:
@@ -157,8 +166,9 @@ def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
     return [([s[:w] for s in row], [[int(t) for t in s[w : 2 * w]] for s in row], [s[-1] for s in row]) for row in rows]
 
 
-def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None,
-           forms: LinearForms | None = None):
+def verify(
+    target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None, forms: LinearForms | None = None
+):
     """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
 
     Args:
@@ -174,8 +184,9 @@ def verify(target, head, state: RoundState, trees: DraftTrees, windows: dict | N
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
     flex = attn_implementation(target) == "flex_attention"  # a BlockMask for flex_attention, else additive masks
-    attention_mask = verify_attention_mask(state.valid, trees.ancestors, float_dtype(target), windows,
-                                           state.positions, positions, flex=flex)
+    attention_mask = verify_attention_mask(
+        state.valid, trees.ancestors, float_dtype(target), windows, state.positions, positions, flex=flex
+    )
     with linear_forms(target, forms):
         out = target(
             input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
@@ -215,15 +226,21 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
         shapes = [(tree.tokens, tree.parents) for tree in trees.host]
     else:
         shapes = list(zip(trees.tokens.tolist(), trees.parents.tolist()))
-    walks = [_walk(logits[i], tokens, parents, row, choose)
-             for i, (row, (tokens, parents)) in enumerate(zip(rows, shapes))]
+    walks = [
+        _walk(logits[i], tokens, parents, row, choose) for i, (row, (tokens, parents)) in enumerate(zip(rows, shapes))
+    ]
     a, width = len(walks), max(len(nodes) for nodes, _, _ in walks)
     padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
     for i, (nodes, path, _) in enumerate(walks):
         padded[0, i, : len(nodes)], padded[1, i, : len(path)] = torch.tensor(nodes), torch.tensor(path)
     count = torch.tensor([len(nodes) for nodes, _, _ in walks], device=logits.device)
-    return Acceptance(padded[0].to(logits.device), padded[1].to(logits.device), count, [s for _, _, s in walks],
-                      host=[(nodes, path) for nodes, path, _ in walks])
+    return Acceptance(
+        padded[0].to(logits.device),
+        padded[1].to(logits.device),
+        count,
+        [s for _, _, s in walks],
+        host=[(nodes, path) for nodes, path, _ in walks],
+    )
 
 
 def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
@@ -292,8 +309,13 @@ def commit(call: Call, acc: Acceptance, logits: torch.Tensor) -> Committed:
     keep = [i for i, row in enumerate(rows) if not call.finished(row)]  # after every row: a stop ends others
     call.active = [rows[i] for i in keep]
     width = max(counts)  # every path fits; a shorter one leaves holes that `compact` masks
-    return Committed(committed, counts, paths, torch.tensor(keep, dtype=torch.long, device=acc.count.device),
-                     replace(acc, nodes=acc.nodes[:, :width], tokens=acc.tokens[:, :width]))
+    return Committed(
+        committed,
+        counts,
+        paths,
+        torch.tensor(keep, dtype=torch.long, device=acc.count.device),
+        replace(acc, nodes=acc.nodes[:, :width], tokens=acc.tokens[:, :width]),
+    )
 
 
 def _read_acceptance(acc: Acceptance, stops: torch.Tensor | None) -> tuple[list, list, list, list | None]:
@@ -382,8 +404,15 @@ def _gather_nodes(tail: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
     return tail.gather(2, nodes[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[-1]))
 
 
-def compact(head, state: RoundState, trees: DraftTrees, acc: Acceptance, features: torch.Tensor, keep: torch.Tensor,
-            keep_entries=keep_accepted_entries) -> RoundState:
+def compact(
+    head,
+    state: RoundState,
+    trees: DraftTrees,
+    acc: Acceptance,
+    features: torch.Tensor,
+    keep: torch.Tensor,
+    keep_entries=keep_accepted_entries,
+) -> RoundState:
     """Finished rows leave; the target cache keeps its past and the accepted nodes; the head's context grows by their
     target features; the bonus token becomes the next anchor.
 
@@ -424,10 +453,14 @@ def select_rows(state: RoundState, keep: torch.Tensor) -> RoundState:
     """The rows `keep` `(A',)` of a round state; the target cache keeps only them, in place."""
     state.cache.batch_select_indices(keep)
     return replace(
-        state, rows=state.rows[keep], valid=state.valid[keep], positions=state.positions[keep],
-        context=state.context.select_rows(keep), anchors=state.anchors[keep], anchor_pos=state.anchor_pos[keep],
+        state,
+        rows=state.rows[keep],
+        valid=state.valid[keep],
+        positions=state.positions[keep],
+        context=state.context.select_rows(keep),
+        anchors=state.anchors[keep],
+        anchor_pos=state.anchor_pos[keep],
     )
-
 
 
 # ------------------------------------------------------------------------------------------------ tree assembly
@@ -441,8 +474,12 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
 
     def padded(t: Tree) -> Tree:
         extra = size - len(t.tokens)
-        return Tree(t.tokens + t.tokens[-1:] * extra, t.parents + t.parents[-1:] * extra,
-                    t.depths + t.depths[-1:] * extra, t.scores + t.scores[-1:] * extra)
+        return Tree(
+            t.tokens + t.tokens[-1:] * extra,
+            t.parents + t.parents[-1:] * extra,
+            t.depths + t.depths[-1:] * extra,
+            t.scores + t.scores[-1:] * extra,
+        )
 
     trees = [padded(t) for t in trees]
     parents = torch.tensor([t.parents for t in trees], dtype=torch.long, device=device)  # (A, n)
@@ -456,8 +493,14 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
     )
 
 
-def _with_lookup_branch(children, history: list, shape: TreeShape, record: LookupRecord | None = None,
-                        row: int = 0, indexes: RowIndexes | None = None):
+def _with_lookup_branch(
+    children,
+    history: list,
+    shape: TreeShape,
+    record: LookupRecord | None = None,
+    row: int = 0,
+    indexes: RowIndexes | None = None,
+):
     """A row's children with its model-free branch (`shape.lookup_branches`: the prompt-lookup chain, or the trie of
     every earlier continuation): scored by `shape.lookup_prior` (mixed with the row's `record` when given), else
     first. The branch is read from the row's n-gram index (`indexes`), fed only the tokens committed since."""
@@ -499,8 +542,9 @@ def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginal
     mask = torch.cat([state.context.valid[:, None, :].expand(a, t, -1), inner], dim=-1)[:, None]  # (A, 1, t, S+t)
     out = head.draft(inputs, positions, state.context, attention_mask=mask)  # probes at slots n + 1 ..
     rebuilt = []
-    for tree, (lps, toks, ents), marginal in zip(trees.host, _top_candidates(head, out.logits[:, n + 1 :], shape),
-                                               marginals):
+    for tree, (lps, toks, ents), marginal in zip(
+        trees.host, _top_candidates(head, out.logits[:, n + 1 :], shape), marginals
+    ):
         paths, probed = [()], {}
         for j, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             paths.append(paths[parent] + (token,))
@@ -522,4 +566,3 @@ def float_dtype(model) -> torch.dtype:
 def logits_to_keep(target, count: int) -> dict:
     """`logits_to_keep=count` for a target that takes it (0: every position), else nothing."""
     return {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
-

@@ -41,8 +41,17 @@ LOOKUP_MAX_NGRAM = 3  # prompt lookup matches the last 3, else 2, else 1 tokens;
 LOOKUP_BRANCHES = ("chain", "trie")
 
 
-def check_tree_shape(depth, width, budget, scoring, block_size: int, path_conditioning: bool = False,
-                     lookup: int = 0, lookup_branches: str = "chain", lookup_record: bool = False):
+def check_tree_shape(
+    depth,
+    width,
+    budget,
+    scoring,
+    block_size: int,
+    path_conditioning: bool = False,
+    lookup: int = 0,
+    lookup_branches: str = "chain",
+    lookup_record: bool = False,
+):
     """The one validation of tree arguments (per call and on the head's config); raises a `ValueError`.
 
     Args:
@@ -63,9 +72,7 @@ def check_tree_shape(depth, width, budget, scoring, block_size: int, path_condit
             this call (`continuations.LookupRecord`); needs a lookup prior, see [`check_lookup_prior`].
     """
     if not isinstance(depth, int) or not 1 <= depth <= block_size - 1:
-        raise ValueError(
-            f"expected tree_depth in [1, {block_size - 1}] (block_size - 1 of this head), got {depth!r}"
-        )
+        raise ValueError(f"expected tree_depth in [1, {block_size - 1}] (block_size - 1 of this head), got {depth!r}")
     if not isinstance(width, int) or width < 1:
         raise ValueError(f"expected tree_width >= 1, got {width!r}")
     if budget != "auto" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
@@ -96,15 +103,19 @@ def check_lookup_prior(prior, record: bool = False):
     record mixes the call's observed acceptance with it."""
     if prior is None:
         if record:
-            raise ValueError("expected a tree_lookup_prior with tree_lookup_record=True (the record mixes what the "
-                             "call observes with the prior), got none")
+            raise ValueError(
+                "expected a tree_lookup_prior with tree_lookup_record=True (the record mixes what the "
+                "call observes with the prior), got none"
+            )
         return
     expected = "None or 1-3 lists (n-gram orders 1, 2, 3) of non-increasing fractions in (0, 1]"
     if not isinstance(prior, (list, tuple)) or not 1 <= len(prior) <= LOOKUP_MAX_NGRAM:
         raise ValueError(f"expected tree_lookup_prior {expected}, got {prior!r}")
     for row in prior:
-        ok = isinstance(row, (list, tuple)) and len(row) > 0 and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in row
+        ok = (
+            isinstance(row, (list, tuple))
+            and len(row) > 0
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in row)
         )
         if not ok or any(b > a for a, b in zip(row, row[1:])):
             raise ValueError(f"expected tree_lookup_prior {expected}, got the row {row!r}")
@@ -195,8 +206,9 @@ def marginal_children(topk_logprobs, topk_tokens, entropies) -> ChildrenFn:
         topk_tokens (`list` or `torch.Tensor` of shape `(N, W)`): their tokens.
         entropies (`list` or `torch.Tensor` of shape `(N,)`): entropy of each depth's distribution.
     """
-    lps, toks, ents = (x.tolist() if isinstance(x, torch.Tensor) else x
-                       for x in (topk_logprobs, topk_tokens, entropies))
+    lps, toks, ents = (
+        x.tolist() if isinstance(x, torch.Tensor) else x for x in (topk_logprobs, topk_tokens, entropies)
+    )
 
     def children(path):
         d = len(path)
@@ -253,8 +265,9 @@ def lookup_logprobs(prior, order: int, length: int) -> list:
     """Per-token conditional log-probs of a lookup chain of `length` tokens from a match of order `order`: the log
     of each [`lookup_survival`] ratio `s(k) / s(k - 1)` (`s(0)` = 1), held in [1e-6, 1]."""
     survival = lookup_survival(prior, order, length)
-    return [math.log(min(max(s / p, 1e-6), 1.0)) if p > 0 else math.log(1e-6)
-            for p, s in zip([1.0] + survival, survival)]
+    return [
+        math.log(min(max(s / p, 1e-6), 1.0)) if p > 0 else math.log(1e-6) for p, s in zip([1.0] + survival, survival)
+    ]
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,16 @@ from .state import DraftTrees, RoundState, TreeShape, Verifier
 from .steps import compact, draft, prefill, verify
 from .timing import median_seconds
 
-__all__ = ["TREE_LAYER_TYPES", "TreeVerifier", "Verifier", "check_layer_types", "measure_verify_seconds",
-           "verifier_for", "verify_seconds", "verify_windows"]
+__all__ = [
+    "TREE_LAYER_TYPES",
+    "TreeVerifier",
+    "Verifier",
+    "check_layer_types",
+    "measure_verify_seconds",
+    "verifier_for",
+    "verify_seconds",
+    "verify_windows",
+]
 
 TREE_LAYER_TYPES = ("full_attention", "sliding_attention")  # a key/value cache the tree loop can compact
 
@@ -109,7 +117,6 @@ def verify_windows(target) -> dict | None:
     return {t: window if t == "sliding_attention" else None for t in sorted(set(layer_types))}
 
 
-
 def check_layer_types(target):
     """Reject targets whose layers keep a state other than attention keys/values (recurrent, hybrid)."""
     text = target.config.get_text_config(decoder=True)
@@ -123,8 +130,9 @@ def check_layer_types(target):
 
 
 # ------------------------------------------------------------------------------------------------ measured costs
-def verify_seconds(verifier: Verifier, state: RoundState, trees: DraftTrees, repeats: int = 3,
-                   warmup: int = 1) -> float:
+def verify_seconds(
+    verifier: Verifier, state: RoundState, trees: DraftTrees, repeats: int = 3, warmup: int = 1
+) -> float:
     """Median wall time of the verifier's forward over `trees` after `state`'s cache, undone after every call
     ([`timing.median_seconds`]: it waits for the accelerator)."""
 
@@ -136,8 +144,16 @@ def verify_seconds(verifier: Verifier, state: RoundState, trees: DraftTrees, rep
 
 
 @torch.no_grad()
-def measure_verify_seconds(target, head, shape: TreeShape, budgets, batch_size: int = 1, context_length: int = 64,
-                           repeats: int = 3, tree_verify: str = "auto") -> dict:
+def measure_verify_seconds(
+    target,
+    head,
+    shape: TreeShape,
+    budgets,
+    batch_size: int = 1,
+    context_length: int = 64,
+    repeats: int = 3,
+    tree_verify: str = "auto",
+) -> dict:
     """Median wall time of a verify round at each budget b, at this batch size, after a prefilled random context.
 
     The trees are the head's own ([`draft`] at `shape` without path conditioning or lookup branch, so b nodes), and
@@ -157,4 +173,3 @@ def measure_verify_seconds(target, head, shape: TreeShape, budgets, batch_size: 
     state, _ = verifier.prefill(prompt, None)
     alone = replace(shape, path_conditioning=False, lookup=0)
     return {b: verify_seconds(verifier, state, draft(head, state, alone, b), repeats) for b in budgets}
-

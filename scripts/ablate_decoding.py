@@ -45,8 +45,12 @@ SETTINGS = {
     "tree-8-trie16": {"tree_budget": 8, "tree_lookup": 16, "tree_lookup_branches": "trie"},
     "tree-16-trie16": {"tree_budget": 16, "tree_lookup": 16, "tree_lookup_branches": "trie"},
     "tree-8-lookup16-record": {"tree_budget": 8, "tree_lookup": 16, "tree_lookup_record": True},
-    "tree-8-trie16-record": {"tree_budget": 8, "tree_lookup": 16, "tree_lookup_branches": "trie",
-                             "tree_lookup_record": True},
+    "tree-8-trie16-record": {
+        "tree_budget": 8,
+        "tree_lookup": 16,
+        "tree_lookup_branches": "trie",
+        "tree_lookup_record": True,
+    },
     "auto-lookup16": {"tree_budget": "auto", "tree_lookup": 16},
     "auto-trie16": {"tree_budget": "auto", "tree_lookup": 16, "tree_lookup_branches": "trie"},
 }
@@ -71,8 +75,12 @@ def main(argv=None) -> dict:
     _, held_out = split_train_eval(data.select_columns(TRAINING_COLUMNS), 0.02, 0)
     rows = held_out.select(range(min(args.prompts, len(held_out))))
     names = ["plain"] + list(args.settings)
-    common = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tokenizer.eos_token_id,
-              "return_dict_in_generate": True}
+    common = {
+        "max_new_tokens": args.max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": tokenizer.eos_token_id,
+        "return_dict_in_generate": True,
+    }
     per = {name: {"speedup": [], "tau": [], "same_prefix": []} for name in names}
     warm = torch.tensor([rows[0]["input_ids"][: rows[0]["prompt_length"]]])
     for name in names:  # untimed warm-up of every setting
@@ -80,14 +88,14 @@ def main(argv=None) -> dict:
         target.generate(input_ids=warm, attention_mask=torch.ones_like(warm), **dict(common, max_new_tokens=8), **extra)
     for i, row in enumerate(tqdm(rows, desc="prompts")):
         ids = torch.tensor([row["input_ids"][: row["prompt_length"]]])
-        order = names[i % len(names):] + names[: i % len(names)]  # rotate: drifts fall on every setting alike
+        order = names[i % len(names) :] + names[: i % len(names)]  # rotate: drifts fall on every setting alike
         seconds, outputs = {}, {}
         for name in order:
             extra = {} if name == "plain" else dict(SETTINGS[name], assistant_model=head)
             started = clock()
             out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **common, **extra)
             seconds[name] = clock() - started
-            outputs[name] = out.sequences[0, ids.shape[1]:]
+            outputs[name] = out.sequences[0, ids.shape[1] :]
             if name != "plain":
                 per[name]["tau"].append(out.jetspec_stats.tau)
         for name in names:
@@ -97,8 +105,12 @@ def main(argv=None) -> dict:
             per[name]["same_prefix"].append(bool(torch.equal(outputs[name][:n], outputs["plain"][:n])))
     summary = {
         "command": "python -m scripts.ablate_decoding " + " ".join(sys.argv[1:]),
-        "dtype": str(dtype), "dtype_reason": reason, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
-        "head": portable_name(args.head), "settings": {k: SETTINGS[k] for k in args.settings},
+        "dtype": str(dtype),
+        "dtype_reason": reason,
+        "prompts": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "head": portable_name(args.head),
+        "settings": {k: SETTINGS[k] for k in args.settings},
         "results": {
             name: {
                 "speedup_median": statistics.median(v["speedup"]),
@@ -111,14 +123,20 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decoding.json").write_text(json.dumps(summary, indent=1) + "\n")
-    lines = [f"# Decoding settings on {len(rows)} held-out regenerated prompts, {args.max_new_tokens} new tokens, "
-             f"{dtype}", "", f"`{summary['command']}`", "",
-             "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# Decoding settings on {len(rows)} held-out regenerated prompts, {args.max_new_tokens} new tokens, {dtype}",
+        "",
+        f"`{summary['command']}`",
+        "",
+        "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in summary["results"].items():
         tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
-        lines.append(f"| {name} | {SETTINGS.get(name, {})} | {r['speedup_median']:.2f}x | {tau} | "
-                     f"{r['outputs_equal_plain']}/{len(rows)} |")
+        lines.append(
+            f"| {name} | {SETTINGS.get(name, {})} | {r['speedup_median']:.2f}x | {tau} | "
+            f"{r['outputs_equal_plain']}/{len(rows)} |"
+        )
     (out / "decoding.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return summary

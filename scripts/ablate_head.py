@@ -120,7 +120,9 @@ def data_tokens(name: str) -> int | None:
     """Answer tokens a `data_<N>` variant trains on (None: all); a `ValueError` for any other name."""
     match = DATA_VARIANT.match(name)
     if match is None:
-        raise ValueError(f"expected a data variant data_<answer tokens> (e.g. data_0.5M, data_2M, data_all), got {name!r}")
+        raise ValueError(
+            f"expected a data variant data_<answer tokens> (e.g. data_0.5M, data_2M, data_all), got {name!r}"
+        )
     size = match.group(1)
     if size == "all":
         return None
@@ -142,8 +144,10 @@ def variant_flags(name: str) -> list:
 def check_variants(names: list) -> list:
     for name in names:
         if name not in VARIANTS and not DATA_VARIANT.match(name):
-            raise ValueError(f"expected variants among {sorted(VARIANTS)} or data_<answer tokens> (data_0.5M, "
-                             f"data_all, ...), got {name!r}")
+            raise ValueError(
+                f"expected variants among {sorted(VARIANTS)} or data_<answer tokens> (data_0.5M, "
+                f"data_all, ...), got {name!r}"
+            )
         variant_flags(name)
     if len(set(names)) != len(names):
         raise ValueError(f"expected each variant once, got {names}")
@@ -157,22 +161,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", default=None, help="override the config's data (one .npz or folder)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_fraction", type=float, default=None, help="override the config's held-out share")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="equal wall-clock instead of equal steps: train each variant for about this long")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="equal wall-clock instead of equal steps: train each variant for about this long",
+    )
     parser.add_argument("--out", default="results/ablation")
     parser.add_argument("--runs", default=str(REPO / "runs" / "ablation"), help="folder of the variants' runs")
-    parser.add_argument("--variants", nargs="+", default=None,
-                        help=f"among {', '.join(sorted(VARIANTS))}, or data_<answer tokens> (default: baseline)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help=f"among {', '.join(sorted(VARIANTS))}, or data_<answer tokens> (default: baseline)",
+    )
     offline = parser.add_argument_group("offline scoring (training.evaluate_head) of every trained head")
     offline.add_argument("--offline", default="on", choices=["on", "off"], help="score each trained head offline")
     offline.add_argument("--eval_rows", type=int, default=300, help="held-out rows scored (the split's first)")
     offline.add_argument("--eval_new_tokens", type=int, default=256, help="cap on each row's answer tokens")
     offline.add_argument("--budgets", default=DEFAULT_BUDGETS, help="tree budgets, comma-separated")
-    offline.add_argument("--lookup_settings", default=str(DEFAULT_LOOKUP_SETTINGS),
-                         help="head folder lending its model-free branch settings to every head ('none': each its own)")
+    offline.add_argument(
+        "--lookup_settings",
+        default=str(DEFAULT_LOOKUP_SETTINGS),
+        help="head folder lending its model-free branch settings to every head ('none': each its own)",
+    )
     offline.add_argument("--eval_batch_size", type=int, default=32, help="rows per head forward")
-    offline.add_argument("--tree_keys", nargs="+", default=None, choices=TREE_KEYS,
-                         help="train nothing: score --head under each of these tree keys")
+    offline.add_argument(
+        "--tree_keys",
+        nargs="+",
+        default=None,
+        choices=TREE_KEYS,
+        help="train nothing: score --head under each of these tree keys",
+    )
     offline.add_argument("--head", default=None, help="with --tree_keys: the head folder scored")
     return parser
 
@@ -201,7 +221,9 @@ def check_args(args) -> dict:
         if args.variants is not None:
             raise ValueError("expected either --variants (train) or --tree_keys (score one head), got both")
         if args.head is None or not (Path(args.head) / "config.json").is_file():
-            raise ValueError(f"expected --head to be a head folder holding config.json with --tree_keys, got {args.head}")
+            raise ValueError(
+                f"expected --head to be a head folder holding config.json with --tree_keys, got {args.head}"
+            )
         if args.offline == "off":
             raise ValueError("expected --offline on with --tree_keys (it only scores), got off")
     variants = check_variants(args.variants or ["baseline"])
@@ -222,8 +244,12 @@ class OfflineScorer:
 
     def settings(self) -> dict:
         """What a stored score depends on besides the head: rescored when any of it changes."""
-        return {"eval_rows": self.rows, "eval_new_tokens": self.new_tokens, "budgets": self.budgets,
-                "lookup_settings": str(self.lookup_path)}
+        return {
+            "eval_rows": self.rows,
+            "eval_new_tokens": self.new_tokens,
+            "budgets": self.budgets,
+            "lookup_settings": str(self.lookup_path),
+        }
 
     def target(self, name: str):
         if name not in self._targets:
@@ -241,8 +267,9 @@ class OfflineScorer:
             self._rows[key] = prepare_rows(held, store_features(self.store), self.new_tokens, depth)
         return self._rows[key]
 
-    def score(self, head_dir, target: str, data: list, eval_fraction: float, seed: int,
-              tree_keys=(None,)) -> tuple[dict, dict]:
+    def score(
+        self, head_dir, target: str, data: list, eval_fraction: float, seed: int, tree_keys=(None,)
+    ) -> tuple[dict, dict]:
         """`(compact, full)`: per tree key (None: the head's), `lookup_on` / `lookup_off`, per budget."""
         from modeling_jetspec import JetSpecDraftModel
         from modeling_jetspec.configuration_jetspec import JetSpecConfig
@@ -254,19 +281,27 @@ class OfflineScorer:
         lookup = JetSpecConfig.from_pretrained(self.lookup_path) if self.lookup_path else None
         rows, skipped = self.prepared(data, eval_fraction, seed, head.config.tree_depth)
         if not rows:
-            raise ValueError(f"expected held-out rows in the feature store {self.store.path} to score, got none "
-                             f"({len(skipped)} skipped)")
+            raise ValueError(
+                f"expected held-out rows in the feature store {self.store.path} to score, got none "
+                f"({len(skipped)} skipped)"
+            )
         ids = [row.id for row in rows]
-        compact = {"rows": len(rows), "skipped": len(skipped),
-                   "answer_tokens": sum(row.end - row.prompt_length for row in rows),
-                   "rows_crc": zlib.crc32("\n".join(ids).encode("utf-8")), **self.settings(), "by_key": {}}
+        compact = {
+            "rows": len(rows),
+            "skipped": len(skipped),
+            "answer_tokens": sum(row.end - row.prompt_length for row in rows),
+            "rows_crc": zlib.crc32("\n".join(ids).encode("utf-8")),
+            **self.settings(),
+            "by_key": {},
+        }
         full = {}
         for key in tree_keys:
             entry, full[str(key)] = {}, {}
             for lookup_on in (True, False):
                 side = "lookup_on" if lookup_on else "lookup_off"
-                result = run({"head": head}, rows, self.budgets, lookup_on, key, self.batch_size,
-                             lookup_settings=lookup)["head"]
+                result = run(
+                    {"head": head}, rows, self.budgets, lookup_on, key, self.batch_size, lookup_settings=lookup
+                )["head"]
                 full[str(key)][side] = {str(b): s for b, s in result.items()}
                 entry[side] = {str(b): compact_summary(s) for b, s in result.items()}
             compact["by_key"][str(key)] = entry
@@ -276,12 +311,26 @@ class OfflineScorer:
 def compact_summary(summary: dict) -> dict:
     """The evaluator's numbers of one budget without the per-row detail."""
     first = summary["first_round"]
-    return {"tau": summary["tau"], "rounds": summary["rounds"], "rows": summary["rows"],
-            "acceptance_per_depth": summary["acceptance_per_depth"],
-            "accepted_by_source": summary["accepted_by_source"], "scoring": summary["shape"]["scoring"],
-            "lookup": summary["shape"]["lookup"],
-            "first_round": {k: first[k] for k in ("rows", "rows_with_target_logprob", "complete_paths",
-                                                   "share_below_-20_nats", "mean_inflation", "mean_draft_score")}}
+    return {
+        "tau": summary["tau"],
+        "rounds": summary["rounds"],
+        "rows": summary["rows"],
+        "acceptance_per_depth": summary["acceptance_per_depth"],
+        "accepted_by_source": summary["accepted_by_source"],
+        "scoring": summary["shape"]["scoring"],
+        "lookup": summary["shape"]["lookup"],
+        "first_round": {
+            k: first[k]
+            for k in (
+                "rows",
+                "rows_with_target_logprob",
+                "complete_paths",
+                "share_below_-20_nats",
+                "mean_inflation",
+                "mean_draft_score",
+            )
+        },
+    }
 
 
 def main(argv=None) -> dict:
@@ -291,8 +340,14 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     scorer = None
     if args.offline == "on":
-        scorer = OfflineScorer(args.store, checked["budgets"], args.eval_rows, args.eval_new_tokens,
-                               checked["lookup_settings"], args.eval_batch_size)
+        scorer = OfflineScorer(
+            args.store,
+            checked["budgets"],
+            args.eval_rows,
+            args.eval_new_tokens,
+            checked["lookup_settings"],
+            args.eval_batch_size,
+        )
     budget = {"minutes": args.minutes} if args.minutes is not None else {"steps": args.steps}
     host = host_kind()
 
@@ -309,10 +364,27 @@ def main(argv=None) -> dict:
         return str(path)
 
     def arguments(name: str, steps: int, run: str) -> list[str]:
-        common = [config_of(name, run), "--feature_store", args.store, "--cache_features", "false", "--max_steps",
-                  str(steps), "--eval_steps", str(steps), "--save_strategy", "no",
-                  "--max_train_minutes", "1000", "--measure_tau_prompts", "0", "--warmup_steps",
-                  str(max(1, steps // 20)), "--output_dir", str(Path(args.runs) / run)]
+        common = [
+            config_of(name, run),
+            "--feature_store",
+            args.store,
+            "--cache_features",
+            "false",
+            "--max_steps",
+            str(steps),
+            "--eval_steps",
+            str(steps),
+            "--save_strategy",
+            "no",
+            "--max_train_minutes",
+            "1000",
+            "--measure_tau_prompts",
+            "0",
+            "--warmup_steps",
+            str(max(1, steps // 20)),
+            "--output_dir",
+            str(Path(args.runs) / run),
+        ]
         if args.data:
             common += ["--data", args.data]
         if args.eval_fraction is not None:
@@ -322,29 +394,40 @@ def main(argv=None) -> dict:
     def settings_of(name: str) -> dict:
         """What the variant's run trains with, as the trainer parses it (its data, split, target and recipe)."""
         head_args, data_args, train_args = run_trainer.parse_args(arguments(name, 1, name))
-        return {"target": head_args.target, "data": list(data_args.data), "eval_fraction": data_args.eval_fraction,
-                "seed": train_args.seed, "loss": train_args.loss, "gamma": train_args.gamma,
-                "block_attention": head_args.block_attention or "causal",
-                "max_train_answer_tokens": data_args.max_train_answer_tokens}
+        return {
+            "target": head_args.target,
+            "data": list(data_args.data),
+            "eval_fraction": data_args.eval_fraction,
+            "seed": train_args.seed,
+            "loss": train_args.loss,
+            "gamma": train_args.gamma,
+            "block_attention": head_args.block_attention or "causal",
+            "max_train_answer_tokens": data_args.max_train_answer_tokens,
+        }
 
     def score(name: str, settings: dict, head_dir, tree_keys=(None,)) -> dict:
-        compact, full = scorer.score(head_dir, settings["target"], settings["data"], settings["eval_fraction"],
-                                     settings["seed"], tree_keys)
+        compact, full = scorer.score(
+            head_dir, settings["target"], settings["data"], settings["eval_fraction"], settings["seed"], tree_keys
+        )
         (out / "offline").mkdir(exist_ok=True)
         (out / "offline" / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
         return compact
 
     if args.tree_keys is not None:
-        return tree_key_mode(args, out, score(f"tree_keys-{Path(args.head).name}", settings_of("baseline"),
-                                              args.head, args.tree_keys))
+        return tree_key_mode(
+            args, out, score(f"tree_keys-{Path(args.head).name}", settings_of("baseline"), args.head, args.tree_keys)
+        )
 
     summary_path = out / "ablation.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     for name in checked["variants"]:
         row = summary.get(name)
         trained = row is not None and all(row.get(key) == value for key, value in budget.items())
-        scored = scorer is None or (row is not None and row.get("offline", {}).get("eval_rows") is not None
-                                    and all(row["offline"].get(k) == v for k, v in scorer.settings().items()))
+        scored = scorer is None or (
+            row is not None
+            and row.get("offline", {}).get("eval_rows") is not None
+            and all(row["offline"].get(k) == v for k, v in scorer.settings().items())
+        )
         if trained and scored:
             print(f"ablation: {name} already measured, skipped")
             continue
@@ -352,15 +435,21 @@ def main(argv=None) -> dict:
         if not trained:
             steps = args.steps
             if args.minutes is not None:
-                shared = [other for other, r in summary.items() if other != name and DATA_VARIANT.match(other)
-                          and r.get("minutes") == args.minutes] if DATA_VARIANT.match(name) else []
+                shared = (
+                    [
+                        other
+                        for other, r in summary.items()
+                        if other != name and DATA_VARIANT.match(other) and r.get("minutes") == args.minutes
+                    ]
+                    if DATA_VARIANT.match(name)
+                    else []
+                )
                 if shared:  # the data variants differ in data only: the first one measured set their steps
                     steps = summary[shared[0]]["steps"]
                     print(f"ablation: {name} takes the {steps} steps of {shared[0]} (data variants share steps)")
                 else:
                     timer = StepTimer()
-                    run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"],
-                                     [timer])
+                    run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"], [timer])
                     pace = timer.seconds_per_step()
                     steps = max(1, int(args.minutes * 60 / pace))
                     print(f"ablation: {name} at {pace:.2f} s/step gets {steps} steps")
@@ -369,7 +458,7 @@ def main(argv=None) -> dict:
             depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
             row = {
                 "change": " ".join(variant_flags(name) + [f"(no {key})" for key in UNSET.get(name, ())])
-                          or "(committed config)",
+                or "(committed config)",
                 "host_kind": host.name,
                 **budget,
                 "steps": steps,
@@ -400,11 +489,16 @@ def tree_key_mode(args, out: Path, scored: dict) -> dict:
     result = {"head": str(args.head), **scored}
     (out / "tree_keys.json").write_text(json.dumps(result, indent=1) + "\n")
     budgets = [str(b) for b in scored["budgets"]]
-    lines = [f"Head {args.head}, {scored['rows']} held-out rows ({scored['answer_tokens']} answer tokens), store "
-             f"{args.store}; offline tau (committed tokens per round)\n",
-             "| tree key | " + " | ".join(f"tau@{b} lookup off" for b in budgets) + " | "
-             + " | ".join(f"tau@{b} lookup on" for b in budgets) + " |",
-             "|---|" + "---:|" * (2 * len(budgets))]
+    lines = [
+        f"Head {args.head}, {scored['rows']} held-out rows ({scored['answer_tokens']} answer tokens), store "
+        f"{args.store}; offline tau (committed tokens per round)\n",
+        "| tree key | "
+        + " | ".join(f"tau@{b} lookup off" for b in budgets)
+        + " | "
+        + " | ".join(f"tau@{b} lookup on" for b in budgets)
+        + " |",
+        "|---|" + "---:|" * (2 * len(budgets)),
+    ]
     for key, entry in scored["by_key"].items():
         cells = [f"{entry[side][b]['tau']:.3f}" for side in ("lookup_off", "lookup_on") for b in budgets]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
@@ -416,36 +510,54 @@ def tree_key_mode(args, out: Path, scored: dict) -> dict:
 
 def ablation_tables(summary: dict, store: str, data) -> str:
     """OUT/ablation.md: the training table, and the offline table of the variants scored."""
-    lines = ["| variant | change | budget | steps | s/step | train min | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | change | budget | steps | s/step | train min | eval loss | depth 1 | depth 2 | depth 3 | chain tau |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, row in summary.items():
         acc = row["acc_per_depth"] + [float("nan")] * 3
         budget_of_row = f"{row['minutes']:g} min" if "minutes" in row else f"{row['steps']} steps"
-        lines.append(f"| {name} | `{row['change']}` | {budget_of_row} | {row['steps']} | {row['seconds_per_step']:.2f} | "
-                     f"{row['seconds_per_step'] * row['steps'] / 60:.1f} | {row['eval_loss']:.3f} | "
-                     f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |")
+        lines.append(
+            f"| {name} | `{row['change']}` | {budget_of_row} | {row['steps']} | {row['seconds_per_step']:.2f} | "
+            f"{row['seconds_per_step'] * row['steps'] / 60:.1f} | {row['eval_loss']:.3f} | "
+            f"{acc[0]:.3f} | {acc[1]:.3f} | {acc[2]:.3f} | {row['tau_chain']:.3f} |"
+        )
     kinds = sorted({row.get("host_kind", "not recorded") for row in summary.values()})
-    header = (f"Store {store}, data {data or 'of the config'}; each variant trained for its budget "
-              f"(wall-clock minutes, or steps); host kind {', '.join(kinds)}\n\n")
+    header = (
+        f"Store {store}, data {data or 'of the config'}; each variant trained for its budget "
+        f"(wall-clock minutes, or steps); host kind {', '.join(kinds)}\n\n"
+    )
     scored = {name: row["offline"] for name, row in summary.items() if "offline" in row}
     if scored:
         budgets = [str(b) for b in next(iter(scored.values()))["budgets"]]
         top = budgets[-1]
-        lines += ["", f"Offline (training.evaluate_head, the same held-out rows for every variant): tau per budget with "
-                      f"the model-free branch off and on; at budget {top}, branch off: acceptance at depths 1-3 and the "
-                      f"first round's share of top-ranked paths below -20 nats and mean score inflation (nats)", "",
-                  "| variant | rows | " + " | ".join(f"off @{b}" for b in budgets) + " | "
-                  + " | ".join(f"on @{b}" for b in budgets) + " | acc 1 | acc 2 | acc 3 | < -20 nats | inflation |",
-                  "|---|---:|" + "---:|" * (2 * len(budgets) + 5)]
+        lines += [
+            "",
+            f"Offline (training.evaluate_head, the same held-out rows for every variant): tau per budget with "
+            f"the model-free branch off and on; at budget {top}, branch off: acceptance at depths 1-3 and the "
+            f"first round's share of top-ranked paths below -20 nats and mean score inflation (nats)",
+            "",
+            "| variant | rows | "
+            + " | ".join(f"off @{b}" for b in budgets)
+            + " | "
+            + " | ".join(f"on @{b}" for b in budgets)
+            + " | acc 1 | acc 2 | acc 3 | < -20 nats | inflation |",
+            "|---|---:|" + "---:|" * (2 * len(budgets) + 5),
+        ]
         for name, offline in scored.items():
             entry = offline["by_key"]["None"]
             cells = [fmt(entry[side].get(b, {}).get("tau")) for side in ("lookup_off", "lookup_on") for b in budgets]
             at_top = entry["lookup_off"].get(top, {})
             acc = (at_top.get("acceptance_per_depth") or []) + [None] * 3
             first = at_top.get("first_round", {})
-            lines.append(f"| {name} | {offline['rows']} | " + " | ".join(cells) + " | "
-                         + " | ".join(fmt(a) for a in acc[:3]) + f" | {fmt(first.get('share_below_-20_nats'))} | "
-                         f"{fmt(first.get('mean_inflation'), '+.2f')} |")
+            lines.append(
+                f"| {name} | {offline['rows']} | "
+                + " | ".join(cells)
+                + " | "
+                + " | ".join(fmt(a) for a in acc[:3])
+                + f" | {fmt(first.get('share_below_-20_nats'))} | "
+                f"{fmt(first.get('mean_inflation'), '+.2f')} |"
+            )
     return header + "\n".join(lines) + "\n"
 
 

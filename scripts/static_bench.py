@@ -58,17 +58,27 @@ def build(name: str, device: str, dtype: torch.dtype):
     if name in ("tiny-llama", "tiny-qwen3"):
         from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-        common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=None,
-                      eos_token_id=None, attn_implementation="sdpa")
+        common = dict(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+            attn_implementation="sdpa",
+        )
         torch.manual_seed(0)
         if name == "tiny-llama":
             target = LlamaForCausalLM(LlamaConfig(**common))
         else:
             target = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
         target = target.to(device, dtype).eval()
-        head = JetSpecDraftModel.from_target(target, num_hidden_layers=1, block_size=8, tree_depth=4, tree_width=3,
-                                             tree_budget=8, tree_lookup=4).eval()
+        head = JetSpecDraftModel.from_target(
+            target, num_hidden_layers=1, block_size=8, tree_depth=4, tree_width=3, tree_budget=8, tree_lookup=4
+        ).eval()
 
         def encode(prompt: str):  # the prompt's bytes folded into the tiny vocabulary
             ids = torch.tensor([[1 + b % 127 for b in prompt.encode()[:48]]], device=device)
@@ -99,8 +109,14 @@ def method_kwargs(method: str, device: torch.device) -> dict:
 @torch.no_grad()
 def run(target, head, method: str, ids, mask, new_tokens: int) -> tuple:
     """`(new tokens (n,), seconds, tau or None)` of one call, timed after the device is idle."""
-    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                  pad_token_id=target.generation_config.pad_token_id or 0, **method_kwargs(method, ids.device))
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=target.generation_config.pad_token_id or 0,
+        **method_kwargs(method, ids.device),
+    )
     if method.startswith("jetspec"):
         kwargs["assistant_model"] = head
     if ids.device.type == "cuda":
@@ -111,7 +127,7 @@ def run(target, head, method: str, ids, mask, new_tokens: int) -> tuple:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     tau = head.last_stats.tau if method.startswith("jetspec") else None
-    return out[0, ids.shape[1]:], seconds, tau
+    return out[0, ids.shape[1] :], seconds, tau
 
 
 def bench(args, dtype_name: str) -> list:
@@ -135,9 +151,15 @@ def bench(args, dtype_name: str) -> list:
     base = {m: rows[m] for m in ("plain", "plain_static_compiled") if m in rows}
     for method, results in rows.items():
         tokens, seconds = sum(r[0] for r in results), sum(r[1] for r in results)
-        record = {"target": args.target, "device": args.device, "dtype": dtype_name, "method": method,
-                  "prompts": len(results), "new_tokens": args.new_tokens,
-                  "tokens_per_second": round(tokens / seconds, 2)}
+        record = {
+            "target": args.target,
+            "device": args.device,
+            "dtype": dtype_name,
+            "method": method,
+            "prompts": len(results),
+            "new_tokens": args.new_tokens,
+            "tokens_per_second": round(tokens / seconds, 2),
+        }
         for name, reference in base.items():
             ratios = [(r[0] / r[1]) / (b[0] / b[1]) for r, b in zip(results, reference)]
             record[f"median_over_{name}"] = round(statistics.median(ratios), 3)

@@ -42,9 +42,14 @@ def synthetic_target(args) -> LlamaForCausalLM:
     """A Llama of the target's shapes whose layers stay on the meta device: only what the head borrows (input
     embeddings, tied LM head, final norm) holds memory, random."""
     config = LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
-        max_position_embeddings=max(2048, args.max_length), tie_word_embeddings=True,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=max(2048, args.max_length),
+        tie_word_embeddings=True,
     )
     with torch.device("meta"):
         target = LlamaForCausalLM(config)
@@ -62,13 +67,20 @@ def synthetic_batch(args, head: JetSpecDraftModel, generator: torch.Generator):
     """One collated batch of `batch_size` rows of `max_length` tokens, and the target's features `(B, L, k*H)` and
     final states `(B, L, H)` of its rows (bf16, as a feature store returns them)."""
     rows = [
-        {"id": f"row-{i}", "prompt_length": args.max_length // 4,
-         "input_ids": torch.randint(0, args.vocab_size, (args.max_length,), generator=generator).tolist()}
+        {
+            "id": f"row-{i}",
+            "prompt_length": args.max_length // 4,
+            "input_ids": torch.randint(0, args.vocab_size, (args.max_length,), generator=generator).tolist(),
+        }
         for i in range(args.batch_size)
     ]
     collator = JetSpecCollator(
-        mask_token_id=head.config.mask_id, block_size=args.block_size, num_blocks=args.anchors,
-        max_length=args.max_length, seed=0, epoch=0,
+        mask_token_id=head.config.mask_id,
+        block_size=args.block_size,
+        num_blocks=args.anchors,
+        max_length=args.max_length,
+        seed=0,
+        epoch=0,
     )
     batch = collator(rows)
     k = len(head.config.target_layer_ids)
@@ -98,11 +110,16 @@ def make_step(head, batch, features, final, gamma: float | None, compiled: bool,
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="fp32,bf16,compile,compile_bf16",
-                        help=f"comma-separated, of {sorted(MODES)} (default: all)")
+    parser.add_argument(
+        "--modes", default="fp32,bf16,compile,compile_bf16", help=f"comma-separated, of {sorted(MODES)} (default: all)"
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per mode")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed steps per mode first (compilation of the forward and backward happens here)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps per mode first (compilation of the forward and backward happens here)",
+    )
     parser.add_argument("--hidden_size", type=int, default=576)
     parser.add_argument("--intermediate_size", type=int, default=1536)
     parser.add_argument("--num_layers", type=int, default=30, help="target layers (the head reads 5 of them)")
@@ -130,10 +147,18 @@ def main(argv=None) -> dict:
     steps, losses, batch = {}, {}, None
     for mode in modes:
         torch.manual_seed(0)  # the same head for every mode
-        head = JetSpecDraftModel.from_target(
-            target, num_hidden_layers=args.head_layers, block_size=args.block_size, last_context_input=True,
-            draft_vocab_size=args.draft_vocab_size, tree_depth=min(7, args.block_size - 1),
-        ).float().train()
+        head = (
+            JetSpecDraftModel.from_target(
+                target,
+                num_hidden_layers=args.head_layers,
+                block_size=args.block_size,
+                last_context_input=True,
+                draft_vocab_size=args.draft_vocab_size,
+                tree_depth=min(7, args.block_size - 1),
+            )
+            .float()
+            .train()
+        )
         head.set_draft_vocab(torch.arange(args.draft_vocab_size))
         if batch is None:
             batch, features, final = synthetic_batch(args, head, torch.Generator().manual_seed(1))
@@ -144,7 +169,7 @@ def main(argv=None) -> dict:
         for mode in modes:
             losses[mode] = steps[mode]()
     for i in range(args.steps):
-        for mode in modes[i % len(modes):] + modes[: i % len(modes)]:
+        for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
             started = clock()
             losses[mode] = steps[mode]()
             seconds[mode].append(clock() - started)
@@ -154,28 +179,46 @@ def main(argv=None) -> dict:
     fp32 = statistics.median(seconds["fp32"]) if "fp32" in seconds else None
     results = {
         mode: {
-            "median_s": statistics.median(values), "min_s": min(values), "max_s": max(values),
+            "median_s": statistics.median(values),
+            "min_s": min(values),
+            "max_s": max(values),
             "positions_per_s": positions / statistics.median(values),
             "speedup_over_fp32": fp32 / statistics.median(values) if fp32 else None,
             "last_loss": losses[mode],
         }
         for mode, values in seconds.items()
     }
-    lines = [f"{args.steps} timed steps per mode after {args.warmup} warm-up steps; {args.batch_size} rows x "
-             f"{args.max_length} tokens, {args.anchors} blocks of {args.block_size} per row, "
-             f"hidden {args.hidden_size}, "
-             f"draft vocabulary {args.draft_vocab_size}, {torch.get_num_threads()} threads; host kind {host.name} "
-             f"(--dtype auto: {host.dtype}, {host.reason})",
-             "", "| mode | s/step (median) | min | max | sequence positions/s | vs fp32 | last loss |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{args.steps} timed steps per mode after {args.warmup} warm-up steps; {args.batch_size} rows x "
+        f"{args.max_length} tokens, {args.anchors} blocks of {args.block_size} per row, "
+        f"hidden {args.hidden_size}, "
+        f"draft vocabulary {args.draft_vocab_size}, {torch.get_num_threads()} threads; host kind {host.name} "
+        f"(--dtype auto: {host.dtype}, {host.reason})",
+        "",
+        "| mode | s/step (median) | min | max | sequence positions/s | vs fp32 | last loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for mode, r in results.items():
         speedup = f"{r['speedup_over_fp32']:.2f}x" if r["speedup_over_fp32"] else "-"
-        lines.append(f"| {mode} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} | "
-                     f"{r['positions_per_s']:.0f} | {speedup} | {r['last_loss']:.4f} |")
+        lines.append(
+            f"| {mode} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} | "
+            f"{r['positions_per_s']:.0f} | {speedup} | {r['last_loss']:.4f} |"
+        )
     print("\n".join(lines))
     if args.out:
-        Path(args.out).write_text(json.dumps({"settings": vars(args), "host_kind": host.name, "host_dtype": host.dtype,
-                                               "host_reason": host.reason, "results": results}, indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "settings": vars(args),
+                    "host_kind": host.name,
+                    "host_dtype": host.dtype,
+                    "host_reason": host.reason,
+                    "results": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return results
 
 

@@ -54,8 +54,9 @@ def main(argv=None) -> None:
     totals = {name: {"tokens": 0, "forwards": 0, "equal": 0, "prompts": 0} for name in routes(head)}
     for suite in ("gsm8k", "humaneval", "mtbench"):
         for prompt in load_prompts(suite, args.limit):
-            enc = tokenizer(apply_chat_template(tokenizer, prompt["prompt"]), return_tensors="pt",
-                            add_special_tokens=False)
+            enc = tokenizer(
+                apply_chat_template(tokenizer, prompt["prompt"]), return_tensors="pt", add_special_tokens=False
+            )
             common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
             plain = target.generate(**enc, **common)
             for name, (extra, unhooked) in routes(head).items():
@@ -73,8 +74,13 @@ def main(argv=None) -> None:
                 total["prompts"] += 1
     for total in totals.values():
         total["tau"] = round(total["tokens"] / total["forwards"], 3)
-    report = {"host": host_kind().name, "dtype": "float32", "limit": args.limit,
-              "max_new_tokens": args.max_new_tokens, "routes": totals}
+    report = {
+        "host": host_kind().name,
+        "dtype": "float32",
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "routes": totals,
+    }
     print(json.dumps(report, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

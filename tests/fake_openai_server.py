@@ -52,9 +52,16 @@ class FakeOpenAIServer:
     """See the module docstring. `script(prompt_ids) -> list of faults` gives each prompt its own (called once per
     prompt, at its first request); `log` lists `(prompt_ids, fault)` per completions request, in arrival order."""
 
-    def __init__(self, answer: Callable[[list[int], int], tuple[list[int], str]],
-                 script: Optional[Callable[[tuple[int, ...]], list[Fault]]] = None, *, model: str = "fake",
-                 stall: float = 2.5, max_requests: int = 500, lifetime: float = 900.0):
+    def __init__(
+        self,
+        answer: Callable[[list[int], int], tuple[list[int], str]],
+        script: Optional[Callable[[tuple[int, ...]], list[Fault]]] = None,
+        *,
+        model: str = "fake",
+        stall: float = 2.5,
+        max_requests: int = 500,
+        lifetime: float = 900.0,
+    ):
         self.answer, self.script, self.model = answer, script or (lambda ids: []), model
         self.stall, self.max_requests = stall, max_requests
         self.lock = threading.Lock()
@@ -138,7 +145,9 @@ class FakeOpenAIServer:
                 if self.path != "/v1/completions":
                     return self.send(404, b'{"detail": "not found"}')
                 if body.get("model") != server.model:
-                    return self.send(404, json.dumps({"detail": f"model {body.get('model')!r} does not exist"}).encode())
+                    return self.send(
+                        404, json.dumps({"detail": f"model {body.get('model')!r} does not exist"}).encode()
+                    )
                 prompt = tuple(body["prompt"])
                 fault = server._next(prompt)
                 self.close_connection = True

@@ -100,15 +100,23 @@ def run_until_killed(point: str, command: list[str], folder: Path, env: dict, ti
     its output; fails if it ends or does not reach the point within `timeout` seconds."""
     ready, log = folder / f"ready-{point}", folder / f"log-{point}.txt"
     with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, str(Path(__file__)), point, str(ready), *command], cwd=REPO,
-                                   env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), point, str(ready), *command],
+            cwd=REPO,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + timeout
     try:
         while not ready.exists():
             if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"expected the command to reach {point}, it "
-                                     f"{'ended' if process.poll() is not None else 'did not in time'}:\n"
-                                     f"{log.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"expected the command to reach {point}, it "
+                    f"{'ended' if process.poll() is not None else 'did not in time'}:\n"
+                    f"{log.read_text()[-4000:]}"
+                )
             time.sleep(0.05)
     finally:
         os.kill(process.pid, signal.SIGKILL)  # our own child, by its id

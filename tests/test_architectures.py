@@ -18,15 +18,44 @@ from tiny import prompts
 VOCAB = 128
 # fields every family of the matrix shrinks to, when its config has them
 TINY = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=None,
-    eos_token_id=None, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=None,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
 )
-MLA = dict(head_dim=8, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
-           qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1)  # keys and values of different last sizes
-LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-              linear_conv_kernel_dim=4)  # gated delta-net layers (Qwen3.5, Qwen3-Next)
+MLA = dict(
+    head_dim=8,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    first_k_dense_replace=1,
+)  # keys and values of different last sizes
+LINEAR = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)  # gated delta-net layers (Qwen3.5, Qwen3-Next)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16)  # Mamba-2 layers
 # model type -> (config overrides, attention implementation); sliding windows smaller than the answers
 ATTENTION_FAMILIES = {
@@ -89,17 +118,44 @@ HYBRID_FAMILIES = {
     "jamba": ({"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8}, "sdpa"),
     "granitemoehybrid": ({**MAMBA2, "layer_types": ["linear_attention", "full_attention"]}, "sdpa"),
     "bamba": ({**MAMBA2, "attn_layer_indices": [1]}, "sdpa"),
-    "nemotron_h": ({"layers_block_type": ["mamba", "attention", "moe"], "num_hidden_layers": 3, "mamba_num_heads": 8,
-                    "mamba_head_dim": 16, "ssm_state_size": 8, "chunk_size": 16, "n_groups": 1}, "sdpa"),  # + a
+    "nemotron_h": (
+        {
+            "layers_block_type": ["mamba", "attention", "moe"],
+            "num_hidden_layers": 3,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 8,
+            "chunk_size": 16,
+            "n_groups": 1,
+        },
+        "sdpa",
+    ),  # + a
     # cacheless MoE layer
-    "kimi_linear": ({**MLA, "layer_types": ["linear_attention", "full_attention"], "linear_head_dim": 16,
-                     "linear_num_heads": 4, "mlp_layer_types": ["dense", "sparse"]}, "sdpa"),  # KDA + MLA
+    "kimi_linear": (
+        {
+            **MLA,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_head_dim": 16,
+            "linear_num_heads": 4,
+            "mlp_layer_types": ["dense", "sparse"],
+        },
+        "sdpa",
+    ),  # KDA + MLA
 }
 # families neither verification path handles: refused, naming the layer types (or, MiniMax, its own cache class)
 REFUSED = {
     "llama4_text": ({"attention_chunk_size": 8}, "sdpa", "chunked_attention"),
-    "zamba2": ({"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 8, "mamba_headdim": 16, "n_mamba_heads": 8,
-                "chunk_size": 16}, "sdpa", "'hybrid'"),  # a mamba layer plus a shared attention block in one layer
+    "zamba2": (
+        {
+            "layers_block_type": ["mamba", "hybrid"],
+            "mamba_d_state": 8,
+            "mamba_headdim": 16,
+            "n_mamba_heads": 8,
+            "chunk_size": 16,
+        },
+        "sdpa",
+        "'hybrid'",
+    ),  # a mamba layer plus a shared attention block in one layer
     "minimax": ({"layer_types": ["linear_attention", "full_attention"]}, "sdpa", "cache of its own"),
 }
 

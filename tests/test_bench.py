@@ -35,11 +35,32 @@ CHAT_TEMPLATE = (
 )
 BUDGETS = [4, 12]
 MAX_NEW = 10
-METHODS = ["plain", "prompt_lookup", "chain", "tree-4", "tree-12", "auto", "tree-12-pc", "tree-4-lookup",
-           "tree-12-lookup", "tree-4-lookup-first", "tree-12-lookup-first", "tree-4-gap", "tree-12-gap",
-           "tree-4-lookup-gap", "tree-12-lookup-gap"]
-TREE_ARGUMENTS = ("tree_budget", "tree_width", "tree_depth", "tree_lookup", "tree_lookup_prior", "path_conditioning",
-                  "tree_scoring")
+METHODS = [
+    "plain",
+    "prompt_lookup",
+    "chain",
+    "tree-4",
+    "tree-12",
+    "auto",
+    "tree-12-pc",
+    "tree-4-lookup",
+    "tree-12-lookup",
+    "tree-4-lookup-first",
+    "tree-12-lookup-first",
+    "tree-4-gap",
+    "tree-12-gap",
+    "tree-4-lookup-gap",
+    "tree-12-lookup-gap",
+]
+TREE_ARGUMENTS = (
+    "tree_budget",
+    "tree_width",
+    "tree_depth",
+    "tree_lookup",
+    "tree_lookup_prior",
+    "path_conditioning",
+    "tree_scoring",
+)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -50,7 +71,10 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
         additional_special_tokens=SPECIALS[2:],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -62,8 +86,14 @@ def tiny_pair():
     target = tiny_target("llama", max_position_embeddings=4096)
     # a default prompt-lookup branch, as the shipped head has: the head-only methods must switch it off
     # and a chain (6) longer than the head's depth (4): the lookup methods take the head's chain length
-    return target, tiny_head(target, tree_depth=4, tree_width=3, tree_budget=12, tree_lookup=6,
-                             tree_lookup_prior=[[0.2, 0.1], [0.5, 0.3], [0.9, 0.8]])
+    return target, tiny_head(
+        target,
+        tree_depth=4,
+        tree_width=3,
+        tree_budget=12,
+        tree_lookup=6,
+        tree_lookup_prior=[[0.2, 0.1], [0.5, 0.3], [0.9, 0.8]],
+    )
 
 
 def spy_generate(monkeypatch, target):
@@ -77,10 +107,15 @@ def spy_generate(monkeypatch, target):
         if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
             ids = kwargs["input_ids"]
             key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", *TREE_ARGUMENTS) if k in kwargs}
-            calls.append({
-                "prompt": tuple(ids[0].tolist()), "key": key, "assisted": "assistant_model" in kwargs,
-                "tokens": out.sequences[0, ids.shape[1]:].tolist(), "stats": getattr(out, "jetspec_stats", None),
-            })
+            calls.append(
+                {
+                    "prompt": tuple(ids[0].tolist()),
+                    "key": key,
+                    "assisted": "assistant_model" in kwargs,
+                    "tokens": out.sequences[0, ids.shape[1] :].tolist(),
+                    "stats": getattr(out, "jetspec_stats", None),
+                }
+            )
         return out
 
     monkeypatch.setattr(target, "generate", generate)
@@ -150,7 +185,9 @@ def test_head_statistics_are_each_calls_own(run):
                 assert "tau" not in row and "acceptance_per_depth" not in row, row["method"]  # no None-filled keys
                 continue
             assert (row["tau"], row["target_forwards"], row["rounds"]) == (
-                stats.tau, stats.target_forwards, stats.rounds
+                stats.tau,
+                stats.target_forwards,
+                stats.rounds,
             )
             assert row["acceptance_per_depth"] == stats.acceptance_per_depth
             # batch 1: the prefill commits one token, each verify forward commits tau on average
@@ -202,8 +239,11 @@ def test_report_names_every_method_of_every_suite(run):
         names = [line.split("|")[1].strip() for line in section.splitlines()[4:] if line.startswith("| ")]
         assert names == METHODS, group
     costs = [s for s in sections if s.startswith("Costs\n")][0]
-    assert [line.split("|")[1].strip() for line in costs.splitlines() if line.startswith("| tree-") or
-            line.startswith("| chain")] == ["tree-4", "tree-12", "chain"]
+    assert [
+        line.split("|")[1].strip()
+        for line in costs.splitlines()
+        if line.startswith("| tree-") or line.startswith("| chain")
+    ] == ["tree-4", "tree-12", "chain"]
     assert sorted(results["plots"]) == ["acceptance_per_depth.png", "speedup_vs_budget.png"]
     for name in results["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -233,10 +273,26 @@ def test_aggregate_of_known_rows():
 
 def test_aggregate_of_head_rows_with_known_statistics():
     """Two prompts: tau 2 and 3, acceptance over 4 rounds each, one tree shallower than the other."""
-    shallow = JetSpecStats(target_forwards=5, rounds=4, row_rounds=4, round_tokens=8, accepted_at_depth=[4, 2],
-                           budgets=[4, 4, 4, 4], outside_verify_seconds=0.1, verify_seconds=0.2)
-    deep = JetSpecStats(target_forwards=5, rounds=4, row_rounds=4, round_tokens=12, accepted_at_depth=[2, 1, 1],
-                        budgets=[4, 12, 12, 4], outside_verify_seconds=0.3, verify_seconds=0.6)
+    shallow = JetSpecStats(
+        target_forwards=5,
+        rounds=4,
+        row_rounds=4,
+        round_tokens=8,
+        accepted_at_depth=[4, 2],
+        budgets=[4, 4, 4, 4],
+        outside_verify_seconds=0.1,
+        verify_seconds=0.2,
+    )
+    deep = JetSpecStats(
+        target_forwards=5,
+        rounds=4,
+        row_rounds=4,
+        round_tokens=12,
+        accepted_at_depth=[2, 1, 1],
+        budgets=[4, 12, 12, 4],
+        outside_verify_seconds=0.3,
+        verify_seconds=0.6,
+    )
     rows = [make_row("tree-4", 1.0, 1.0, stats=shallow), make_row("tree-4", 1.0, 1.0, stats=deep)]
     costs = {"target_step_seconds": 0.01, "draft_forward_seconds": 0.005, "verify": {"4": {"seconds": 0.02}}}
     figures = aggregate(rows, Method("tree-4", "tree", uses_head=True, budget=4), costs)
@@ -250,8 +306,11 @@ def test_aggregate_of_head_rows_with_known_statistics():
 
 
 def test_groups_hold_each_suite_and_all():
-    rows = [make_row("plain", 1.0, 1.0, suite="gsm8k"), make_row("plain", 2.0, 1.0, suite="mtbench"),
-            make_row("plain", 4.0, 1.0, suite="mtbench")]
+    rows = [
+        make_row("plain", 1.0, 1.0, suite="gsm8k"),
+        make_row("plain", 2.0, 1.0, suite="mtbench"),
+        make_row("plain", 4.0, 1.0, suite="mtbench"),
+    ]
     groups = aggregate_groups(rows, [Method("plain", "plain")], ["gsm8k", "mtbench"], costs=None)
     assert {g: figures["plain"]["prompts"] for g, figures in groups.items()} == {"gsm8k": 1, "mtbench": 2, "all": 3}
 

@@ -103,8 +103,9 @@ def test_auto_budget_decodes_losslessly():
     ids, mask = prompts(3)
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
     head = oracle_head(target, plain, mask, tree_depth=5, tree_width=3)
-    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30,
-                           assistant_model=head, tree_budget="auto")
+    tree = target.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=head, tree_budget="auto"
+    )
     assert torch.equal(tree, plain)
     budgets = head.last_stats.budgets
     assert set(budgets) <= {8, 16, 32, 64} and budgets[:2] == [64, 64]  # warm-up rounds verify the largest tree

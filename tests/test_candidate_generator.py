@@ -37,8 +37,9 @@ def test_chain_in_transformers_loop_equals_greedy(arch, mode):
     ids = _prompt()
     plain = target.generate(ids, max_new_tokens=NEW, do_sample=False)
     head = oracle_head(target, plain, torch.ones_like(plain), mode=mode)
-    out = target.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=chain_generate,
-                          jetspec_head=head, jetspec_lookup=0)
+    out = target.generate(
+        ids, max_new_tokens=NEW, do_sample=False, custom_generate=chain_generate, jetspec_head=head, jetspec_lookup=0
+    )
     assert torch.equal(out, plain)
     rounds = head.last_candidate_generator.sources
     accepted = sum(a for _, _, a in rounds)
@@ -69,8 +70,9 @@ def test_lookup_chain_leads_where_it_is_likelier():
     ids = _prompt(repeats=4)
     plain = target.generate(ids, max_new_tokens=NEW, do_sample=False)
     head = oracle_head(target, plain, torch.ones_like(plain), mode="never")
-    out = target.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=chain_generate,
-                          jetspec_head=head, jetspec_lookup=8)
+    out = target.generate(
+        ids, max_new_tokens=NEW, do_sample=False, custom_generate=chain_generate, jetspec_head=head, jetspec_lookup=8
+    )
     assert torch.equal(out, plain)
     lookup_rounds = [r for r in head.last_candidate_generator.sources if r[0] == "lookup"]
     assert lookup_rounds, "a never-right head's chain has expectation ~0, so any lookup match must lead"
@@ -107,7 +109,7 @@ def test_processor_sees_the_chain_so_far():
     generator.get_candidates(ids, is_first_iteration=True)
     outputs = target(ids, output_hidden_states=True)
     chain, _ = generator.get_candidates(ids, model_outputs=outputs, is_first_iteration=False)
-    drafted = chain[0, ids.shape[1]:].tolist()
+    drafted = chain[0, ids.shape[1] :].tolist()
     # an infinite repetition penalty forbids any token already in the prompt or the chain: no repeats
     assert len(set(drafted)) == len(drafted)
     assert not set(drafted) & set(ids[0].tolist())
@@ -145,7 +147,7 @@ def test_dflash_route_unhooked_equals_greedy_and_drafts_the_heads_chain(arch, un
 
         def get_candidates(self, input_ids, *args, **kwargs):
             candidates, logits = original(self, input_ids, *args, **kwargs)
-            drafted[name].append(candidates[0, input_ids.shape[1]:].tolist())
+            drafted[name].append(candidates[0, input_ids.shape[1] :].tolist())
             return candidates, logits
 
         monkeypatch.setattr(cls, "get_candidates", get_candidates)
@@ -154,8 +156,15 @@ def test_dflash_route_unhooked_equals_greedy_and_drafts_the_heads_chain(arch, un
     recording(JetSpecCandidateGenerator, "jetspec")
     out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=head, speculation_type="dflash")
     assert torch.equal(out, plain)
-    ours = target.generate(ids, max_new_tokens=NEW, do_sample=False, custom_generate=chain_generate,
-                           jetspec_head=head, jetspec_depth=head.config.block_size - 1, jetspec_lookup=0)
+    ours = target.generate(
+        ids,
+        max_new_tokens=NEW,
+        do_sample=False,
+        custom_generate=chain_generate,
+        jetspec_head=head,
+        jetspec_depth=head.config.block_size - 1,
+        jetspec_lookup=0,
+    )
     assert torch.equal(ours, plain)
     # the first round of each proposes nothing (the target's prefill); the next ones draft block_size - 1 tokens
     full = [c for c in drafted["dflash"] if len(c) == head.config.block_size - 1]

@@ -17,10 +17,12 @@ from training.rows import answer_lengths, answer_token_cap, split_train_eval
 
 def synthetic_rows(count: int = 40) -> datasets.Dataset:
     """Rows of varied answer lengths (no model needed: the cap reads only ids and lengths)."""
-    return datasets.Dataset.from_list([
-        {"id": f"row-{i}", "input_ids": list(range(1, 5 + 3 + (i * 7) % 23)), "prompt_length": 4}
-        for i in range(count)
-    ])
+    return datasets.Dataset.from_list(
+        [
+            {"id": f"row-{i}", "input_ids": list(range(1, 5 + 3 + (i * 7) % 23)), "prompt_length": 4}
+            for i in range(count)
+        ]
+    )
 
 
 def test_answer_token_cap_takes_the_requested_tokens_and_never_a_held_out_row():
@@ -49,8 +51,9 @@ def test_the_trainer_caps_training_rows_and_keeps_the_held_out_rows(tmp_path):
     rows = synthetic_rows()
     rows.save_to_disk(str(tmp_path / "rows"))
     plain_train, plain_held = load_data(DataArguments(data=[str(tmp_path / "rows")], eval_fraction=0.25), seed=0)
-    capped_train, capped_held = load_data(DataArguments(data=[str(tmp_path / "rows")], eval_fraction=0.25,
-                                                        max_train_answer_tokens=60), seed=0)
+    capped_train, capped_held = load_data(
+        DataArguments(data=[str(tmp_path / "rows")], eval_fraction=0.25, max_train_answer_tokens=60), seed=0
+    )
     assert capped_held["id"] == plain_held["id"]
     assert set(capped_train["id"]) < set(plain_train["id"]) and sum(answer_lengths(capped_train)) >= 60
     with pytest.raises(ValueError, match="max_train_answer_tokens"):
@@ -67,9 +70,26 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
     tiny_head(sharp_target(), **LOOKUP).save_pretrained(tmp_path / "lookup")
     ablate_head = load_script("ablate_head")
     variants = ["bidir_gamma7", "fkl", "data_60", "data_all"]
-    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "2", "--out",
-            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--budgets", "4,8", "--eval_new_tokens", "16",
-            "--lookup_settings", str(tmp_path / "lookup"), "--variants", *variants]
+    argv = [
+        "--config",
+        str(config),
+        "--store",
+        str(tmp_path / "store"),
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--budgets",
+        "4,8",
+        "--eval_new_tokens",
+        "16",
+        "--lookup_settings",
+        str(tmp_path / "lookup"),
+        "--variants",
+        *variants,
+    ]
     summary = ablate_head.main(argv)
     assert list(summary) == variants
     assert summary["bidir_gamma7"]["settings"]["block_attention"] == "bidirectional"
@@ -93,20 +113,59 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
     # the evaluator's own command line on the same head and rows gives the same numbers
     out = tmp_path / "direct.json"
     settings = summary["fkl"]["settings"]
-    evaluate_head.main(["--head", str(tmp_path / "runs" / "fkl"), "--data", *settings["data"], "--feature_store",
-                        str(tmp_path / "store"), "--target", settings["target"], "--eval_fraction",
-                        str(settings["eval_fraction"]), "--seed", str(settings["seed"]), "--rows", "300",
-                        "--max_new_tokens", "16", "--budgets", "4,8", "--lookup", "off", "--json", str(out)])
+    evaluate_head.main(
+        [
+            "--head",
+            str(tmp_path / "runs" / "fkl"),
+            "--data",
+            *settings["data"],
+            "--feature_store",
+            str(tmp_path / "store"),
+            "--target",
+            settings["target"],
+            "--eval_fraction",
+            str(settings["eval_fraction"]),
+            "--seed",
+            str(settings["seed"]),
+            "--rows",
+            "300",
+            "--max_new_tokens",
+            "16",
+            "--budgets",
+            "4,8",
+            "--lookup",
+            "off",
+            "--json",
+            str(out),
+        ]
+    )
     direct = json.loads(out.read_text())["heads"][str(tmp_path / "runs" / "fkl")]
     assert direct["8"]["tau"] == summary["fkl"]["offline"]["by_key"]["None"]["lookup_off"]["8"]["tau"]
     table = (tmp_path / "out" / "ablation.md").read_text()
     assert "| bidir_gamma7 |" in table and "off @8" in table
     assert ablate_head.main(argv) == summary  # measured and scored: nothing again
 
-    keys = ablate_head.main(["--config", str(config), "--store", str(tmp_path / "store"), "--out",
-                             str(tmp_path / "keys"), "--budgets", "4,8", "--eval_new_tokens", "16",
-                             "--lookup_settings", str(tmp_path / "lookup"), "--tree_keys", "logprob", "entropy",
-                             "--head", str(tmp_path / "runs" / "fkl")])
+    keys = ablate_head.main(
+        [
+            "--config",
+            str(config),
+            "--store",
+            str(tmp_path / "store"),
+            "--out",
+            str(tmp_path / "keys"),
+            "--budgets",
+            "4,8",
+            "--eval_new_tokens",
+            "16",
+            "--lookup_settings",
+            str(tmp_path / "lookup"),
+            "--tree_keys",
+            "logprob",
+            "entropy",
+            "--head",
+            str(tmp_path / "runs" / "fkl"),
+        ]
+    )
     assert list(keys["by_key"]) == ["logprob", "entropy"] and keys["rows_crc"] in crcs
     assert keys["by_key"]["entropy"]["lookup_off"]["8"]["scoring"] == "entropy"
     assert keys["by_key"]["logprob"]["lookup_off"]["8"]["tau"] == direct["8"]["tau"]  # the head's key is logprob
@@ -118,28 +177,45 @@ def test_ablate_head_refuses_bad_arguments_before_training(tmp_path):
     (tmp_path / "store").mkdir()
     (tmp_path / "store" / "store.json").write_text("{}")
     base = ["--store", str(tmp_path / "store"), "--lookup_settings", "none"]
-    for extra, message in ((["--variants", "data_x"], "expected variants"),
-                           (["--variants", "fkl", "fkl"], "each variant once"),
-                           (["--budgets", "0"], "expected --budgets"),
-                           (["--tree_keys", "logprob"], "expected --head"),
-                           (["--tree_keys", "gap", "--variants", "fkl"], "either --variants")):
+    for extra, message in (
+        (["--variants", "data_x"], "expected variants"),
+        (["--variants", "fkl", "fkl"], "each variant once"),
+        (["--budgets", "0"], "expected --budgets"),
+        (["--tree_keys", "logprob"], "expected --head"),
+        (["--tree_keys", "gap", "--variants", "fkl"], "either --variants"),
+    ):
         with pytest.raises(ValueError, match=message):
             ablate_head.main(base + extra)
     assert ablate_head.data_tokens("data_0.5M") == 500_000 and ablate_head.data_tokens("data_all") is None
 
 
 def scored(tau_off: float, tau_on: float, share=None, inflation=None) -> dict:
-    first = {"rows": 10, "rows_with_target_logprob": 10, "complete_paths": 3, "share_below_-20_nats": share,
-             "mean_inflation": inflation, "mean_draft_score": -3.0}
-    side = lambda tau: {b: {"tau": tau + 0.1 * i, "acceptance_per_depth": [0.5], "first_round": first}  # noqa: E731
-                        for i, b in enumerate(("8", "16", "32", "64"))}
+    first = {
+        "rows": 10,
+        "rows_with_target_logprob": 10,
+        "complete_paths": 3,
+        "share_below_-20_nats": share,
+        "mean_inflation": inflation,
+        "mean_draft_score": -3.0,
+    }
+
+    def side(tau):
+        return {
+            b: {"tau": tau + 0.1 * i, "acceptance_per_depth": [0.5], "first_round": first}
+            for i, b in enumerate(("8", "16", "32", "64"))
+        }
+
     return {"by_key": {"None": {"lookup_off": side(tau_off), "lookup_on": side(tau_on)}}}
 
 
 def ablation_row(attention: str, gamma, loss: str = "fkl", acc: float = 0.3, offline=None, **extra) -> dict:
-    row = {"acc_per_depth": [acc, 0.2, 0.1], "tau_chain": 1.5, "steps": 100,
-           "settings": {"block_attention": attention, "gamma": gamma, "loss": loss, "max_train_answer_tokens": None},
-           **extra}
+    row = {
+        "acc_per_depth": [acc, 0.2, 0.1],
+        "tau_chain": 1.5,
+        "steps": 100,
+        "settings": {"block_attention": attention, "gamma": gamma, "loss": loss, "max_train_answer_tokens": None},
+        **extra,
+    }
     if offline is not None:
         row["offline"] = offline
     return row
@@ -149,8 +225,9 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
     tables = load_script("results_tables")
     ablation = {
         "gamma4": ablation_row("causal", 4.0, acc=0.41, offline=scored(2.0, 2.5, share=0.0, inflation=3.5)),
-        "bidir_gamma0": ablation_row("bidirectional", None, acc=0.22, offline=scored(1.25, 1.75, share=0.25,
-                                                                                      inflation=9.75)),
+        "bidir_gamma0": ablation_row(
+            "bidirectional", None, acc=0.22, offline=scored(1.25, 1.75, share=0.25, inflation=9.75)
+        ),
         "reverse_kl": ablation_row("causal", 4.0, loss="rkl", offline=scored(1.5, 1.6)),
         "data_0.5M": ablation_row("causal", 4.0, acc=0.19, train_answer_tokens=500_123),
     }
@@ -159,8 +236,7 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
     (tmp_path / "k.json").write_text(json.dumps(keys))
     doc = tmp_path / "results.md"
     doc.write_text("# Results\n\nkept\n")
-    tables.main(["--ablation", str(tmp_path / "a.json"), "--tree_keys", str(tmp_path / "k.json"), "--write",
-                 str(doc)])
+    tables.main(["--ablation", str(tmp_path / "a.json"), "--tree_keys", str(tmp_path / "k.json"), "--write", str(doc)])
     text = doc.read_text()
     lines = text.splitlines()
 
@@ -174,8 +250,15 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
     assert row("| bidirectional | 0 | 5.46x")[3:6] == ["bidir_gamma0", "0.220", "1.500"]
     assert row("| bidirectional | 0 | 26%")[4:7] == ["bidir_gamma0", "25.0%", "+9.75"]
     assert row("| causal | 4 | no figure")[4:7] == ["gamma4", "0.0%", "+3.50"]
-    assert row("| 32 | off |")[1:] == ["off", "not run yet", "2.200", "not run yet", "1.450", "not run yet",
-                                      "not run yet"]
+    assert row("| 32 | off |")[1:] == [
+        "off",
+        "not run yet",
+        "2.200",
+        "not run yet",
+        "1.450",
+        "not run yet",
+        "not run yet",
+    ]
     assert row("| reverse KL |")[1:3] == ["36-46% below forward KL", "reverse_kl"]
     assert row("| reverse KL |")[-1] == f"{100 * (1.7 / 2.2 - 1):+.1f}%"  # at budget 32, against gamma4's
     assert row("| SFT")[2:] == ["not run yet"] * 8

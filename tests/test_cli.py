@@ -46,8 +46,14 @@ def test_cli_rejects_an_unknown_suite(capsys, saved_head):
 
 @pytest.mark.parametrize(
     "budgets,message",
-    [("", "at least one tree budget"), (",", "at least one tree budget"), ("8,x", "integers >= 1, got 'x'"),
-     ("0", "integers >= 1, got \\[0\\]"), ("8,-4", "integers >= 1, got \\[-4\\]"), ("8,8", "distinct tree budgets")],
+    [
+        ("", "at least one tree budget"),
+        (",", "at least one tree budget"),
+        ("8,x", "integers >= 1, got 'x'"),
+        ("0", "integers >= 1, got \\[0\\]"),
+        ("8,-4", "integers >= 1, got \\[-4\\]"),
+        ("8,8", "distinct tree budgets"),
+    ],
     ids=["empty", "comma", "word", "zero", "negative", "twice"],
 )
 def test_cli_rejects_bad_budgets(capsys, saved_head, budgets, message):
@@ -73,8 +79,21 @@ def test_cli_rejects_an_unknown_dtype(capsys, saved_head):
 
 
 def test_cli_rejects_a_draft_vocabulary_the_head_cannot_restrict_to(capsys, saved_target, saved_head):
-    err = cli_error(capsys, ["generate", "hi", "--target", str(saved_target), "--head", str(saved_head),
-                             "--draft-vocab-size", "50", "--dtype", "float32"])
+    err = cli_error(
+        capsys,
+        [
+            "generate",
+            "hi",
+            "--target",
+            str(saved_target),
+            "--head",
+            str(saved_head),
+            "--draft-vocab-size",
+            "50",
+            "--dtype",
+            "float32",
+        ],
+    )
     assert "drafting from the full vocabulary" in err
 
 
@@ -96,8 +115,25 @@ def test_python_m_jetspec_reports_bad_input_on_one_line():
 
 
 def test_cli_generate_end_to_end(capsys, saved_target, saved_head):
-    assert cli.main(["generate", "What is 17 * 23?", "--target", str(saved_target), "--head", str(saved_head),
-                     "--max-new-tokens", "8", "--budget", "4", "--dtype", "float32"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "What is 17 * 23?",
+                "--target",
+                str(saved_target),
+                "--head",
+                str(saved_head),
+                "--max-new-tokens",
+                "8",
+                "--budget",
+                "4",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "plain greedy:" in printed and "jetspec (B=4):" in printed
     assert "same tokens as plain greedy" in printed  # float32: bitwise, or the command fails
@@ -108,9 +144,34 @@ def test_cli_generate_end_to_end(capsys, saved_target, saved_head):
 
 def test_cli_bench_end_to_end(capsys, tmp_path, saved_target, saved_head):
     out = tmp_path / "results"
-    assert cli.main(["bench", "--target", str(saved_target), "--head", str(saved_head), "--suite", "gsm8k",
-                     "--budgets", "4", "--max-new-tokens", "6", "--limit", "1", "--out", str(out), "--methods",
-                     "plain,tree", "--threads", "1", "--dtype", "bfloat16"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--target",
+                str(saved_target),
+                "--head",
+                str(saved_head),
+                "--suite",
+                "gsm8k",
+                "--budgets",
+                "4",
+                "--max-new-tokens",
+                "6",
+                "--limit",
+                "1",
+                "--out",
+                str(out),
+                "--methods",
+                "plain,tree",
+                "--threads",
+                "1",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     text = (out / "results.json").read_text()
     results = json.loads(text)
     assert results["config"]["methods"] == ["plain", "tree-4"]
@@ -118,14 +179,18 @@ def test_cli_bench_end_to_end(capsys, tmp_path, saved_target, saved_head):
     assert all(r["equality"] in ("exact", "tie") for r in results["prompts"])
     # bfloat16: every emitted token of both methods, plain greedy's included, judged against the float32 target
     assert [(r["method"], r["judged"]["tokens"], r["judged"]["violations"]) for r in results["prompts"]] == [
-        (r["method"], r["new_tokens"], 0) for r in results["prompts"]]
+        (r["method"], r["new_tokens"], 0) for r in results["prompts"]
+    ]
     assert {m: a["judged"]["tokens"] for m, a in results["aggregates"]["gsm8k"].items()} == {
-        r["method"]: r["new_tokens"] for r in results["prompts"]}
+        r["method"]: r["new_tokens"] for r in results["prompts"]
+    }
     # models and folders by their names, never by the absolute paths of this machine
     assert (results["config"]["target"], results["config"]["head"]) == ("target", "head")
-    assert results["command"] == ("jetspec bench --target target --head head --suite gsm8k --budgets 4 "
-                                  "--max-new-tokens 6 --limit 1 --out results --methods plain,tree --threads 1 "
-                                  "--dtype bfloat16")
+    assert results["command"] == (
+        "jetspec bench --target target --head head --suite gsm8k --budgets 4 "
+        "--max-new-tokens 6 --limit 1 --out results --methods plain,tree --threads 1 "
+        "--dtype bfloat16"
+    )
     assert str(tmp_path) not in text
     printed = capsys.readouterr().out
     assert "| tree-4 |" in printed and f"wrote {out / 'results.json'}" in printed
@@ -147,7 +212,9 @@ def test_cli_reports_a_target_that_cannot_load_in_one_line(capsys, tmp_path, sav
     (tmp_path / "empty").mkdir()
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["generate", "hi", "--target", str(tmp_path / "empty"), "--head", str(saved_head), "--dtype", "float32"])
+        cli.main(
+            ["generate", "hi", "--target", str(tmp_path / "empty"), "--head", str(saved_head), "--dtype", "float32"]
+        )
     assert exit_info.value.code == 2
     info, error = capsys.readouterr().err.strip().split("\n")  # the dtype line, then one error line
     assert info.startswith("jetspec: target dtype") and error.startswith("jetspec: error:")
@@ -156,8 +223,24 @@ def test_cli_reports_a_target_that_cannot_load_in_one_line(capsys, tmp_path, sav
 
 def test_cli_generate_shows_where_tokens_came_from(capsys, saved_target, saved_head):
     """Plain-text marks (stdout is not a terminal here): every token is counted under exactly one source."""
-    assert cli.main(["generate", "abcabcabcabc", "--target", str(saved_target), "--head", str(saved_head),
-                     "--max-new-tokens", "12", "--dtype", "float32", "--show-drafts"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "abcabcabcabc",
+                "--target",
+                str(saved_target),
+                "--head",
+                str(saved_head),
+                "--max-new-tokens",
+                "12",
+                "--dtype",
+                "float32",
+                "--show-drafts",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "\033[" not in printed
     legend = next(line for line in printed.splitlines() if line.startswith("[head]  {lookup}  target (bonus): "))

@@ -19,8 +19,10 @@ def function_lengths(path: Path) -> dict:
             name = f"{prefix}{getattr(child, 'name', '')}"
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lengths[name] = child.end_lineno - child.lineno + 1
-            visit(child, f"{name}." if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                  else prefix)
+            visit(
+                child,
+                f"{name}." if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else prefix,
+            )
 
     visit(ast.parse(path.read_text(encoding="utf-8")), "")
     return lengths

@@ -78,19 +78,25 @@ def test_decode_mirrors_sample_and_receives_its_own_arguments():
     assert sample[:5] == ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config"]
     assert ours[1:5] == sample[1:5]
     # `model` is the callable's first positional argument (`self` in `_sample`), never passed by keyword
-    assert compat.custom_decode_kwargs(_decode) - {"model"} == {"jetspec_head", "jetspec_shape", "jetspec_streamer",
-                                                                "jetspec_verifier"}
+    assert compat.custom_decode_kwargs(_decode) - {"model"} == {
+        "jetspec_head",
+        "jetspec_shape",
+        "jetspec_streamer",
+        "jetspec_verifier",
+    }
     # and generate really routes a callable's extra keyword to it (what custom_decode_kwargs assumes)
     seen = {}
 
-    def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, jetspec_probe=None,
-               **model_kwargs):
+    def decode(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, jetspec_probe=None, **model_kwargs
+    ):
         seen["probe"] = jetspec_probe
         return input_ids
 
     ids, mask = prompts(1)
-    tiny_target("llama").generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, custom_generate=decode,
-                                  jetspec_probe="here")
+    tiny_target("llama").generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=2, custom_generate=decode, jetspec_probe="here"
+    )
     assert seen["probe"] == "here"
 
 
@@ -161,8 +167,9 @@ def test_pads_finished_rows_as_sample_decides():
         target.generate(input_ids=ids, attention_mask=mask, custom_generate=decode, max_new_tokens=2, eos_token_id=eos)
         assert isinstance(seen["criteria"], StoppingCriteriaList)
         assert compat.pads_finished_rows(seen["criteria"]) is pads
-    assert "has_eos_stopping_criteria = any(hasattr(criteria, \"eos_token_id\")" in inspect.getsource(
-        GenerationMixin._sample)  # the rule mirrored, as transformers writes it
+    assert 'has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id")' in inspect.getsource(
+        GenerationMixin._sample
+    )  # the rule mirrored, as transformers writes it
 
 
 def test_repetition_penalty_for_row_skips_that_row_s_padding():
@@ -173,10 +180,12 @@ def test_repetition_penalty_for_row_skips_that_row_s_padding():
     assert expected[0, 9] == 1.0 and expected[0, 1] == 0.5  # the padding was skipped, the prompt penalised
     for row in range(2):
         alone = compat.repetition_penalty_for_row(batch, row)
-        torch.testing.assert_close(alone(ids[row : row + 1], scores[row : row + 1].clone())[0], expected[row],
-                                   rtol=0, atol=0)  # exact: the same arithmetic on one row
-    assert compat.repetition_penalty_for_row(lp.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=1), 0) \
-        is None
+        torch.testing.assert_close(
+            alone(ids[row : row + 1], scores[row : row + 1].clone())[0], expected[row], rtol=0, atol=0
+        )  # exact: the same arithmetic on one row
+    assert (
+        compat.repetition_penalty_for_row(lp.RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=1), 0) is None
+    )
 
 
 def test_kv_layer_entries_are_the_layer_s_own_tensors():

@@ -65,12 +65,13 @@ def test_branch_shares_split_the_survival_ratio():
 
 
 def test_merge_keeps_the_higher_score_and_sorted_order():
-    head = marginal_children(torch.tensor([[-0.1, -2.0], [-0.5, -1.0]]), torch.tensor([[1, 7], [2, 3]]),
-                             torch.zeros(2))
+    head = marginal_children(torch.tensor([[-0.1, -2.0], [-0.5, -1.0]]), torch.tensor([[1, 7], [2, 3]]), torch.zeros(2))
     trie, order = continuation_trie(LOOP, 4)
     merged = merge_children(head, trie_children(trie, PRIOR, order))
     lps, tokens, _ = merged(())
-    assert tokens == [1, 7] and math.isclose(lps[0], -0.1, rel_tol=1e-6)  # float32: the head's -0.1 beats the trie's log(0.8)
+    assert tokens == [1, 7] and math.isclose(
+        lps[0], -0.1, rel_tol=1e-6
+    )  # float32: the head's -0.1 beats the trie's log(0.8)
     lps, tokens, _ = merged((1,))
     assert tokens == [2, 3] and lps == sorted(lps, reverse=True)
     lps, tokens, _ = merged((1, 2))  # past the head's depths, only the trie proposes
@@ -125,8 +126,9 @@ def greedy(target, ids, mask, **kwargs):
     return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
 
 
-LOSSLESS = [(arch, mode, batch) for arch in ("llama", "qwen3") for mode in ("never", "always", "sometimes")
-            for batch in (1, 3)]
+LOSSLESS = [
+    (arch, mode, batch) for arch in ("llama", "qwen3") for mode in ("never", "always", "sometimes") for batch in (1, 3)
+]
 
 
 @pytest.mark.parametrize("arch,mode,batch", LOSSLESS, ids=[f"{a}-{m}-bs{b}" for a, m, b in LOSSLESS])
@@ -140,8 +142,17 @@ def test_trie_branch_is_lossless_with_oracle_drafters(arch, mode, batch, record)
     ids = torch.cat([ids, ids[:, -5:], torch.full((batch, 1), 7), ids[:, -5:]], dim=1)
     mask = torch.cat([mask, mask[:, -5:], torch.ones(batch, 1, dtype=torch.long), mask[:, -5:]], dim=1)
     plain = greedy(target, ids, mask, max_new_tokens=24)
-    head = oracle_head(target, plain, mask, mode=mode, tree_lookup=6, tree_lookup_branches="trie",
-                       tree_lookup_prior=PRIOR, tree_lookup_record=record, tree_budget=10)
+    head = oracle_head(
+        target,
+        plain,
+        mask,
+        mode=mode,
+        tree_lookup=6,
+        tree_lookup_branches="trie",
+        tree_lookup_prior=PRIOR,
+        tree_lookup_record=record,
+        tree_budget=10,
+    )
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=head), plain)
 
 
@@ -191,8 +202,16 @@ def test_trie_commits_an_earlier_continuation_the_chain_misses(arch, monkeypatch
     accepted, first = {}, {}
     for branches in ("chain", "trie"):
         built.clear()
-        head = oracle_head(target, plain, mask, mode="never", tree_lookup=6, tree_lookup_branches=branches,
-                           tree_lookup_prior=prior, tree_budget=16)
+        head = oracle_head(
+            target,
+            plain,
+            mask,
+            mode="never",
+            tree_lookup=6,
+            tree_lookup_branches=branches,
+            tree_lookup_prior=prior,
+            tree_budget=16,
+        )
         assert torch.equal(greedy(target, ids, mask, max_new_tokens=16, assistant_model=head), plain)
         stats = head.last_stats
         accepted[branches] = stats.round_tokens - stats.row_rounds  # non-bonus tokens: all from the branch
@@ -216,8 +235,9 @@ def test_trie_commits_an_earlier_continuation_the_chain_misses(arch, monkeypatch
 def test_branch_arguments_are_checked_by_name_and_saved(tmp_path):
     target = tiny_target("llama")
     ids, mask = prompts(1)
-    head = tiny_head(target, tree_lookup=4, tree_lookup_branches="trie", tree_lookup_prior=PRIOR,
-                     tree_lookup_record=True)
+    head = tiny_head(
+        target, tree_lookup=4, tree_lookup_branches="trie", tree_lookup_prior=PRIOR, tree_lookup_record=True
+    )
     head.config.save_pretrained(tmp_path)
     saved = type(head.config).from_pretrained(tmp_path)
     assert (saved.tree_lookup_branches, saved.tree_lookup_record) == ("trie", True)

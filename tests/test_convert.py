@@ -63,33 +63,70 @@ def dflash_weights(seed=0, muse=False):
 def dflash_config_dict(layout, causal):
     """`config.json` of each layout, as its authors write it."""
     qwen3 = dict(
-        architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=VOCAB, hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE, num_hidden_layers=DRAFT_LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, hidden_act="silu",
-        attention_bias=False, tie_word_embeddings=False, max_position_embeddings=512, use_sliding_window=False,
-        rope_theta=THETA, dtype="float32",
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=DRAFT_LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        use_sliding_window=False,
+        rope_theta=THETA,
+        dtype="float32",
     )
     if layout == "jetspec_reference":  # hao-ai-lab/JetSpec: causal_head in dflash_config, block_size at the top
-        return dict(qwen3, block_size=BLOCK, num_target_layers=TARGET_LAYERS,
-                    auto_map={"AutoModel": "dflash.DFlashDraftModel"},
-                    dflash_config={"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "causal_head": causal})
+        return dict(
+            qwen3,
+            block_size=BLOCK,
+            num_target_layers=TARGET_LAYERS,
+            auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+            dflash_config={"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "causal_head": causal},
+        )
     if layout == "zlab":  # z-lab/dflash: everything in dflash_config, top-level is_causal when causal
-        config = dict(qwen3, num_target_layers=TARGET_LAYERS,
-                      dflash_config={"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "block_size": BLOCK})
+        config = dict(
+            qwen3,
+            num_target_layers=TARGET_LAYERS,
+            dflash_config={"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "block_size": BLOCK},
+        )
         if causal:
             config["is_causal"] = True
         return config
     if layout == "vllm":  # vLLM's reading: top-level is_causal and dflash_config.causal
-        return dict(qwen3, block_size=BLOCK, num_target_layers=TARGET_LAYERS, is_causal=causal,
-                    dflash_config={"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "causal": causal})
+        return dict(
+            qwen3,
+            block_size=BLOCK,
+            num_target_layers=TARGET_LAYERS,
+            is_causal=causal,
+            dflash_config={"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "causal": causal},
+        )
     if layout == "muse_glimmer_assistant":  # transformers' built-in assistant: always bidirectional, no vocab size
         return dict(
-            architectures=["MuseGlimmerAssistantModel"], model_type="muse_glimmer_assistant", hidden_size=HIDDEN,
-            intermediate_size=INTERMEDIATE, num_hidden_layers=DRAFT_LAYERS, num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6, hidden_act="silu",
-            rope_parameters={"rope_theta": THETA, "rope_type": "default"}, max_position_embeddings=512,
-            layer_types=["full_attention"] * DRAFT_LAYERS, block_size=BLOCK, mask_token_id=MASK_ID,
-            target_layer_ids=LAYER_IDS, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            architectures=["MuseGlimmerAssistantModel"],
+            model_type="muse_glimmer_assistant",
+            hidden_size=HIDDEN,
+            intermediate_size=INTERMEDIATE,
+            num_hidden_layers=DRAFT_LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+            rope_parameters={"rope_theta": THETA, "rope_type": "default"},
+            max_position_embeddings=512,
+            layer_types=["full_attention"] * DRAFT_LAYERS,
+            block_size=BLOCK,
+            mask_token_id=MASK_ID,
+            target_layer_ids=LAYER_IDS,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
         )
     raise ValueError(f"unknown layout {layout!r}")
 
@@ -99,8 +136,10 @@ def write_checkpoint(folder, config, weights, mask_vector=None):
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, folder / "model.safetensors")
     if mask_vector is not None:
-        torch.save({"mask_token_id": config["dflash_config"]["mask_token_id"], "embedding": mask_vector},
-                   folder / "mask_embedding.pt")
+        torch.save(
+            {"mask_token_id": config["dflash_config"]["mask_token_id"], "embedding": mask_vector},
+            folder / "mask_embedding.pt",
+        )
     return folder
 
 
@@ -173,8 +212,11 @@ def head_draft_logits(head, target, prompt):
     s, b = prompt.shape[1], head.config.block_size
     anchor = int(out.logits[0, -1].argmax())
     block = torch.tensor([[anchor] + [head.config.mask_id] * (b - 1)])
-    drafted = head(input_ids=block, position_ids=torch.arange(s, s + b)[None],
-                   context_features=head.target_features(out.hidden_states))
+    drafted = head(
+        input_ids=block,
+        position_ids=torch.arange(s, s + b)[None],
+        context_features=head.target_features(out.hidden_states),
+    )
     return drafted.logits[0, 1:]
 
 
@@ -183,12 +225,18 @@ def prompt_ids(seed=0):
 
 
 # ------------------------------------------------------------------------------------------------------- import
-IMPORT_CASES = [(layout, arch, causal) for layout in LAYOUTS for arch in ("qwen3", "llama") for causal in (False, True)
-                if not (layout == "muse_glimmer_assistant" and causal)]
+IMPORT_CASES = [
+    (layout, arch, causal)
+    for layout in LAYOUTS
+    for arch in ("qwen3", "llama")
+    for causal in (False, True)
+    if not (layout == "muse_glimmer_assistant" and causal)
+]
 
 
-@pytest.mark.parametrize("layout,arch,causal", IMPORT_CASES, ids=[f"{lay}-{a}-{'causal' if c else 'bidir'}"
-                                                                  for lay, a, c in IMPORT_CASES])
+@pytest.mark.parametrize(
+    "layout,arch,causal", IMPORT_CASES, ids=[f"{lay}-{a}-{'causal' if c else 'bidir'}" for lay, a, c in IMPORT_CASES]
+)
 @torch.no_grad()
 def test_imported_head_drafts_like_the_reference_forward(tmp_path, layout, arch, causal):
     target = target_for(arch)
@@ -232,8 +280,16 @@ def test_imported_head_decodes_losslessly(tmp_path, arch, causal):
     head = import_head(folder).eval()
     ids, mask = prompts(2)
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
-    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                           assistant_model=head, tree_depth=4, tree_width=2, tree_budget=8)
+    tree = target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=20,
+        assistant_model=head,
+        tree_depth=4,
+        tree_width=2,
+        tree_budget=8,
+    )
     assert torch.equal(tree, plain)
     assert head.last_stats.new_tokens == 40
 
@@ -244,8 +300,10 @@ def test_import_options_sharded_weights_dtype_and_overrides(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(dflash_config_dict("zlab", False)))
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, keys in shards.items():
         save_file({k: weights[k] for k in keys}, folder / shard)
     index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
@@ -266,8 +324,17 @@ def test_imported_head_decodes_losslessly_with_path_conditioning(tmp_path):
     head = import_head(folder)
     ids, mask = prompts(2)
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
-    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
-                           assistant_model=head, tree_depth=3, tree_width=2, tree_budget=6, path_conditioning=True)
+    tree = target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=16,
+        assistant_model=head,
+        tree_depth=3,
+        tree_width=2,
+        tree_budget=6,
+        path_conditioning=True,
+    )
     assert torch.equal(tree, plain)
 
 
@@ -301,14 +368,24 @@ def test_ours_to_dflash_to_ours_keeps_every_tensor(tmp_path, block_attention):
 
     again = JetSpecDraftModel.from_pretrained(tmp_path / "dflash")
     state_equal(head.state_dict(), again.state_dict())
-    for field in ("block_attention", "target_layer_ids", "block_size", "mask_source", "mask_token_id", "rope_theta",
-                  "target_num_hidden_layers", "head_dim", "rms_norm_eps"):
+    for field in (
+        "block_attention",
+        "target_layer_ids",
+        "block_size",
+        "mask_source",
+        "mask_token_id",
+        "rope_theta",
+        "target_num_hidden_layers",
+        "head_dim",
+        "rms_norm_eps",
+    ):
         assert getattr(again.config, field) == getattr(head.config, field), field
     assert torch.equal(head_draft_logits(again, target, prompt_ids()), head_draft_logits(head, target, prompt_ids()))
 
 
-@pytest.mark.parametrize("layout,causal,with_mask", [("jetspec_reference", True, False), ("zlab", False, False),
-                                                     ("vllm", True, True)])
+@pytest.mark.parametrize(
+    "layout,causal,with_mask", [("jetspec_reference", True, False), ("zlab", False, False), ("vllm", True, True)]
+)
 @torch.no_grad()
 def test_dflash_to_ours_to_dflash_keeps_every_tensor(tmp_path, layout, causal, with_mask):
     target = target_for("qwen3")
@@ -346,8 +423,13 @@ def test_exported_config_loads_as_qwen3_config(tmp_path, block_attention):
     assert config.model_type == "qwen3" and config.architectures == ["DFlashDraftModel"]
     assert config.is_causal is causal and config.dflash_config["causal"] is causal
     assert config.dflash_config["causal_head"] is causal
-    assert config.dflash_config == {"target_layer_ids": LAYER_IDS, "mask_token_id": 100, "block_size": 8,
-                                    "causal_head": causal, "causal": causal}
+    assert config.dflash_config == {
+        "target_layer_ids": LAYER_IDS,
+        "mask_token_id": 100,
+        "block_size": 8,
+        "causal_head": causal,
+        "causal": causal,
+    }
     assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (HIDDEN, 2, HEAD_DIM)
     assert config.block_size == 8 and config.num_target_layers == TARGET_LAYERS
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": head.config.rope_theta}
@@ -398,44 +480,94 @@ def without(weights, name):
 BAD_CHECKPOINTS = {
     "layer id beyond the target's depth": (broken(target_layer_ids=[0, TARGET_LAYERS]), "target_layer_ids"),
     "mask id outside the vocabulary": (broken(mask_token_id=VOCAB), "mask_token_id"),
-    "missing weight": (broken(weights=without(dflash_weights(), "layers.1.mlp.up_proj.weight")),
-                       r"missing weight.*layers\.1\.mlp\.up_proj\.weight"),
-    "unexpected bias": (broken(weights={**dflash_weights(), "layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
-                        r"unexpected weight.*layers\.0\.self_attn\.q_proj\.bias"),
-    "own embeddings": (broken(weights={**dflash_weights(), "embed_tokens.weight": torch.zeros(VOCAB, HIDDEN)}),
-                       r"unexpected weight.*embed_tokens\.weight"),
-    "layer beyond num_hidden_layers": (broken(weights={**dflash_weights(), "layers.2.mlp.up_proj.weight":
-                                                       torch.zeros(INTERMEDIATE, HIDDEN)}),
-                                       r"unexpected weight.*layers\.2\.mlp\.up_proj\.weight"),
-    "hidden size of fc": (broken(weights={**dflash_weights(), "fc.weight": torch.zeros(HIDDEN, 3 * HIDDEN)}),
-                          r"fc\.weight of shape \(64, 128\)"),
-    "conflicting causal flags": (broken(config={**dflash_config_dict("vllm", True), "is_causal": False}),
-                                 "is_causal"),
-    "sliding layer type not allowed": (broken(config={**dflash_config_dict("zlab", False),
-                                                     "layer_types": ["chunked_attention"] * 2}), "layer_types"),
-    "partial rotary": (broken(config={**dflash_config_dict("zlab", False), "rope_parameters": {
-        "rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": 0.25}}), "partial_rotary_factor"),
+    "missing weight": (
+        broken(weights=without(dflash_weights(), "layers.1.mlp.up_proj.weight")),
+        r"missing weight.*layers\.1\.mlp\.up_proj\.weight",
+    ),
+    "unexpected bias": (
+        broken(weights={**dflash_weights(), "layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+        r"unexpected weight.*layers\.0\.self_attn\.q_proj\.bias",
+    ),
+    "own embeddings": (
+        broken(weights={**dflash_weights(), "embed_tokens.weight": torch.zeros(VOCAB, HIDDEN)}),
+        r"unexpected weight.*embed_tokens\.weight",
+    ),
+    "layer beyond num_hidden_layers": (
+        broken(weights={**dflash_weights(), "layers.2.mlp.up_proj.weight": torch.zeros(INTERMEDIATE, HIDDEN)}),
+        r"unexpected weight.*layers\.2\.mlp\.up_proj\.weight",
+    ),
+    "hidden size of fc": (
+        broken(weights={**dflash_weights(), "fc.weight": torch.zeros(HIDDEN, 3 * HIDDEN)}),
+        r"fc\.weight of shape \(64, 128\)",
+    ),
+    "conflicting causal flags": (broken(config={**dflash_config_dict("vllm", True), "is_causal": False}), "is_causal"),
+    "sliding layer type not allowed": (
+        broken(config={**dflash_config_dict("zlab", False), "layer_types": ["chunked_attention"] * 2}),
+        "layer_types",
+    ),
+    "partial rotary": (
+        broken(
+            config={
+                **dflash_config_dict("zlab", False),
+                "rope_parameters": {"rope_type": "default", "rope_theta": THETA, "partial_rotary_factor": 0.25},
+            }
+        ),
+        "partial_rotary_factor",
+    ),
     "logit softcapping": (broken(final_logit_softcapping=20.0), "final_logit_softcapping"),
-    "DFlash2": (broken(config={**dflash_config_dict("zlab", False), "architectures": ["DFlash2DraftModel"]}),
-                r"DFlash2DraftModel.*candidate selector"),
-    "no mask id": (broken(config={**dflash_config_dict("zlab", False),
-                                  "dflash_config": {"target_layer_ids": LAYER_IDS}}), "mask_token_id"),
-    "scaled rotary": (broken(config={**dflash_config_dict("zlab", False), "rope_scaling": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}), "rope_type"),
-    "biased attention": (broken(config={**dflash_config_dict("zlab", False), "attention_bias": True}),
-                         "attention_bias"),
-    "no target depth": (broken(config={k: v for k, v in dflash_config_dict("zlab", False).items()
-                                       if k != "num_target_layers"}), "num_target_layers"),
-    "other architecture": (broken(config={**dflash_config_dict("zlab", False),
-                                          "architectures": ["DFlash2DraftModel"]}), "architectures"),
+    "DFlash2": (
+        broken(config={**dflash_config_dict("zlab", False), "architectures": ["DFlash2DraftModel"]}),
+        r"DFlash2DraftModel.*candidate selector",
+    ),
+    "no mask id": (
+        broken(config={**dflash_config_dict("zlab", False), "dflash_config": {"target_layer_ids": LAYER_IDS}}),
+        "mask_token_id",
+    ),
+    "scaled rotary": (
+        broken(
+            config={
+                **dflash_config_dict("zlab", False),
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+            }
+        ),
+        "rope_type",
+    ),
+    "biased attention": (
+        broken(config={**dflash_config_dict("zlab", False), "attention_bias": True}),
+        "attention_bias",
+    ),
+    "no target depth": (
+        broken(config={k: v for k, v in dflash_config_dict("zlab", False).items() if k != "num_target_layers"}),
+        "num_target_layers",
+    ),
+    "other architecture": (
+        broken(config={**dflash_config_dict("zlab", False), "architectures": ["DFlash2DraftModel"]}),
+        "architectures",
+    ),
     "not a head": (broken(config={**dflash_config_dict("zlab", False), "model_type": "llama"}), "model_type"),
     # an outside campaign's inputs that crashed inside the conversion: refused by name before it
-    "mask id a string": (broken(config={**dflash_config_dict("zlab", False), "dflash_config": {
-        "target_layer_ids": LAYER_IDS, "mask_token_id": str(MASK_ID)}}), f"mask_token_id to be an int, got str '{MASK_ID}'"),
-    "dflash_config a list": (broken(config={**dflash_config_dict("zlab", False), "dflash_config": [LAYER_IDS]}),
-                             "dflash_config to be a dict, got list"),
-    "layer ids a string": (broken(config={**dflash_config_dict("zlab", False), "dflash_config": {
-        "target_layer_ids": "0,1", "mask_token_id": MASK_ID}}), "target_layer_ids to be a list of ints"),
+    "mask id a string": (
+        broken(
+            config={
+                **dflash_config_dict("zlab", False),
+                "dflash_config": {"target_layer_ids": LAYER_IDS, "mask_token_id": str(MASK_ID)},
+            }
+        ),
+        f"mask_token_id to be an int, got str '{MASK_ID}'",
+    ),
+    "dflash_config a list": (
+        broken(config={**dflash_config_dict("zlab", False), "dflash_config": [LAYER_IDS]}),
+        "dflash_config to be a dict, got list",
+    ),
+    "layer ids a string": (
+        broken(
+            config={
+                **dflash_config_dict("zlab", False),
+                "dflash_config": {"target_layer_ids": "0,1", "mask_token_id": MASK_ID},
+            }
+        ),
+        "target_layer_ids to be a list of ints",
+    ),
 }
 
 
@@ -447,11 +579,14 @@ def test_bad_checkpoint_is_a_value_error_naming_the_field(tmp_path, case):
         JetSpecDraftModel.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("hidden_size", 32, "hidden size 64, got a target with hidden size 32"),
-    ("vocab_size", 100, "vocab size 128, got a target with vocab size 100"),
-    ("num_hidden_layers", 2, "number of layers 3, got a target with number of layers 2"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("hidden_size", 32, "hidden size 64, got a target with hidden size 32"),
+        ("vocab_size", 100, "vocab size 128, got a target with vocab size 100"),
+        ("num_hidden_layers", 2, "number of layers 3, got a target with number of layers 2"),
+    ],
+)
 def test_target_mismatch_is_a_value_error_naming_the_field(tmp_path, field, value, message):
     folder = write_checkpoint(tmp_path / "head", dflash_config_dict("zlab", False), dflash_weights())
     head = import_head(folder)
@@ -480,11 +615,24 @@ def test_export_errors_name_the_field(tmp_path):
 
 def test_config_mask_source_rules():
     with pytest.raises(ValueError, match=r"mask_token_id inside the target vocabulary \[0, 128\)"):
-        JetSpecConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      target_num_hidden_layers=TARGET_LAYERS, mask_source="target", mask_token_id=VOCAB)
+        JetSpecConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            target_num_hidden_layers=TARGET_LAYERS,
+            mask_source="target",
+            mask_token_id=VOCAB,
+        )
     with pytest.raises(ValueError, match="mask_source in"):
-        JetSpecConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      target_num_hidden_layers=TARGET_LAYERS, mask_source="tokenizer")
+        JetSpecConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            target_num_hidden_layers=TARGET_LAYERS,
+            mask_source="tokenizer",
+        )
 
 
 # ------------------------------------------------------------------------------------------------------- CLI

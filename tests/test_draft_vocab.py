@@ -33,9 +33,7 @@ def test_subset_head_matches_greedy(arch, batch, last_context_input):  # (a)
     head.set_draft_vocab(subset(128, 40))
     ids, mask = prompts(batch)
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
-    tree = target.generate(
-        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, assistant_model=head
-    )
+    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, assistant_model=head)
     assert torch.equal(tree, plain)
     assert head.last_stats.new_tokens == 24 * batch
 
@@ -110,7 +108,9 @@ def test_last_context_input_training_forward_equals_decoding_forward():  # (d)
     with torch.no_grad():
         packed = head(ids, positions, attention_mask=mask, context_features=features, last_context_index=last_index)
         for j, a in enumerate(anchors):
-            context = head.extend_context(None, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool))
+            context = head.extend_context(
+                None, features[:, :a], torch.arange(a)[None], torch.ones(1, a, dtype=torch.bool)
+            )
             single = head.draft(ids[:, j * bs : (j + 1) * bs], positions[:, j * bs : (j + 1) * bs], context)
             # same math, different reduction order in attention over a longer masked key set: float32 rounding
             torch.testing.assert_close(packed.logits[:, j * bs : (j + 1) * bs], single.logits, rtol=1e-5, atol=1e-5)
@@ -184,9 +184,13 @@ def test_restricting_keeps_the_first_draft_ids_and_stays_lossless():
     plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16)
     head.restrict_draft_vocab(10)
     assert head.config.draft_vocab_size == 10 and torch.equal(head.draft_token_ids(), order[:10])
-    assert torch.equal(target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head), plain)
+    assert torch.equal(
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head), plain
+    )
     with pytest.raises(ValueError, match=r"size in \[1, 10\].*got 20"):
         head.restrict_draft_vocab(20)  # the dropped ids are gone
     head.restrict_draft_vocab(128)  # the full vocabulary: the target's whole LM head
     assert head.d2t is None and head.draft_token_ids() is None and head.config.draft_vocab_size == 128
-    assert torch.equal(target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head), plain)
+    assert torch.equal(
+        target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, assistant_model=head), plain
+    )

@@ -86,7 +86,9 @@ def test_negative_tolerance_is_refused():
 def test_check_lossless_holds_float32_to_bitwise_equality():  # (c) in float32 even a tie fails
     fn, seen = logits_with({7: 3.0, 8: 3.0})
     assert check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 7]), torch.float32).kind == "exact"
-    with pytest.raises(LosslessError, match=r"label to reproduce .*float32, bitwise.*new token 1 \(\[8\] vs plain \[7\]"):
+    with pytest.raises(
+        LosslessError, match=r"label to reproduce .*float32, bitwise.*new token 1 \(\[8\] vs plain \[7\]"
+    ):
         check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 8]), torch.float32, fn, label="label")
     assert seen == []  # no float32 logits needed to judge a float32 output
 
@@ -98,8 +100,11 @@ def test_check_lossless_lets_half_precision_ties_pass_and_fails_the_rest():  # (
     assert (verdict.kind, verdict.position) == ("tie", 1)
     assert (verdict.judged.tokens, verdict.judged.violations) == (2, 0)
     far, _ = logits_with({4: 3.0, 7: 3.0, 8: 1.0})
-    with pytest.raises(LosslessError, match="every token of the output within 0.5 .*got 1 of 2 beyond it; the first "
-                                            r"at new token 1 \(\[8\]\): float32 logit gap 2.000 > tolerance 0.5"):
+    with pytest.raises(
+        LosslessError,
+        match="every token of the output within 0.5 .*got 1 of 2 beyond it; the first "
+        r"at new token 1 \(\[8\]\): float32 logit gap 2.000 > tolerance 0.5",
+    ):
         check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 8]), torch.bfloat16, far)
     with pytest.raises(ValueError, match="float32 logits_fn to judge ties of a torch.bfloat16 target, got None"):
         check_lossless(PROMPT, torch.tensor([4, 7]), torch.tensor([4, 7]), torch.bfloat16)
@@ -129,7 +134,9 @@ def test_a_broken_verifier_fails_the_benchmark(monkeypatch, tmp_path, dtype):  #
     target, head = target.to(dtype), head.to(dtype)
     broken_accept(monkeypatch)
     config = BenchConfig(["gsm8k"], [4], 8, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
-    with pytest.raises(LosslessError, match="tree-4.*bitwise" if dtype == torch.float32 else "tree-4.*(no tie|beyond it)"):
+    with pytest.raises(
+        LosslessError, match="tree-4.*bitwise" if dtype == torch.float32 else "tree-4.*(no tie|beyond it)"
+    ):
         run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference, progress=False)
 
 
@@ -137,10 +144,10 @@ def test_a_correct_bfloat16_run_passes_with_exact_or_tie(tmp_path):  # (e)
     target, head = tiny_pair()
     reference = float32_logits_fn(lambda: tiny_pair()[0])
     target, head = target.to(torch.bfloat16), head.to(torch.bfloat16)
-    config = BenchConfig(["gsm8k", "mtbench"], [4, 12], 12, limit=2, methods=("plain", "chain", "tree"),
-                         warmup=False, cost_repeats=1)
-    results = run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference,
-                            progress=False)
+    config = BenchConfig(
+        ["gsm8k", "mtbench"], [4, 12], 12, limit=2, methods=("plain", "chain", "tree"), warmup=False, cost_repeats=1
+    )
+    results = run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference, progress=False)
     assert results["config"]["equality"].startswith("tie-aware")
     for name, figures in results["aggregates"]["all"].items():
         counts = figures["equality"]
@@ -151,8 +158,9 @@ def test_a_bfloat16_benchmark_needs_the_float32_reference(tmp_path):
     target, head = tiny_pair()
     config = BenchConfig(["gsm8k"], [4], 4, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
     with pytest.raises(ValueError, match="expected float32_logits"):
-        run_benchmark(target.to(torch.bfloat16), char_tokenizer(), head.to(torch.bfloat16), config, tmp_path,
-                      progress=False)
+        run_benchmark(
+            target.to(torch.bfloat16), char_tokenizer(), head.to(torch.bfloat16), config, tmp_path, progress=False
+        )
 
 
 # ------------------------------------------------------------------------------------------------ every token judged
@@ -181,8 +189,11 @@ def test_a_wrong_token_after_a_tie_fails():  # (f)
     judged = judge_tokens(fn, PROMPT, planted)
     assert (judged.tokens, judged.near_ties, judged.violations, judged.first_violation) == (4, 1, 1, 2)
     assert judged.violation_gap == pytest.approx(3.0)
-    with pytest.raises(LosslessError, match=r"got 1 of 4 beyond it; the first at new token 2 \(\[5, 6\]\): float32 "
-                                            "logit gap 3.000 > tolerance 0.5"):
+    with pytest.raises(
+        LosslessError,
+        match=r"got 1 of 4 beyond it; the first at new token 2 \(\[5, 6\]\): float32 "
+        "logit gap 3.000 > tolerance 0.5",
+    ):
         check_lossless(PROMPT, PLAIN, planted, torch.bfloat16, fn, label="planted")
 
 
@@ -245,7 +256,7 @@ def crafted_output(model, prompt: torch.Tensor, length: int, tie_at: int, plant_
         token = order[1] if i == tie_at else order[-1] if i == plant_at else order[0]
         gaps[i] = float(logits.max() - logits[token])
         ids = torch.cat([ids, token[None]])
-    return ids[len(prompt):], gaps[tie_at], gaps.get(plant_at)
+    return ids[len(prompt) :], gaps[tie_at], gaps.get(plant_at)
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["ties-counted", "wrong-after-tie"])
@@ -272,8 +283,10 @@ def test_the_benchmark_judges_every_token(monkeypatch, tmp_path, planted):  # (f
 
     monkeypatch.setattr(Bench, "generate", generate)
     config = BenchConfig(["gsm8k"], [4], length, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
-    run = lambda: run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference,  # noqa
-                                progress=False)
+
+    def run():
+        return run_benchmark(target, char_tokenizer(), head, config, tmp_path, float32_logits=reference, progress=False)
+
     if planted:
         with pytest.raises(LosslessError, match="method 'tree-4'.*the first at new token 4"):
             run()

@@ -38,13 +38,19 @@ def test_head_built_for_another_target(pair, other, message):
 
 def test_layer_ids_out_of_range():
     with pytest.raises(ValueError, match=r"target_layer_ids within \[0, 3\].*got \[0, 4\]"):
-        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                      target_layer_ids=[0, 4])
+        JetSpecConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            target_num_hidden_layers=4,
+            target_layer_ids=[0, 4],
+        )
 
 
 def test_mask_ids_inside_and_outside_the_vocabulary():
-    sizes = dict(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                 target_num_hidden_layers=4)
+    sizes = dict(
+        vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4
+    )
     # the head's own MASK: an in-vocabulary id for transformers' DFlash generator, the head's MASK id outside
     config = JetSpecConfig(**sizes, mask_token_id=5)
     assert (config.mask_token_id, config.mask_id) == (5, 100)
@@ -60,8 +66,13 @@ def test_mask_ids_inside_and_outside_the_vocabulary():
 
 def test_unknown_block_attention():
     with pytest.raises(ValueError, match="block_attention in .*got 'sideways'"):
-        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                      block_attention="sideways")
+        JetSpecConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            target_num_hidden_layers=4,
+            block_attention="sideways",
+        )
 
 
 @pytest.mark.parametrize(
@@ -78,8 +89,13 @@ def test_unknown_block_attention():
 )
 def test_bad_lookup_prior(prior, what):
     with pytest.raises(ValueError, match="tree_lookup_prior None or 1-3 lists .*" + what):
-        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                      tree_lookup_prior=prior)
+        JetSpecConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            target_num_hidden_layers=4,
+            tree_lookup_prior=prior,
+        )
 
 
 def test_beam_search(pair):
@@ -133,8 +149,14 @@ def test_attention_that_cannot_take_a_tree_mask():
 
 
 def test_head_without_a_target():
-    config = JetSpecConfig(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           target_num_hidden_layers=2, intermediate_size=64)
+    config = JetSpecConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        target_num_hidden_layers=2,
+        intermediate_size=64,
+    )
     head = JetSpecDraftModel(config)
     m = config.mask_id
     with pytest.raises(ValueError, match="expected a target attached to the head"):
@@ -146,16 +168,30 @@ def test_head_mask_of_the_wrong_shape(pair):
     m = head.config.mask_id
     feats = torch.randn(1, 3, head.fc.in_features)
     with pytest.raises(ValueError, match=r"attention_mask of shape \(1, 1, 2, 5\), got \(1, 1, 2, 2\)"):
-        head(torch.tensor([[1, m]]), torch.tensor([[3, 4]]), attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool),
-             context_features=feats)
+        head(
+            torch.tensor([[1, m]]),
+            torch.tensor([[3, 4]]),
+            attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool),
+            context_features=feats,
+        )
 
 
 def test_default_depth_deeper_than_the_block():
     with pytest.raises(ValueError, match=r"tree_depth in \[1, 3\] \(block_size - 1 of this head\), got 5"):
-        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                      block_size=4, tree_depth=5)
-    assert JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                         block_size=4).tree_depth == 3
+        JetSpecConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            target_num_hidden_layers=4,
+            block_size=4,
+            tree_depth=5,
+        )
+    assert (
+        JetSpecConfig(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4, block_size=4
+        ).tree_depth
+        == 3
+    )
 
 
 @pytest.mark.parametrize(
@@ -194,9 +230,20 @@ def test_layer_types_no_verifier_handles_are_rejected_by_name():
     # block and a shared attention block in one layer) by neither verifier
     from transformers import Zamba2Config, Zamba2ForCausalLM
 
-    config = Zamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8,
-                          chunk_size=16, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config = Zamba2Config(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        layers_block_type=["mamba", "hybrid"],
+        mamba_d_state=8,
+        mamba_headdim=16,
+        n_mamba_heads=8,
+        chunk_size=16,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     target = Zamba2ForCausalLM(config).eval()
     with pytest.raises(ValueError, match=r"layer types \['hybrid'\] \(Zamba2ForCausalLM\)"):
         run(target, tiny_head(target))
@@ -206,13 +253,25 @@ def test_auto_budget_with_path_conditioning_is_rejected(pair):
     with pytest.raises(ValueError, match="fixed tree_budget with path_conditioning=True .*got tree_budget='auto'"):
         run(*pair, tree_budget="auto", path_conditioning=True)
     with pytest.raises(ValueError, match="fixed tree_budget with path_conditioning=True"):
-        JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                      tree_budget="auto", path_conditioning=True)
+        JetSpecConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            target_num_hidden_layers=4,
+            tree_budget="auto",
+            path_conditioning=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------- head config fields
-TINY_CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                   target_num_hidden_layers=4)
+TINY_CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    target_num_hidden_layers=4,
+)
 
 
 @pytest.mark.parametrize(
@@ -276,10 +335,13 @@ def test_all_ones_attention_mask_shorter_than_the_prompt(pair):
     assert calls == []  # before any forward
 
 
-@pytest.mark.parametrize("layer_ids,message", [
-    ([0, 2], r"target_layer_ids within \[0, 1\] \(the target has 2 layers\), got \[0, 2\]"),
-    ([0, 1, 1], r"expected 2 target_layer_ids \(the head's fc reads 128 features\), got 3"),
-])
+@pytest.mark.parametrize(
+    "layer_ids,message",
+    [
+        ([0, 2], r"target_layer_ids within \[0, 1\] \(the target has 2 layers\), got \[0, 2\]"),
+        ([0, 1, 1], r"expected 2 target_layer_ids \(the head's fc reads 128 features\), got 3"),
+    ],
+)
 def test_head_layer_ids_beyond_the_target(layer_ids, message):
     target = tiny_target("llama")
     head = tiny_head(target)

@@ -16,8 +16,12 @@ from training.evaluate_head import evaluate, forward_features, prepare_rows, tre
 from training.feature_store import build_feature_store
 from training.rows import row_key
 
-LOOKUP = dict(tree_lookup=8, tree_lookup_branches="trie", tree_lookup_prior=[[0.5, 0.3], [0.7, 0.5], [0.9, 0.8]],
-              tree_lookup_record=True)
+LOOKUP = dict(
+    tree_lookup=8,
+    tree_lookup_branches="trie",
+    tree_lookup_prior=[[0.5, 0.3], [0.7, 0.5], [0.9, 0.8]],
+    tree_lookup_record=True,
+)
 NEW_TOKENS = 24
 
 
@@ -27,8 +31,9 @@ def greedy_rows(target, count: int = 5, new_tokens: int = 40, seed: int = 0):
     rows = []
     for i in range(count):
         prompt = torch.randint(1, VOCAB, (1, 5 + 2 * i), generator=g)
-        out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                              max_new_tokens=new_tokens, pad_token_id=0)
+        out = target.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new_tokens, pad_token_id=0
+        )
         rows.append({"id": f"row-{i}", "input_ids": out[0].tolist(), "prompt_length": prompt.shape[1]})
     return rows
 
@@ -45,9 +50,17 @@ def real_decode(target, head, row, budget, monkeypatch, **tree):
 
     monkeypatch.setattr(decode, "draft", spy)
     prompt = torch.tensor([row["input_ids"][: row["prompt_length"]]])
-    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0,
-                          max_new_tokens=NEW_TOKENS, assistant_model=head, return_dict_in_generate=True,
-                          tree_budget=budget, **tree)
+    out = target.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        pad_token_id=0,
+        max_new_tokens=NEW_TOKENS,
+        assistant_model=head,
+        return_dict_in_generate=True,
+        tree_budget=budget,
+        **tree,
+    )
     monkeypatch.setattr(decode, "draft", original)
     # the row is the target's own greedy answer: tree decoding writes it again
     assert out.sequences[0].tolist() == row["input_ids"][: row["prompt_length"] + NEW_TOKENS]
@@ -69,8 +82,14 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
     fetch = forward_features(target, tiny_head(target))  # float32 features of the whole rows
     for i, row in enumerate(rows if setting != "oracle" else rows[:3]):
         if setting == "oracle":  # a head that knows the answer, ranking it first, second or third by position
-            head = oracle_head(target, torch.tensor([row["input_ids"]]), torch.ones(1, len(row["input_ids"])),
-                               mode="sometimes", tree_width=3, tree_depth=4)
+            head = oracle_head(
+                target,
+                torch.tensor([row["input_ids"]]),
+                torch.ones(1, len(row["input_ids"])),
+                mode="sometimes",
+                tree_width=3,
+                tree_depth=4,
+            )
         elif i == 0:
             head = tiny_head(target, tree_width=4, **LOOKUP)  # one head for all rows (batched below)
         if setting == "oracle" or i == 0:
@@ -79,9 +98,15 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
             prepared, skipped = prepare_rows(rows if setting != "oracle" else [row], fetch, NEW_TOKENS, shape.depth)
             assert not skipped
             offline_trees = {}
-            tally = evaluate(head, prepared, shape, batch_size=3,
-                             on_round=lambda ids, trees: [offline_trees.setdefault(r, []).append(t)
-                                                          for r, t in zip(ids, trees.host)])
+            tally = evaluate(
+                head,
+                prepared,
+                shape,
+                batch_size=3,
+                on_round=lambda ids, trees: [
+                    offline_trees.setdefault(r, []).append(t) for r, t in zip(ids, trees.host)
+                ],
+            )
             by_id = {entry[0]: entry for entry in tally.per_row}
         stats, real_trees = real_decode(target, head, row, budget, monkeypatch, **tree)
         _, rounds, tokens, depths = by_id[row["id"]]
@@ -112,8 +137,9 @@ def test_first_round_target_logprob_comes_from_the_final_states():
     shape = tree_shape(head, 8, lookup=False)
     prepared, _ = prepare_rows(rows, forward_features(target, head), NEW_TOKENS, shape.depth)
     first = []
-    tally = evaluate(head, prepared, shape,
-                     on_round=lambda ids, trees: first.append((ids, trees.host)) if not first else None)
+    tally = evaluate(
+        head, prepared, shape, on_round=lambda ids, trees: first.append((ids, trees.host)) if not first else None
+    )
     entries = {e["id"]: e for e in tally.first_round}
     assert set(entries) == {row["id"] for row in rows}
     for row_id, tree in zip(*first[0]):
@@ -161,9 +187,14 @@ def test_calibration_counts_trials_under_the_accepted_path():
 def write_npz(path, rows):
     tokens = np.concatenate([np.array(r["input_ids"], dtype=np.uint16) for r in rows])
     offsets = np.cumsum([0] + [len(r["input_ids"]) for r in rows]).astype(np.int64)
-    np.savez_compressed(path, tokens=tokens, offsets=offsets,
-                        prompt_length=np.array([r["prompt_length"] for r in rows]),
-                        id=np.array([r["id"] for r in rows]), settings=np.array(json.dumps({})))
+    np.savez_compressed(
+        path,
+        tokens=tokens,
+        offsets=offsets,
+        prompt_length=np.array([r["prompt_length"] for r in rows]),
+        id=np.array([r["id"] for r in rows]),
+        settings=np.array(json.dumps({})),
+    )
     return path
 
 
@@ -180,8 +211,19 @@ def cli_setup(tmp_path):
 
 
 def cli(tmp_path, data, *extra):
-    return ["--head", str(tmp_path / "head"), "--data", str(data), "--feature_store", str(tmp_path / "store"),
-            "--target", str(tmp_path / "target"), "--eval_fraction", "0.3", *extra]
+    return [
+        "--head",
+        str(tmp_path / "head"),
+        "--data",
+        str(data),
+        "--feature_store",
+        str(tmp_path / "store"),
+        "--target",
+        str(tmp_path / "target"),
+        "--eval_fraction",
+        "0.3",
+        *extra,
+    ]
 
 
 def test_cli_scores_the_trainers_held_out_rows(cli_setup):
@@ -200,14 +242,17 @@ def test_cli_scores_the_trainers_held_out_rows(cli_setup):
         assert "calibration" in by_budget[budget]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (["--budgets", "8,0"], "expected --budgets"),
-    (["--budgets", "x"], "expected --budgets"),
-    (["--rows", "0"], "expected --rows"),
-    (["--max_new_tokens", "0"], "expected --max_new_tokens"),
-    (["--tree_key", "depth"], "expected --tree_key"),
-    (["--eval_fraction", "0"], "expected --eval_fraction"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--budgets", "8,0"], "expected --budgets"),
+        (["--budgets", "x"], "expected --budgets"),
+        (["--rows", "0"], "expected --rows"),
+        (["--max_new_tokens", "0"], "expected --max_new_tokens"),
+        (["--tree_key", "depth"], "expected --tree_key"),
+        (["--eval_fraction", "0"], "expected --eval_fraction"),
+    ],
+)
 def test_cli_refuses_bad_arguments_before_work(cli_setup, bad, message, monkeypatch):
     tmp_path, _, data = cli_setup
     monkeypatch.setattr("jetspec.targets.load_target", lambda *a, **k: pytest.fail("loaded the target"))
@@ -242,9 +287,14 @@ def test_offline_tau_reaches_the_trainers_evaluation(tmp_path):
     head = tiny_head(target, **LOOKUP).train()
     fetch = forward_features(target, head)
     callback = evaluate_head.OfflineTauCallback(rows[:3], fetch=fetch, max_new_tokens=16)
-    trainer = JetSpecTrainer(model=head, train_dataset=datasets.Dataset.from_list(rows[3:]),
-                             eval_dataset=datasets.Dataset.from_list(rows[:3]), target=target,
-                             args=training_args(tmp_path, max_steps=1), callbacks=[callback])
+    trainer = JetSpecTrainer(
+        model=head,
+        train_dataset=datasets.Dataset.from_list(rows[3:]),
+        eval_dataset=datasets.Dataset.from_list(rows[:3]),
+        target=target,
+        args=training_args(tmp_path, max_steps=1),
+        callbacks=[callback],
+    )
     metrics = trainer.evaluate()
     head.train()
     expected = evaluate_head.offline_tau(head, rows[:3], fetch=fetch, max_new_tokens=16)

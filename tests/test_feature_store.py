@@ -29,8 +29,9 @@ def test_store_holds_the_targets_features_and_final_states(tmp_path):
     target = sharp_target()
     head = tiny_head(target)
     rows = regenerated_rows(target, count=6)
-    store = build_feature_store(target, head.config.target_layer_ids, rows, tmp_path / "store", batch_tokens=64,
-                                chunk_rows=4, progress=False)
+    store = build_feature_store(
+        target, head.config.target_layer_ids, rows, tmp_path / "store", batch_tokens=64, chunk_rows=4, progress=False
+    )
     assert len(store) == 6
     for row in rows:
         ids = torch.tensor([row["input_ids"]])
@@ -40,8 +41,9 @@ def test_store_holds_the_targets_features_and_final_states(tmp_path):
         expected = head.target_features(out.hidden_states)[0].to(torch.bfloat16)
         # rows are batched with others (padded right): equal to a lone forward up to float rounding
         torch.testing.assert_close(features.float(), expected.float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(final.float(), out.last_hidden_state[0].to(torch.bfloat16).float(),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            final.float(), out.last_hidden_state[0].to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2
+        )
         assert store.covers(row_key(row["id"]), len(row["input_ids"]))
         assert not store.covers(row_key(row["id"]), len(row["input_ids"]) + 1)
 
@@ -66,17 +68,19 @@ def test_trainer_reads_the_store_and_never_runs_the_target(tmp_path):
     target = sharp_target()
     rows = regenerated_rows(target)
     dataset = datasets.Dataset.from_list(rows)
-    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store",
-                        progress=False)
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store", progress=False)
     curves = []
     for store in (None, FeatureStore(tmp_path / "store")):
         head = tiny_head(target, last_context_input=True).train()
         calls = []
         hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
-        trainer = JetSpecTrainer(model=head, train_dataset=dataset, target=target,
-                                 args=training_args(tmp_path / str(store is not None), max_steps=6,
-                                                    num_blocks_per_sequence=3),
-                                 feature_store=store)
+        trainer = JetSpecTrainer(
+            model=head,
+            train_dataset=dataset,
+            target=target,
+            args=training_args(tmp_path / str(store is not None), max_steps=6, num_blocks_per_sequence=3),
+            feature_store=store,
+        )
         trainer.train()
         hook.remove()
         assert (len(calls) == 0) == (store is not None)
@@ -93,17 +97,21 @@ def test_dataloader_workers_read_the_store_ahead_and_train_the_same_curve(tmp_pa
     target = sharp_target()
     rows = regenerated_rows(target)
     dataset = datasets.Dataset.from_list(rows)
-    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store",
-                        progress=False)
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, rows, tmp_path / "store", progress=False)
     curves = []
     for workers in (0, 1):
         head = tiny_head(target, last_context_input=True).train()
         calls = []
         hook = target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
-        trainer = JetSpecTrainer(model=head, train_dataset=dataset, target=target,
-                                 args=training_args(tmp_path / str(workers), max_steps=5, num_blocks_per_sequence=3,
-                                                    dataloader_num_workers=workers),
-                                 feature_store=FeatureStore(tmp_path / "store"))
+        trainer = JetSpecTrainer(
+            model=head,
+            train_dataset=dataset,
+            target=target,
+            args=training_args(
+                tmp_path / str(workers), max_steps=5, num_blocks_per_sequence=3, dataloader_num_workers=workers
+            ),
+            feature_store=FeatureStore(tmp_path / "store"),
+        )
         assert (trainer.data_collator.feature_store is not None) == (workers > 0)
         trainer.train()
         hook.remove()
@@ -118,8 +126,13 @@ def test_store_refuses_other_layers_and_bad_input(tmp_path):
     rows = regenerated_rows(target, count=3)
     build_feature_store(target, [0], rows, tmp_path / "store", progress=False)
     with pytest.raises(ValueError, match="expected a feature store of target layers"):
-        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=datasets.Dataset.from_list(rows),
-                       target=target, feature_store=FeatureStore(tmp_path / "store"))
+        JetSpecTrainer(
+            model=head,
+            args=training_args(tmp_path),
+            train_dataset=datasets.Dataset.from_list(rows),
+            target=target,
+            feature_store=FeatureStore(tmp_path / "store"),
+        )
     with pytest.raises(ValueError, match="expected the settings of the store"):
         build_feature_store(target, [1], rows, tmp_path / "store", progress=False)
     with pytest.raises(ValueError, match="expected target layer ids"):

@@ -120,12 +120,19 @@ def draw(rng: np.random.Generator) -> dict:
     stream = rng.random() < 0.2
     sample = rng.random() < 0.25
     if sample:
-        kw.update(do_sample=True, temperature=float(rng.uniform(0.5, 1.5)), top_k=int(rng.integers(0, 20)),
-                  top_p=float(rng.uniform(0.5, 1.0)))
+        kw.update(
+            do_sample=True,
+            temperature=float(rng.uniform(0.5, 1.5)),
+            top_k=int(rng.integers(0, 20)),
+            top_p=float(rng.uniform(0.5, 1.0)),
+        )
     else:
         kw["do_sample"] = False
-    tree = dict(tree_depth=int(rng.integers(1, 8)), tree_width=int(rng.integers(1, 5)),
-                tree_budget="auto" if rng.random() < 0.1 else int(rng.integers(1, 41)))
+    tree = dict(
+        tree_depth=int(rng.integers(1, 8)),
+        tree_width=int(rng.integers(1, 5)),
+        tree_budget="auto" if rng.random() < 0.1 else int(rng.integers(1, 41)),
+    )
     if rng.random() < 0.2:
         tree["tree_lookup"] = int(rng.integers(1, 9))
     if rng.random() < 0.15:
@@ -133,8 +140,19 @@ def draw(rng: np.random.Generator) -> dict:
         if tree.get("tree_lookup") or tree["tree_budget"] == "auto":
             refusal = "path_conditioning=True"
     head = str(rng.choice(["random", "never", "sometimes", "always"]))
-    return dict(arch=arch, pad=pad, ids=ids, mask=mask, kwargs=kw, tree=tree, head=head,
-                head_seed=int(rng.integers(1, 4)), sample=sample, stream=stream, refusal=refusal)
+    return dict(
+        arch=arch,
+        pad=pad,
+        ids=ids,
+        mask=mask,
+        kwargs=kw,
+        tree=tree,
+        head=head,
+        head_seed=int(rng.integers(1, 4)),
+        sample=sample,
+        stream=stream,
+        refusal=refusal,
+    )
 
 
 def describe(case: dict) -> str:
@@ -165,8 +183,9 @@ def test_tree_generate_equals_plain_generate_or_refuses_before_decoding(index):
     forwards = []
     hook = model.register_forward_pre_hook(lambda *args: forwards.append(1))
     try:
-        tree = model.generate(input_ids=ids, attention_mask=mask, assistant_model=head, streamer=streams[1], **kwargs,
-                              **case["tree"])
+        tree = model.generate(
+            input_ids=ids, attention_mask=mask, assistant_model=head, streamer=streams[1], **kwargs, **case["tree"]
+        )
     except ValueError as error:
         assert case["refusal"] is not None and case["refusal"] in str(error), f"{error}\n{describe(case)}"
         assert not forwards, f"refused after {len(forwards)} target forwards\n{describe(case)}"

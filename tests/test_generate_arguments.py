@@ -73,8 +73,13 @@ def test_guidance_at_batch_1_is_exact(llama):
 def test_guidance_at_batch_2_is_refused_by_name(llama):
     ids, mask = prompts(2)
     refused_before_decoding(
-        llama, "got UnbatchedClassifierFreeGuidanceLogitsProcessor at batch size 2", input_ids=ids,
-        attention_mask=mask, max_new_tokens=4, guidance_scale=3.0, assistant_model=tiny_head(llama),
+        llama,
+        "got UnbatchedClassifierFreeGuidanceLogitsProcessor at batch size 2",
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        guidance_scale=3.0,
+        assistant_model=tiny_head(llama),
     )
 
 
@@ -89,8 +94,13 @@ def test_user_processors_and_subclasses_are_refused_by_name(llama):
     ids, mask = prompts(2)
     for processor in (RowMixing(), Spied(0.7)):
         refused_before_decoding(
-            llama, f"got {type(processor).__name__} at batch size 2", input_ids=ids, attention_mask=mask,
-            max_new_tokens=4, logits_processor=LogitsProcessorList([processor]), assistant_model=tiny_head(llama),
+            llama,
+            f"got {type(processor).__name__} at batch size 2",
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            logits_processor=LogitsProcessorList([processor]),
+            assistant_model=tiny_head(llama),
         )
 
 
@@ -121,8 +131,12 @@ def test_stop_strings_with_a_tokenizer(llama):
     for head in (oracle_head(llama, plain, mask, mode="sometimes"), tiny_head(llama)):
         assert torch.equal(greedy(llama, ids, mask, assistant_model=head, **kwargs), plain)
         config = GenerationConfig(max_new_tokens=24, stop_strings=stops, do_sample=False)
-        assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                          tokenizer=tokenizer, assistant_model=head), plain)
+        assert torch.equal(
+            llama.generate(
+                input_ids=ids, attention_mask=mask, generation_config=config, tokenizer=tokenizer, assistant_model=head
+            ),
+            plain,
+        )
 
 
 def test_streamer_at_batch_2_gets_what_plain_generate_hands_it(llama):
@@ -151,8 +165,15 @@ def test_text_streamer_refuses_a_batch_itself(llama):
     ids, mask = prompts(2)
     with pytest.raises(ValueError, match="TextStreamer only supports batch size 1"):
         greedy(llama, ids, mask, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
-    refused_before_decoding(llama, "TextStreamer only supports batch size 1", input_ids=ids, attention_mask=mask,
-                            max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()), assistant_model=tiny_head(llama))
+    refused_before_decoding(
+        llama,
+        "TextStreamer only supports batch size 1",
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        streamer=TextStreamer(tiny_tokenizer()),
+        assistant_model=tiny_head(llama),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ inputs and bounds
@@ -160,14 +181,27 @@ def test_attention_mask_shorter_than_the_prompt(llama):
     ids, mask = prompts(2)
     with pytest.raises(Exception):  # plain generate fails too (an index error inside the model)
         greedy(llama, ids, mask[:, 1:], max_new_tokens=4)
-    refused_before_decoding(llama, r"attention_mask of the shape of input_ids \(2, 9\), got \(2, 8\)", input_ids=ids,
-                            attention_mask=mask[:, 1:], max_new_tokens=4, assistant_model=tiny_head(llama))
+    refused_before_decoding(
+        llama,
+        r"attention_mask of the shape of input_ids \(2, 9\), got \(2, 8\)",
+        input_ids=ids,
+        attention_mask=mask[:, 1:],
+        max_new_tokens=4,
+        assistant_model=tiny_head(llama),
+    )
 
 
 def test_tree_wider_than_the_draft_vocabulary(llama):
     ids, mask = prompts(1)
-    refused_before_decoding(llama, r"tree_width <= 128 \(the head's draft vocabulary.*got 129", input_ids=ids,
-                            attention_mask=mask, max_new_tokens=4, tree_width=129, assistant_model=tiny_head(llama))
+    refused_before_decoding(
+        llama,
+        r"tree_width <= 128 \(the head's draft vocabulary.*got 129",
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        tree_width=129,
+        assistant_model=tiny_head(llama),
+    )
 
 
 def test_tree_budget_beyond_memory_is_refused_before_the_tree_is_built(llama):
@@ -176,8 +210,15 @@ def test_tree_budget_beyond_memory_is_refused_before_the_tree_is_built(llama):
     calls = []
     head.register_forward_pre_hook(lambda *args: calls.append(1))
     refused_before_decoding(
-        llama, r"fits in memory, got tree_budget=1000000 \(up to 1000000 nodes.*GiB", input_ids=ids,
-        attention_mask=mask, max_new_tokens=4, tree_depth=7, tree_width=100, tree_budget=10**6, assistant_model=head,
+        llama,
+        r"fits in memory, got tree_budget=1000000 \(up to 1000000 nodes.*GiB",
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        tree_depth=7,
+        tree_width=100,
+        tree_budget=10**6,
+        assistant_model=head,
     )
     assert not calls  # no draft either
 
@@ -187,8 +228,9 @@ def test_buffers_follow_the_tokens_produced(llama, monkeypatch):
     the tree loop, holding a buffer sized by the tokens produced."""
     widths = []
     finish = decode._finish
-    monkeypatch.setattr(decode, "_finish", lambda head, call, *a: widths.append(call.sequences.shape[1])
-                        or finish(head, call, *a))
+    monkeypatch.setattr(
+        decode, "_finish", lambda head, call, *a: widths.append(call.sequences.shape[1]) or finish(head, call, *a)
+    )
     ids, mask = prompts(2)
     stop = StoppingCriteriaList([StopRowAt([ids.shape[1] + 5, ids.shape[1] + 90])])
     plain = greedy(llama, ids, mask, max_new_tokens=10**9, stopping_criteria=stop)
@@ -199,15 +241,29 @@ def test_buffers_follow_the_tokens_produced(llama, monkeypatch):
 @pytest.mark.parametrize("value", [5.0, "5", True])
 def test_max_new_tokens_of_another_type_is_refused_by_name(llama, value):
     ids, mask = prompts(1)
-    refused_before_decoding(llama, f"max_new_tokens to be an int, got {type(value).__name__}", input_ids=ids,
-                            attention_mask=mask, max_new_tokens=value, assistant_model=tiny_head(llama))
+    refused_before_decoding(
+        llama,
+        f"max_new_tokens to be an int, got {type(value).__name__}",
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=value,
+        assistant_model=tiny_head(llama),
+    )
 
 
 def test_numpy_integers_are_integers(llama):
     ids, mask = prompts(2)
     plain = greedy(llama, ids, mask, max_new_tokens=10)
-    tree = greedy(llama, ids, mask, max_new_tokens=np.int64(10), tree_budget=np.int64(8), tree_depth=np.int32(3),
-                  tree_width=np.int64(2), assistant_model=tiny_head(llama))
+    tree = greedy(
+        llama,
+        ids,
+        mask,
+        max_new_tokens=np.int64(10),
+        tree_budget=np.int64(8),
+        tree_depth=np.int32(3),
+        tree_width=np.int64(2),
+        assistant_model=tiny_head(llama),
+    )
     assert torch.equal(tree, plain)
 
 
@@ -221,5 +277,11 @@ def test_dynamic_cache_implementation_is_generate_s_default(llama):
 def test_head_on_another_device_is_refused(llama):
     head = tiny_head(llama).to("meta")
     ids, mask = prompts(1)
-    refused_before_decoding(llama, "head on the target's device cpu, got meta: move it with head.to", input_ids=ids,
-                            attention_mask=mask, max_new_tokens=4, assistant_model=head)
+    refused_before_decoding(
+        llama,
+        "head on the target's device cpu, got meta: move it with head.to",
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        assistant_model=head,
+    )

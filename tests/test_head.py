@@ -86,10 +86,17 @@ def test_mask_probes_under_tree_branches_equal_linear_blocks():
 
 
 def test_config_round_trips_and_is_validated():
-    config = JetSpecConfig(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           target_num_hidden_layers=4, block_size=6, tree_width=2,
-                           rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
-                           max_position_embeddings=256)
+    config = JetSpecConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        target_num_hidden_layers=4,
+        block_size=6,
+        tree_width=2,
+        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0},
+        max_position_embeddings=256,
+    )
     again = JetSpecConfig.from_dict(config.to_dict())
     assert again.target_layer_ids == config.target_layer_ids and again.mask_token_id == 99 and again.mask_id == 100
     assert again.rope_parameters == config.rope_parameters and again.rope_theta == 500.0
@@ -117,10 +124,22 @@ def test_from_target_reads_gemma4_per_layer_attention():
 
     torch.manual_seed(0)
     config = Gemma4TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, vocab_size_per_layer_input=128,
-        hidden_size_per_layer_input=8, max_position_embeddings=512, sliding_window=4, pad_token_id=0,
-        bos_token_id=None, eos_token_id=None, attn_implementation="sdpa",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8,
+        max_position_embeddings=512,
+        sliding_window=4,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
     )
     target = Gemma4ForCausalLM(config).eval()
@@ -130,8 +149,7 @@ def test_from_target_reads_gemma4_per_layer_attention():
     assert head.config.rope_parameters["partial_rotary_factor"] == 1.0
     ids, mask = prompts(2)  # lengths 9 and 5, longer than the sliding window
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
-    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
-                           assistant_model=head)
+    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, assistant_model=head)
     assert torch.equal(tree, plain)
 
 
@@ -164,8 +182,11 @@ def test_a_saved_head_with_missing_or_extra_weights_is_refused_by_name(tmp_path)
     # a config declaring 2 layers with the weights of only 1, and one weight no head has
     kept = {name: w for name, w in weights.items() if not name.startswith("layers.1.")}
     save_file({**kept, "extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing weight\(s\) \['layers\.1\.input_layernorm\.weight', .*"
-                                         r"unexpected weight\(s\) \['extra\.weight'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing weight\(s\) \['layers\.1\.input_layernorm\.weight', .*"
+        r"unexpected weight\(s\) \['extra\.weight'\]",
+    ):
         JetSpecDraftModel.from_pretrained(tmp_path)
     # asked for: loaded, layer 0 as saved, with transformers' loading info
     loaded, info = JetSpecDraftModel.from_pretrained(tmp_path, ignore_mismatched_sizes=True, output_loading_info=True)
@@ -221,8 +242,11 @@ def test_stack_target_states_selects_layers_then_the_final_state():
     stacked = stack_target_states(states, [1, 0], final=True)  # (1, 5, 3 * 64)
     torch.testing.assert_close(stacked, torch.cat([states[2], states[1], states[-1]], dim=-1), rtol=0, atol=0)
     torch.testing.assert_close(stack_target_states(only, [1]), states[2], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"hidden states of target layers \[0\], got a forward with 2 layers that "
-                                         r"returned none for layers \[0\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"hidden states of target layers \[0\], got a forward with 2 layers that "
+        r"returned none for layers \[0\]",
+    ):
         stack_target_states(only, [0])
     with pytest.raises(ValueError, match=r"returned none for layers \[2\]"):
         stack_target_states(states, [0, 2])
@@ -276,6 +300,9 @@ def test_no_call_leaves_tensors_on_the_head():
     # the models' own weights are reachable through the generator's references to them; nothing else may be
     weights = {id(t) for model in (head, target) for t in [*model.parameters(), *model.buffers()]}
     weights |= {id(t) for model in (head, target) for t in _tensors_in(model._modules)}  # e.g. rotary frequencies
-    kept = {name: [t for t in _tensors_in(value) if id(t) not in weights] for name, value in vars(head).items()
-            if name not in ("_parameters", "_buffers", "_modules", "_target_io", "config")}
+    kept = {
+        name: [t for t in _tensors_in(value) if id(t) not in weights]
+        for name, value in vars(head).items()
+        if name not in ("_parameters", "_buffers", "_modules", "_target_io", "config")
+    }
     assert {name: t for name, t in kept.items() if t} == {}

@@ -43,11 +43,14 @@ def test_slow_bf16_picks_float32_whatever_the_flags():
     assert decide("AVX2", AVX2, {}, probe).name == "AVX2 only"
 
 
-@pytest.mark.parametrize("capability, env", [
-    ("AVX2", FORCED),  # (a) both forced (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA): ATen then reports AVX2
-    ("AVX512", {"ONEDNN_MAX_CPU_ISA": "avx2"}),  # (b) only oneDNN capped: ATen still reports AVX512
-    ("AVX2", {}),  # (c) no variable we know, but ATen reports less than the flags allow
-])
+@pytest.mark.parametrize(
+    "capability, env",
+    [
+        ("AVX2", FORCED),  # (a) both forced (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA): ATen then reports AVX2
+        ("AVX512", {"ONEDNN_MAX_CPU_ISA": "avx2"}),  # (b) only oneDNN capped: ATen still reports AVX512
+        ("AVX2", {}),  # (c) no variable we know, but ATen reports less than the flags allow
+    ],
+)
 def test_forced_avx2_picks_float32_without_probing(capability, env):
     # the amx/avx512_bf16 flags are not trusted and the probe does not run, even one that would say bf16 is fast
     probe, calls = probe_returning(0.01, 1.0)
@@ -104,8 +107,9 @@ def test_resolve_dtype_auto_follows_the_host(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("jetspec.targets.host_kind", lambda: HostKind("AVX2 only", "float32", "auto: slower", "AVX2"))
     assert resolve_dtype("auto") == (torch.float32, "auto: slower; host kind AVX2 only")
-    monkeypatch.setattr("jetspec.targets.host_kind",
-                        lambda: HostKind("AVX-512 + AMX", "bfloat16", "auto: faster", "AVX512", 0.1, 0.5))
+    monkeypatch.setattr(
+        "jetspec.targets.host_kind", lambda: HostKind("AVX-512 + AMX", "bfloat16", "auto: faster", "AVX512", 0.1, 0.5)
+    )
     assert resolve_dtype("auto")[0] == torch.bfloat16
     assert resolve_dtype("float32") == (torch.float32, "requested")
 

@@ -33,8 +33,19 @@ def test_the_counter_counts_every_kind_of_read():
         # (e) none of these reads the values: device-side math, moves to a tensor's own device, dtype casts
         y = (x + 1).argmax(-1)
         x.to(y.device), x.to(torch.float64), x[torch.tensor([0, 2])], torch.where(x > 1, x, y)
-    assert reads.counts == {"item": 1, "tolist": 1, "bool": 1, "int": 1, "float": 1, "index": 1, "cpu": 2,
-                            "compare": 1, "nonzero": 2, "mask_index": 2, "synchronize": 1}
+    assert reads.counts == {
+        "item": 1,
+        "tolist": 1,
+        "bool": 1,
+        "int": 1,
+        "float": 1,
+        "index": 1,
+        "cpu": 2,
+        "compare": 1,
+        "nonzero": 2,
+        "mask_index": 2,
+        "synchronize": 1,
+    }
     assert reads.total == 14
     assert all(site.startswith("tests/test_host_reads.py:") for _, site in reads.sites)  # the reading line
 
@@ -62,8 +73,9 @@ class RoundReads:
 
     def generate(self, target, ids, mask, **kwargs):
         with torch.no_grad(), self.call:
-            return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, return_dict_in_generate=True,
-                                   **kwargs)
+            return target.generate(
+                input_ids=ids, attention_mask=mask, do_sample=False, return_dict_in_generate=True, **kwargs
+            )
 
 
 def defaults_pair():
@@ -128,8 +140,9 @@ def test_untimed_rounds_never_read_the_clock(monkeypatch):
     assert "synchronize" not in reads.rounds.counts and "synchronize" not in reads.call.counts
     assert out.jetspec_stats.verify_seconds == out.jetspec_stats.outside_verify_seconds == 0.0
     with timed_rounds():
-        out = target.generate(input_ids=ids, do_sample=False, max_new_tokens=6, assistant_model=head,
-                              return_dict_in_generate=True)
+        out = target.generate(
+            input_ids=ids, do_sample=False, max_new_tokens=6, assistant_model=head, return_dict_in_generate=True
+        )
     assert out.jetspec_stats.verify_seconds > 0.0 and out.jetspec_stats.outside_verify_seconds > 0.0
 
 
@@ -149,8 +162,9 @@ def test_a_user_stopping_criterion_is_checked_after_each_token(monkeypatch):
     target, head = defaults_pair()
     ids, mask = prompts(2, lengths=LENGTHS[:2])
     stop = StoppingCriteriaList([StopAfter(ids.shape[1] + 9)])
-    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                            stopping_criteria=stop)
+    plain = target.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, stopping_criteria=stop
+    )
     reads = RoundReads(monkeypatch)
     out = reads.generate(target, ids, mask, max_new_tokens=20, assistant_model=head, stopping_criteria=stop)
     assert torch.equal(out.sequences, plain)

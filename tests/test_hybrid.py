@@ -57,8 +57,9 @@ def test_random_head_matches_greedy(family, mode, batch):  # (a)
     free = greedy(target, ids, mask, max_new_tokens=16)
     eos = int(free[batch - 1, ids.shape[1] + 6])  # rows stop at different rounds
     plain = greedy(target, ids, mask, max_new_tokens=16, eos_token_id=eos)
-    tree = greedy(target, ids, mask, max_new_tokens=16, eos_token_id=eos, assistant_model=tiny_head(target),
-                  tree_verify=mode)
+    tree = greedy(
+        target, ids, mask, max_new_tokens=16, eos_token_id=eos, assistant_model=tiny_head(target), tree_verify=mode
+    )
     assert torch.equal(tree, plain)
 
 
@@ -102,8 +103,9 @@ def test_stats_count_every_target_forward(family, mode):
     plain = greedy(target, ids, mask, max_new_tokens=24)
     head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
     count = ForwardCount(target)
-    out = greedy(target, ids, mask, max_new_tokens=24, assistant_model=head, tree_verify=mode,
-                 return_dict_in_generate=True)
+    out = greedy(
+        target, ids, mask, max_new_tokens=24, assistant_model=head, tree_verify=mode, return_dict_in_generate=True
+    )
     count.handle.remove()
     assert torch.equal(out.sequences, plain)
     stats = out.jetspec_stats
@@ -142,8 +144,9 @@ def test_measured_budget_and_path_conditioning_stay_lossless(mode):
     ids, mask = prompts(3, vocab_size=VOCAB)
     plain = greedy(target, ids, mask, max_new_tokens=12)
     for kwargs in (dict(tree_budget="auto"), dict(path_conditioning=True)):
-        tree = greedy(target, ids, mask, max_new_tokens=12, assistant_model=tiny_head(target), tree_verify=mode,
-                      **kwargs)
+        tree = greedy(
+            target, ids, mask, max_new_tokens=12, assistant_model=tiny_head(target), tree_verify=mode, **kwargs
+        )
         assert torch.equal(tree, plain), kwargs
 
 
@@ -277,8 +280,9 @@ def test_auto_chooses_per_round_and_stays_lossless(family, monkeypatch):
     monkeypatch.setattr(HybridVerifier, "_verify", recording)
     head = oracle_head(target, plain, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=30)
     count = ForwardCount(target)
-    out = greedy(target, ids, mask, max_new_tokens=30, assistant_model=head, tree_verify="auto",
-                 return_dict_in_generate=True)
+    out = greedy(
+        target, ids, mask, max_new_tokens=30, assistant_model=head, tree_verify="auto", return_dict_in_generate=True
+    )
     count.handle.remove()
     assert torch.equal(out.sequences, plain)
     assert out.jetspec_stats.target_forwards == count.calls
@@ -307,8 +311,12 @@ def test_measured_verify_seconds_time_the_mode_they_price(mode, monkeypatch):
 
 # family, mode, gain on the (tied) output embeddings: peaked enough that drafts are accepted often, flat enough
 # that the 3-token continuations spread over 15-20 bins (at a larger gain some targets become deterministic)
-SAMPLING = [("qwen3_5_text", "chain", 40.0), ("qwen3_5_moe_text", "tree", 15.0), ("qwen3_next", "chain", 15.0),
-            ("lfm2", "tree", 3.0)]
+SAMPLING = [
+    ("qwen3_5_text", "chain", 40.0),
+    ("qwen3_5_moe_text", "tree", 15.0),
+    ("qwen3_next", "chain", 15.0),
+    ("lfm2", "tree", 3.0),
+]
 
 
 @pytest.mark.parametrize("family,mode,gain", SAMPLING, ids=[f"{f}-{m}" for f, m, _ in SAMPLING])
@@ -319,8 +327,9 @@ def test_sampling_matches_the_exact_reference(family, mode, gain):  # (d)
         target.get_output_embeddings().weight.mul_(gain)
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     probs = exact_distribution(target, prompt)
-    head = MarginalHead.from_target(target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=2,
-                                    tree_budget=6).eval()
+    head = MarginalHead.from_target(
+        target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=2, tree_budget=6
+    ).eval()
     marginals = torch.full((NEW, vocab), 1e-9)
     for seq, p in probs.items():
         for d, token in enumerate(seq):

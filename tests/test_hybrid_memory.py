@@ -33,17 +33,34 @@ def measure(mode: str, batch: int, bound_mib: float) -> dict:
         hybrid.PATHS_FORWARD_BYTES = int(bound_mib * 2**20)
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_num_value_heads=8, linear_num_key_heads=4,
-        linear_key_head_dim=128, linear_value_head_dim=128, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_value_heads=8,
+        linear_num_key_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     )  # layers: 3 gated delta-net, 1 full attention
     target = Qwen3_5ForCausalLM(config).eval()
     head = JetSpecDraftModel.from_target(target, tree_width=3).eval()  # default depth 7, budget 32
     ids = torch.randint(1, 16, (batch, 8), generator=torch.Generator().manual_seed(0))
 
     def run(rows, verify):
-        return target.generate(input_ids=rows, attention_mask=torch.ones_like(rows), do_sample=False,
-                               max_new_tokens=3, assistant_model=head, tree_verify=verify)
+        return target.generate(
+            input_ids=rows,
+            attention_mask=torch.ones_like(rows),
+            do_sample=False,
+            max_new_tokens=3,
+            assistant_model=head,
+            tree_verify=verify,
+        )
 
     with torch.no_grad():
         run(ids[:1], "chain")  # warm-up: lazy imports and allocations common to both modes
@@ -51,17 +68,27 @@ def measure(mode: str, batch: int, bound_mib: float) -> dict:
         run(ids, mode)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     stats = head.last_stats
-    return {"mode": mode, "batch": batch, "bound_mib": bound_mib, "before_mib": before / 1024,
-            "peak_mib": after / 1024, "rounds": stats.rounds,
-            "forwards_per_round": (stats.target_forwards - 1) / max(stats.rounds, 1)}
+    return {
+        "mode": mode,
+        "batch": batch,
+        "bound_mib": bound_mib,
+        "before_mib": before / 1024,
+        "peak_mib": after / 1024,
+        "rounds": stats.rounds,
+        "forwards_per_round": (stats.target_forwards - 1) / max(stats.rounds, 1),
+    }
 
 
 def peak(mode: str, bound_mib: float = 0) -> dict:
     """[`measure`] in a fresh process, its address space capped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, __file__, mode, str(BATCH), str(bound_mib)], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=1800,
+        [sys.executable, __file__, mode, str(BATCH), str(bound_mib)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (LIMIT_BYTES, LIMIT_BYTES)),
     )
     assert result.returncode == 0, result.stderr[-2000:]

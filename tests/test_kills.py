@@ -34,8 +34,20 @@ def regen(tmp_path_factory):
     tiny_model().save_pretrained(folder / "tiny")
     tiny_tokenizer().save_pretrained(folder / "tiny")
     write_prompts(folder / "prompts.jsonl", PROMPTS)
-    flags = ["--target", str(folder / "tiny"), "--prompts", str(folder / "prompts.jsonl"), "--max_new_tokens", "6",
-             "--batch_size", "3", "--shard_size", "4", "--dtype", "float32"]
+    flags = [
+        "--target",
+        str(folder / "tiny"),
+        "--prompts",
+        str(folder / "prompts.jsonl"),
+        "--max_new_tokens",
+        "6",
+        "--batch_size",
+        "3",
+        "--shard_size",
+        "4",
+        "--dtype",
+        "float32",
+    ]
     return folder, flags
 
 
@@ -88,8 +100,11 @@ def test_server_regeneration_killed_in_a_shard_resumes_to_the_uninterrupted_rows
 
     folder, flags = regen
     tokenizer = tiny_tokenizer()
-    p5 = next(json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines()
-              if json.loads(line)["id"] == "p5")
+    p5 = next(
+        json.loads(line)
+        for line in (folder / "prompts.jsonl").read_text().splitlines()
+        if json.loads(line)["id"] == "p5"
+    )
     broken = tuple(tokenizer(apply_chat_template(tokenizer, p5["prompt"]), add_special_tokens=False)["input_ids"])
 
     def script(key):
@@ -115,10 +130,38 @@ def test_server_regeneration_killed_in_a_shard_resumes_to_the_uninterrupted_rows
 
 # ----------------------------------------------------------------------------------------------------- training
 def training_command(data, target, out, *extra) -> list[str]:
-    return ["--target", str(target), "--data", str(data), "--output_dir", str(out), "--max_steps", "4",
-            "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--logging_steps", "1",
-            "--eval_fraction", "0", "--block_size", "6", "--num_hidden_layers", "1", "--use_cpu", "--report_to",
-            "none", "--disable_tqdm", "true", "--save_strategy", "steps", "--save_steps", "2", *extra]
+    return [
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "1",
+        "--eval_fraction",
+        "0",
+        "--block_size",
+        "6",
+        "--num_hidden_layers",
+        "1",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        *extra,
+    ]
 
 
 def step_losses(out) -> dict[int, float]:
@@ -154,22 +197,27 @@ def test_training_killed_resumes_from_the_last_complete_checkpoint(training, tmp
     if point == "save=4":  # half written: weights, optimizer and scheduler, and no marker
         assert {"model.safetensors", "optimizer.pt"} <= {p.name for p in (out / "checkpoint-4").iterdir()}
         assert not (out / "checkpoint-4" / CHECKPOINT_MARKER).exists()
-        with pytest.raises(ValueError, match=r"expected a complete checkpoint to resume from, got .*checkpoint-4, an "
-                                             r"incomplete one \(no checkpoint_complete.json"):
+        with pytest.raises(
+            ValueError,
+            match=r"expected a complete checkpoint to resume from, got .*checkpoint-4, an "
+            r"incomplete one \(no checkpoint_complete.json",
+        ):
             run_trainer.main([*run, "--resume_from_checkpoint", str(out / "checkpoint-4")])
     else:
         assert not (out / "checkpoint-4").exists()
 
     run_trainer.main([*run, "--resume_from_checkpoint", "true"])
     printed = capsys.readouterr().out
-    skipped = re.search(r"jetspec: skipping \S*checkpoint-4, an incomplete checkpoint \(no checkpoint_complete.json",
-                        printed)
+    skipped = re.search(
+        r"jetspec: skipping \S*checkpoint-4, an incomplete checkpoint \(no checkpoint_complete.json", printed
+    )
     assert (skipped is not None) == (point == "save=4")
     assert re.search(r"jetspec: resuming from \S*checkpoint-2\n", printed)
     losses = step_losses(out)
     assert sorted(losses) == [1, 2, 3, 4]  # steps 1-2 from the killed run's checkpoint, 3-4 from the resumed one
-    torch.testing.assert_close(torch.tensor([losses[3], losses[4]]), torch.tensor([whole[3], whole[4]]), rtol=1e-5,
-                               atol=0.0)
+    torch.testing.assert_close(
+        torch.tensor([losses[3], losses[4]]), torch.tensor([whole[3], whole[4]]), rtol=1e-5, atol=0.0
+    )
     # the rotation kept the newest complete checkpoints only, the last one whole
     kept = sorted(p.name for p in out.glob("checkpoint-*"))
     assert kept == (["checkpoint-4"] if limit == "1" else ["checkpoint-2", "checkpoint-4"])
@@ -181,7 +229,10 @@ def test_incomplete_checkpoints_are_told_apart_and_never_kept_by_the_rotation(tm
     marked counts as incomplete; `true` resumes from the newest complete one; the rotation deletes the incomplete ones
     and the oldest complete ones, never the one just completed, even when a half-written one has a higher step."""
     from training.trainer import (
-        CHECKPOINT_MARKER, checkpoint_problem, last_complete_checkpoint, rotate_complete_checkpoints,
+        CHECKPOINT_MARKER,
+        checkpoint_problem,
+        last_complete_checkpoint,
+        rotate_complete_checkpoints,
         write_checkpoint_marker,
     )
 
@@ -206,13 +257,21 @@ def test_incomplete_checkpoints_are_told_apart_and_never_kept_by_the_rotation(tm
     assert checkpoint_problem(tmp_path / "checkpoint-9") == f"{CHECKPOINT_MARKER} is unreadable"
     reports = []
     assert last_complete_checkpoint(tmp_path, reports.append) == str(tmp_path / "checkpoint-4")
-    assert [re.search(r"checkpoint-\d+", line).group() for line in reports] == ["checkpoint-9", "checkpoint-8",
-                                                                                 "checkpoint-6"]
+    assert [re.search(r"checkpoint-\d+", line).group() for line in reports] == [
+        "checkpoint-9",
+        "checkpoint-8",
+        "checkpoint-6",
+    ]
     # a resumed run completes checkpoint-5 (a lower step than the debris): with a limit of 1 it alone remains
     current = checkpoint(5)
     deleted = rotate_complete_checkpoints(tmp_path, 1, keep=[current, None])
-    assert sorted(p.name for p in deleted) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8",
-                                               "checkpoint-9"]
+    assert sorted(p.name for p in deleted) == [
+        "checkpoint-2",
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+        "checkpoint-9",
+    ]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-5"]
     assert "deleting" in capsys.readouterr().out
     shutil.rmtree(current)

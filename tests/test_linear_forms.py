@@ -43,8 +43,7 @@ def test_mm_form_keeps_plain_greedy_s_tokens(arch, batch, monkeypatch):
     head = tiny_head(target)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=head, verify_linear="mm"), plain)
     oracle = oracle_head(target, plain, mask, mode="sometimes")
-    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=oracle, verify_linear="mm"),
-                       plain)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=20, assistant_model=oracle, verify_linear="mm"), plain)
     assert oracle.last_stats.tau > 1.5  # accepted paths through later siblings
     linears = sum(type(m) is torch.nn.Linear for m in target.modules())
     verifies = head.last_stats.rounds + oracle.last_stats.rounds
@@ -102,7 +101,7 @@ def test_auto_probes_each_shape_once_per_host_and_caches_it(tmp_path, monkeypatc
     assert {shape for shape, _ in probed} == shapes and {rows for _, rows in probed} == {13}  # root + 12 nodes
     assert len(probed) == len(set(probed))  # once per shape and row count
     stored = json.loads((tmp_path / "host.json").read_text())
-    (key, table), = stored.items()
+    ((key, table),) = stored.items()
     assert key.startswith("verify linear|") and table["128x64@13 float32"] == "mm" and "64x64@13 float32" in table
     # a new call on this host reads the decisions back: no probe
     probed.clear()
@@ -125,7 +124,12 @@ def test_auto_keeps_f_linear_off_the_cpu_and_above_the_row_bound():
     w = torch.zeros(4, 4)
     assert forms.form(w, None, linear_forms.MAX_ROWS + 1) == "linear"
     meta = types.SimpleNamespace(device=torch.device("meta"))  # a target on another device than the CPU
-    assert forms.active(types.SimpleNamespace(device=torch.device("cpu"))) and not forms.active(meta) and LinearForms("mm").active(meta) and not LinearForms("linear").active(meta)
+    assert (
+        forms.active(types.SimpleNamespace(device=torch.device("cpu")))
+        and not forms.active(meta)
+        and LinearForms("mm").active(meta)
+        and not LinearForms("linear").active(meta)
+    )
 
 
 def test_unknown_verify_linear_is_refused_by_name():

@@ -42,8 +42,7 @@ def test_total_variation_and_reverse_kl_match_hand_computed_values():
     # the acceptance probability of a draft token is sum min(p, q) = 1 - TV
     assert sum(min(a, b) for a, b in zip(p, q)) == pytest.approx(1 - tv)
     # (tolerances: the defaults for float32, which the fp32 logs and exps meet)
-    torch.testing.assert_close(total_variation(teacher.log_softmax(-1), student.log_softmax(-1)),
-                               torch.tensor([[tv]]))
+    torch.testing.assert_close(total_variation(teacher.log_softmax(-1), student.log_softmax(-1)), torch.tensor([[tv]]))
     torch.testing.assert_close(slot_losses(student, teacher, label, "kl_tv"), torch.tensor([[fkl + tv]]))
     torch.testing.assert_close(slot_losses(student, teacher, label, "rkl"), torch.tensor([[rkl]]))
 
@@ -82,8 +81,11 @@ def test_topk_rank_prefers_the_targets_order_and_sft_the_targets_token():
     swapped = torch.tensor([2.0, 3.0, 1.0, 0.0]).view(1, 1, 4)  # the target's first two tokens swapped
     assert slot_losses(in_order, teacher, label, "topk_rank") < slot_losses(swapped, teacher, label, "topk_rank")
     # the ranking term alone goes to zero as the draft's order becomes certain
-    assert topk_rank_loss(teacher.log_softmax(-1), in_order * 30) < 1e-6 < topk_rank_loss(teacher.log_softmax(-1),
-                                                                                          in_order)
+    assert (
+        topk_rank_loss(teacher.log_softmax(-1), in_order * 30)
+        < 1e-6
+        < topk_rank_loss(teacher.log_softmax(-1), in_order)
+    )
     # hard labels: zero as the draft becomes certain of the label, positive before
     sure = torch.tensor([30.0, 0.0, 0.0, 0.0]).view(1, 1, 4)
     assert slot_losses(sure, None, label, "sft") < 1e-6 < slot_losses(in_order, None, label, "sft")
@@ -111,8 +113,12 @@ def test_a_few_steps_with_each_loss_move_every_parameter_of_a_reduced_vocabulary
     head.set_draft_vocab(torch.arange(0, 128, 2))
     before = {n: p.detach().clone() for n, p in head.named_parameters()}
     rows = datasets.Dataset.from_list(regenerated_rows(target, count=8))
-    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
-                             args=training_args(tmp_path, max_steps=3, num_blocks_per_sequence=3, loss=kind))
+    trainer = JetSpecTrainer(
+        model=head,
+        train_dataset=rows,
+        target=target,
+        args=training_args(tmp_path, max_steps=3, num_blocks_per_sequence=3, loss=kind),
+    )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses), losses
@@ -134,8 +140,9 @@ def test_chunked_loss_equals_the_whole_vocabulary_loss_in_value_and_gradient(kin
     teacher = torch.randn(n, d, h, generator=g)
     labels = torch.randint(0, v, (n, d), generator=g)
     counted = torch.rand(n, d, generator=g) < 0.7
-    whole, whole_count = block_loss_terms(F.linear(student, weight, bias), F.linear(teacher, weight, bias), labels,
-                                          counted, kind, gamma)
+    whole, whole_count = block_loss_terms(
+        F.linear(student, weight, bias), F.linear(teacher, weight, bias), labels, counted, kind, gamma
+    )
     (whole_grad,) = torch.autograd.grad(whole, student)
     for chunk in (4, 1000):  # 4 does not divide the counted slots; 1000 is one chunk
         total, count = chunked_block_loss_terms(student, teacher, weight, bias, labels, counted, kind, gamma, chunk)
@@ -150,7 +157,9 @@ def test_chunked_loss_refuses_a_trainable_lm_head_and_bad_shapes():
     student, labels, counted = torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=bool)
     with pytest.raises(ValueError, match="expected a frozen LM head weight"):
         chunked_block_loss_terms(student, student, torch.randn(5, 4, requires_grad=True), None, labels, counted)
-    with pytest.raises(ValueError, match=r"expected teacher_hidden of the student's shape \(2, 3, 4\) for loss 'fkl', got None"):
+    with pytest.raises(
+        ValueError, match=r"expected teacher_hidden of the student's shape \(2, 3, 4\) for loss 'fkl', got None"
+    ):
         chunked_block_loss_terms(student, None, torch.randn(5, 4), None, labels, counted)
     with pytest.raises(ValueError, match="expected chunk_slots >= 1, got 0"):
         chunked_block_loss_terms(student, student, torch.randn(5, 4), None, labels, counted, chunk_slots=0)
@@ -158,7 +167,11 @@ def test_chunked_loss_refuses_a_trainable_lm_head_and_bad_shapes():
 
 def test_chunked_argmax_equals_the_whole_argmax():
     g = torch.Generator().manual_seed(3)
-    hidden, weight, bias = torch.randn(3, 5, 8, generator=g), torch.randn(50, 8, generator=g), torch.randn(50, generator=g)
+    hidden, weight, bias = (
+        torch.randn(3, 5, 8, generator=g),
+        torch.randn(50, 8, generator=g),
+        torch.randn(50, generator=g),
+    )
     want = F.linear(hidden, weight, bias).argmax(-1)  # (3, 5)
     assert torch.equal(chunked_argmax(hidden, weight, bias, chunk_slots=4), want)
     assert torch.equal(chunked_argmax(hidden, weight, None, chunk_slots=4), F.linear(hidden, weight).argmax(-1))

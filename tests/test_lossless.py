@@ -88,18 +88,22 @@ class LookupBranch:
             assert len(offered) == trees.tokens.shape[0], "expected one lookup chain per row"
             self.chains.append(list(offered))
             self.sizes.append([len(set(token_paths(trees.tokens, trees.parents, i)[1:])) for i in range(len(offered))])
-            self.added.append([
-                {path for path in token_paths(trees.tokens, trees.parents, i)[1:] if path == chain[: len(path)]}
-                for i, chain in enumerate(offered)
-            ])
+            self.added.append(
+                [
+                    {path for path in token_paths(trees.tokens, trees.parents, i)[1:] if path == chain[: len(path)]}
+                    for i, chain in enumerate(offered)
+                ]
+            )
             return trees
 
         def recording_accept(logits, trees, rows, choose=None):
             acc = accept(logits, trees, rows, choose)
-            self.accepted.append([
-                [token_paths(trees.tokens, trees.parents, i)[node] for node in path[1:]]
-                for i, path in enumerate(acc.paths())
-            ])
+            self.accepted.append(
+                [
+                    [token_paths(trees.tokens, trees.parents, i)[node] for node in path[1:]]
+                    for i, path in enumerate(acc.paths())
+                ]
+            )
             return acc
 
         monkeypatch.setattr(steps, "chain_trie", recording_chain_trie)
@@ -114,8 +118,13 @@ class LookupBranch:
 
     def accepted_outside_the_branch(self) -> list:
         """Accepted nodes the lookup branch did not add, as `(round, row, path)`."""
-        return [(r, i, node) for r, (added, accepted) in enumerate(zip(self.added, self.accepted))
-                for i, (row_added, path) in enumerate(zip(added, accepted)) for node in path if node not in row_added]
+        return [
+            (r, i, node)
+            for r, (added, accepted) in enumerate(zip(self.added, self.accepted))
+            for i, (row_added, path) in enumerate(zip(added, accepted))
+            for node in path
+            if node not in row_added
+        ]
 
 
 @pytest.mark.parametrize("arch,shape,batch", CASES, ids=[f"{a}-d{s[0]}w{s[1]}b{s[2]}-bs{b}" for a, s, b in CASES])
@@ -127,8 +136,14 @@ def test_random_head_matches_greedy(arch, shape, batch):  # (a)
     plain = greedy(target, ids, mask, max_new_tokens=24)
     forwards = TargetForwards(target)
     tree = greedy(
-        target, ids, mask, max_new_tokens=24, assistant_model=head,
-        tree_depth=depth, tree_width=width, tree_budget=budget,
+        target,
+        ids,
+        mask,
+        max_new_tokens=24,
+        assistant_model=head,
+        tree_depth=depth,
+        tree_width=width,
+        tree_budget=budget,
     )
     forwards.remove()
     assert torch.equal(tree, plain)
@@ -377,16 +392,23 @@ def test_peft_adapted_target():
     ids, mask = prompts(3)
     plain = adapted.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
     head = tiny_head(base)
-    tree = adapted.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
-                            assistant_model=head)
+    tree = adapted.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, assistant_model=head
+    )
     assert torch.equal(tree, plain)
     # the adapter changes the output, so the test compares against the adapted model, not the base
     with adapted.disable_adapter():
         assert not torch.equal(plain, greedy(adapted, ids, mask, max_new_tokens=16))
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -462,8 +484,12 @@ def test_fuzz_random_settings_match_greedy(seed):
     batch = pick([1, 2, 3])
     ids, mask = prompts(batch, lengths=tuple(int(n) for n in torch.randint(1, 15, (3,), generator=g)), seed=seed)
     depth = pick([1, 2, 4, 7])
-    shape = dict(tree_depth=depth, tree_width=pick([1, 2, 3, 5]), tree_budget=pick([1, 3, 8, 20, 40]),
-                 tree_lookup=pick([0, 0, depth, 1, 12]))  # 12: a chain past the head's depths
+    shape = dict(
+        tree_depth=depth,
+        tree_width=pick([1, 2, 3, 5]),
+        tree_budget=pick([1, 3, 8, 20, 40]),
+        tree_lookup=pick([0, 0, depth, 1, 12]),
+    )  # 12: a chain past the head's depths
     kwargs = dict(max_new_tokens=pick([1, 5, 17, 30]))
     if pick([False, True]):
         kwargs.update(repetition_penalty=1.3)
@@ -493,8 +519,11 @@ def test_binding_sliding_window(arch, batch):
     target = tiny_target(arch, **window)
     ids, mask = prompts(batch)
     plain = greedy(target, ids, mask, max_new_tokens=30)
-    unbounded = tiny_target(arch, **{k: v for k, v in window.items() if k != "sliding_window"},
-                            **({"sliding_window": 4096} if arch == "mistral" else {}))
+    unbounded = tiny_target(
+        arch,
+        **{k: v for k, v in window.items() if k != "sliding_window"},
+        **({"sliding_window": 4096} if arch == "mistral" else {}),
+    )
     assert not torch.equal(plain, greedy(unbounded, ids, mask, max_new_tokens=30))  # the window binds
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=30, assistant_model=tiny_head(target)), plain)
     oracle = oracle_head(target, plain, mask, mode="sometimes")
@@ -520,8 +549,9 @@ def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch, monkeypatch)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=alone), plain)
     assert head.last_stats.target_forwards < alone.last_stats.target_forwards  # measured 12-16 vs 22-24 at batch 1
     for prior in (None, [[0.2], [0.5], [0.9]]):  # the chain first, or scored against the head's nodes
-        never = oracle_head(target, plain, mask, mode="never", tree_depth=4, tree_budget=8, tree_lookup=4,
-                            tree_lookup_prior=prior)
+        never = oracle_head(
+            target, plain, mask, mode="never", tree_depth=4, tree_budget=8, tree_lookup=4, tree_lookup_prior=prior
+        )
         with monkeypatch.context() as patch:
             branch = LookupBranch(patch)
             assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=never), plain), prior
@@ -529,8 +559,11 @@ def test_lookup_branch_is_lossless_and_accepts_repeats(arch, batch, monkeypatch)
         assert branch.accepted_outside_the_branch() == [], prior
         assert branch.added_nodes() > 0 and branch.accepted_nodes() > 0, prior
         if prior is None:  # the chain goes first, whole: every tree holds all of its row's chain (4 < budget 8)
-            assert all(len(added) == len(chain) for round_, chains in zip(branch.added, branch.chains)
-                       for added, chain in zip(round_, chains))
+            assert all(
+                len(added) == len(chain)
+                for round_, chains in zip(branch.added, branch.chains)
+                for added, chain in zip(round_, chains)
+            )
         assert never.last_stats.tau > 1.0  # a never-right head alone commits exactly 1 token per round, see (b)
 
 

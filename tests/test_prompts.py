@@ -56,12 +56,17 @@ def test_negative_limit_raises():
 def test_suite_specific_fields():
     humaneval = load_prompts("humaneval")
     assert humaneval[0]["id"] == "HumanEval/0"
-    assert all(row["prompt"].startswith("Complete the following Python function.")
-               for row in humaneval)
+    assert all(row["prompt"].startswith("Complete the following Python function.") for row in humaneval)
     mtbench = load_prompts("mtbench")
     assert {row["category"] for row in mtbench} == {
-        "writing", "roleplay", "reasoning", "math",
-        "coding", "extraction", "stem", "humanities",
+        "writing",
+        "roleplay",
+        "reasoning",
+        "math",
+        "coding",
+        "extraction",
+        "stem",
+        "humanities",
     }
 
 
@@ -102,9 +107,7 @@ def test_vendored_files_match_build_script(tmp_path, monkeypatch):
     for module in SOURCE_MODULES:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} not installed; see scripts/build_prompt_suites.py")
-    spec = importlib.util.spec_from_file_location(
-        "build_prompt_suites", ROOT / "scripts" / "build_prompt_suites.py"
-    )
+    spec = importlib.util.spec_from_file_location("build_prompt_suites", ROOT / "scripts" / "build_prompt_suites.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, script)  # needed by @dataclass
     spec.loader.exec_module(script)

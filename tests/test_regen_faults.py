@@ -18,10 +18,17 @@ RUN = {"max_new_tokens": 6, "shard_size": 4, "progress": False}
 FAST = {"timeout": 1.0, "retry_delay": 0.01, "max_attempts": 3}  # a stall is 2.5 s: past the timeout
 # each fault kind and how the client names it
 FAULT_KINDS = {
-    500: "HTTP 500", 503: "HTTP 503", 429: "HTTP 429", "stall": "no answer within 1 s",
-    "close": "connection dropped (RemoteDisconnected)", "empty": "empty body", "truncated": "body is not JSON",
-    "short": "connection dropped (IncompleteRead)", "malformed": "malformed body (expected one choice)",
-    "cut": "cut off (finish_reason 'length' after", "no_finish": "cut off (finish_reason None)",
+    500: "HTTP 500",
+    503: "HTTP 503",
+    429: "HTTP 429",
+    "stall": "no answer within 1 s",
+    "close": "connection dropped (RemoteDisconnected)",
+    "empty": "empty body",
+    "truncated": "body is not JSON",
+    "short": "connection dropped (IncompleteRead)",
+    "malformed": "malformed body (expected one choice)",
+    "cut": "cut off (finish_reason 'length' after",
+    "no_finish": "cut off (finish_reason None)",
     "bad_ids": "token ids [1000000, 1000000, 1000000] outside the tokenizer's 125",
 }
 
@@ -41,8 +48,10 @@ def prompt_keys(tokenizer, prompts) -> list[tuple[int, ...]]:
     """The token ids each prompt is sent as (what the fake server scripts are keyed by)."""
     from jetspec.targets import apply_chat_template
 
-    return [tuple(tokenizer(apply_chat_template(tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"])
-            for p in prompts]
+    return [
+        tuple(tokenizer(apply_chat_template(tokenizer, p["prompt"]), add_special_tokens=False)["input_ids"])
+        for p in prompts
+    ]
 
 
 def manifest(folder) -> dict:
@@ -85,16 +94,36 @@ def test_a_prompt_that_keeps_failing_is_recorded_never_written_and_asked_again(t
     broken = {keys[0]: ["empty"] * 6, keys[5]: [500] * 3, keys[9]: ["stall"] * 3}
     tiny = tmp_path / "tiny"
     tokenizer.save_pretrained(tiny)
-    command = ["--target", str(tiny), "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"),
-               "--max_new_tokens", "6", "--shard_size", "4", "--server_attempts", "3", "--server_retry_delay", "0.01",
-               "--server_timeout", "1", "--export", str(tmp_path / "rows.npz")]
+    command = [
+        "--target",
+        str(tiny),
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--out",
+        str(tmp_path / "out"),
+        "--max_new_tokens",
+        "6",
+        "--shard_size",
+        "4",
+        "--server_attempts",
+        "3",
+        "--server_retry_delay",
+        "0.01",
+        "--server_timeout",
+        "1",
+        "--export",
+        str(tmp_path / "rows.npz"),
+    ]
     with FakeOpenAIServer(hashed_answer(), lambda key: broken.get(key, [])) as server:
         main(command + ["--server", server.url])
         for key, faults in broken.items():
             assert server.faults_of(key) == faults  # the probe asked p0 three times, then p1, then p0's own request
     failed = manifest(tmp_path / "out")["failed"]
-    assert failed == {"p0": "3 attempts: empty body x3", "p5": "3 attempts: HTTP 500 x3",
-                      "p9": "3 attempts: no answer within 1 s x3"}
+    assert failed == {
+        "p0": "3 attempts: empty body x3",
+        "p5": "3 attempts: HTTP 500 x3",
+        "p9": "3 attempts: no answer within 1 s x3",
+    }
     printed = capsys.readouterr().out
     assert "3 prompts failed, in no shard" in printed and "p5: 3 attempts: HTTP 500 x3" in printed
     clean = {row["id"]: row for row in fault_free_rows(tokenizer, prompts, tmp_path / "clean")}
@@ -136,8 +165,11 @@ def test_a_shard_whose_prompts_all_fail_stops_the_run(tokenizer, prompts, tmp_pa
     down = set(keys[4:8])  # the whole second shard
     with FakeOpenAIServer(hashed_answer(), lambda key: [503] * 3 if key in down else []) as server:
         client = CompletionsServer(server.url, concurrency=4, **FAST)
-        with pytest.raises(RuntimeError, match=r"got none usable for any of the 4 prompts of a shard, after 3 "
-                                               r"attempts each: 3 attempts: HTTP 503 x3; stopped \(4 prompts"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"got none usable for any of the 4 prompts of a shard, after 3 "
+            r"attempts each: 3 attempts: HTTP 503 x3; stopped \(4 prompts",
+        ):
             regenerate(None, tokenizer, prompts, tmp_path / "out", server=client, **RUN)
     assert load_regenerated(tmp_path / "out")["id"] == ["p0", "p1", "p2", "p3"]
     assert sorted(manifest(tmp_path / "out")["failed"]) == ["p4", "p5", "p6", "p7"]
@@ -152,8 +184,11 @@ def test_the_client_bounds_its_attempts_and_backs_off(tokenizer):
     with FakeOpenAIServer(hashed_answer(), lambda k: ["close", "empty", "close", "empty"]) as server:
         client = CompletionsServer(server.url, timeout=1.0, retry_delay=0.05, max_attempts=3)
         start = time.perf_counter()
-        with pytest.raises(CompletionFailed, match=r"3 attempts: connection dropped \(RemoteDisconnected\) x2, "
-                                                   "empty body"):
+        with pytest.raises(
+            CompletionFailed,
+            match=r"3 attempts: connection dropped \(RemoteDisconnected\) x2, "
+            "empty body",
+        ):
             client.complete(list(key), 4)
         waited = time.perf_counter() - start
         assert 0.05 + 0.1 <= waited < 5.0  # two waits: 0.05 s, then doubled
@@ -161,11 +196,14 @@ def test_the_client_bounds_its_attempts_and_backs_off(tokenizer):
         assert len(server.faults_of(key)) == 5
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_attempts": 0}, "expected max_attempts to be an int >= 1"),
-    ({"retry_delay": -1}, r"expected retry_delay in \[0, 60\] seconds"),
-    ({"timeout": 0}, "expected timeout > 0 seconds"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_attempts": 0}, "expected max_attempts to be an int >= 1"),
+        ({"retry_delay": -1}, r"expected retry_delay in \[0, 60\] seconds"),
+        ({"timeout": 0}, "expected timeout > 0 seconds"),
+    ],
+)
 def test_bad_retry_settings_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CompletionsServer("http://127.0.0.1:1", model="m", **kwargs)

@@ -30,7 +30,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<eos>",
         additional_special_tokens=["<user>", "<assistant>"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -40,8 +43,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=64, max_position_embeddings=256, pad_token_id=1, bos_token_id=None, eos_token_id=2,
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        pad_token_id=1,
+        bos_token_id=None,
+        eos_token_id=2,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -162,8 +173,17 @@ def test_read_prompts_formats(tmp_path):
 
     sharegpt = tmp_path / "sharegpt.jsonl"
     sharegpt.write_text(
-        json.dumps({"id": "x", "conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"},
-                                                  {"from": "gpt", "value": "hello"}, {"from": "human", "value": "more"}]})
+        json.dumps(
+            {
+                "id": "x",
+                "conversations": [
+                    {"from": "system", "value": "s"},
+                    {"from": "human", "value": "hi"},
+                    {"from": "gpt", "value": "hello"},
+                    {"from": "human", "value": "more"},
+                ],
+            }
+        )
         + "\n\n"
         + json.dumps({"prompt": "plain"})
         + "\n"
@@ -274,8 +294,10 @@ def test_compact_file_round_trips_and_extends_without_regenerating_packed_rows(m
     packed = tmp_path / "data.npz"
     summary = save_compact(tmp_path / "first", packed)
     first = load_regenerated(tmp_path / "first")
-    assert summary["rows"] == 5 and load_compact(packed).to_list() == first.select_columns(
-        ["id", "input_ids", "prompt_length"]).to_list()
+    assert (
+        summary["rows"] == 5
+        and load_compact(packed).to_list() == first.select_columns(["id", "input_ids", "prompt_length"]).to_list()
+    )
     # a fresh folder (a new clone): skip what the compact file holds, regenerate the rest, pack both
     ids, settings = compact_ids(packed)
     assert ids == {f"p{i}" for i in range(5)} and settings["max_new_tokens"] == RUN["max_new_tokens"]
@@ -299,7 +321,8 @@ def test_continuous_batching_writes_the_rows_of_padded_batches(model, tokenizer,
     stats = regenerate(model, tokenizer, prompts, tmp_path / "continuous", continuous=True, **RUN)
     padded, continuous = load_regenerated(tmp_path / "padded"), load_regenerated(tmp_path / "continuous")
     assert stats["new_rows"] == 11 and stats["new_tokens"] == sum(
-        len(row["input_ids"]) - row["prompt_length"] for row in continuous)
+        len(row["input_ids"]) - row["prompt_length"] for row in continuous
+    )
     # fp32 greedy: the same answers, EOS cut the same way, whichever engine scheduled them
     assert continuous.to_list() == padded.to_list()
     manifest = json.loads((tmp_path / "continuous" / "progress.json").read_text())
@@ -311,8 +334,9 @@ def test_continuous_batching_refuses_a_feature_store(model, tokenizer, prompt_fi
 
     writer = StoreWriter(tmp_path / "store", store_settings(model, [0, 1], 32, "tiny"))
     with pytest.raises(ValueError, match="continuous batching returns no hidden states"):
-        regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", continuous=True,
-                   feature_store=writer, **RUN)
+        regenerate(
+            model, tokenizer, read_prompts(prompt_file), tmp_path / "out", continuous=True, feature_store=writer, **RUN
+        )
 
 
 def test_regenerate_command_skips_the_rows_of_excluded_files(model, tokenizer, prompt_file, tmp_path):
@@ -324,8 +348,22 @@ def test_regenerate_command_skips_the_rows_of_excluded_files(model, tokenizer, p
     prompts = read_prompts(prompt_file)
     regenerate(model, tokenizer, prompts[:4], tmp_path / "earlier", **RUN)
     save_compact(tmp_path / "earlier", tmp_path / "earlier.npz")  # e.g. rows committed from another dtype
-    command = ["--target", str(tmp_path / "tiny"), "--prompts", str(prompt_file), "--out", str(tmp_path / "out"),
-               "--max_new_tokens", "6", "--batch_size", "3", "--shard_size", "4", "--dtype", "float32"]
+    command = [
+        "--target",
+        str(tmp_path / "tiny"),
+        "--prompts",
+        str(prompt_file),
+        "--out",
+        str(tmp_path / "out"),
+        "--max_new_tokens",
+        "6",
+        "--batch_size",
+        "3",
+        "--shard_size",
+        "4",
+        "--dtype",
+        "float32",
+    ]
     main(command + ["--exclude", str(tmp_path / "earlier.npz")])
     assert load_regenerated(tmp_path / "out")["id"] == [f"p{i}" for i in range(4, 11)]
     with pytest.raises(ValueError, match="expected --exclude to name existing compact .npz files"):
@@ -357,8 +395,11 @@ def test_sort_pool_shards_prompts_by_length_and_resumes(model, tokenizer, prompt
     by_id = {row["id"]: row for row in load_regenerated(tmp_path / "file_order")}
     rows = load_regenerated(tmp_path / "sorted")
     # pools of 8 then 3, each sorted by prompt length (ties in file order), cut into shards of 4
-    expected = [r["id"] for start in (0, 8) for r in sorted(prompts[start : start + 8],
-                                                              key=lambda r: prompt_length(tokenizer, r))]
+    expected = [
+        r["id"]
+        for start in (0, 8)
+        for r in sorted(prompts[start : start + 8], key=lambda r: prompt_length(tokenizer, r))
+    ]
     assert rows["id"] == expected != [r["id"] for r in prompts]
     # the same answers, whichever prompts shared a batch (fp32 greedy)
     assert rows.to_list() == [by_id[i] for i in expected]
@@ -391,10 +432,13 @@ def test_static_cache_writes_the_rows_of_the_dynamic_cache(model, tokenizer, pro
     assert manifest["settings"]["cache_implementation"] == "static"
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"sort_pool": -1}, "expected sort_pool to be an int >= 0"),
-    ({"cache_implementation": "paged"}, "expected cache_implementation in"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"sort_pool": -1}, "expected sort_pool to be an int >= 0"),
+        ({"cache_implementation": "paged"}, "expected cache_implementation in"),
+    ],
+)
 def test_bad_scheduling_settings_raise(model, tokenizer, prompt_file, tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", **RUN, **bad)
@@ -415,8 +459,7 @@ def test_two_shards_write_the_rows_of_one_process(model, tokenizer, prompt_file,
 
     prompts = read_prompts(prompt_file)
     regenerate(model, tokenizer, prompts, tmp_path / "one", **RUN)
-    sets = [regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=2, shard_index=i, **RUN)
-            for i in (0, 1)]
+    sets = [regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=2, shard_index=i, **RUN) for i in (0, 1)]
     parts = [list(load_regenerated(tmp_path / "two" / f"part-0000{i}-of-00002")["id"]) for i in (0, 1)]
     # a) disjoint, nonempty sets that cover every prompt
     assert all(parts) and not set(parts[0]) & set(parts[1]) and [s["new_rows"] for s in sets] == [len(p) for p in parts]
@@ -426,12 +469,16 @@ def test_two_shards_write_the_rows_of_one_process(model, tokenizer, prompt_file,
     assert rows_by_id(two) == rows_by_id(one) and len(two) == 11
     summary = save_compact(tmp_path / "two", tmp_path / "two.npz")
     assert summary["rows"] == 11
-    assert rows_by_id(load_compact(tmp_path / "two.npz")) == rows_by_id(one.select_columns(["id", "input_ids",
-                                                                                           "prompt_length"]))
+    assert rows_by_id(load_compact(tmp_path / "two.npz")) == rows_by_id(
+        one.select_columns(["id", "input_ids", "prompt_length"])
+    )
     # c) a rerun of a set resumes (nothing left); another split of the same folder is refused
     assert regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=2, shard_index=1, **RUN)["new_rows"] == 0
-    with pytest.raises(ValueError, match=r"expected .* rows split over num_shards=3 processes only, got rows split "
-                                         r"over \[2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected .* rows split over num_shards=3 processes only, got rows split "
+        r"over \[2\]",
+    ):
         regenerate(model, tokenizer, prompts, tmp_path / "two", num_shards=3, shard_index=0, **RUN)
     with pytest.raises(ValueError, match=r"num_shards=1 processes only, got rows split over \[2\]"):
         regenerate(model, tokenizer, prompts, tmp_path / "two", **RUN)
@@ -439,10 +486,13 @@ def test_two_shards_write_the_rows_of_one_process(model, tokenizer, prompt_file,
         regenerate(model, tokenizer, prompts, tmp_path / "one", num_shards=2, shard_index=0, **RUN)
 
 
-@pytest.mark.parametrize("shards, match", [
-    ({"num_shards": 0}, "expected num_shards to be a positive int"),
-    ({"num_shards": 2, "shard_index": 2}, r"expected shard_index in \[0, 2\)"),
-])
+@pytest.mark.parametrize(
+    "shards, match",
+    [
+        ({"num_shards": 0}, "expected num_shards to be a positive int"),
+        ({"num_shards": 2, "shard_index": 2}, r"expected shard_index in \[0, 2\)"),
+    ],
+)
 def test_bad_shard_settings_raise(model, tokenizer, prompt_file, tmp_path, shards, match):
     with pytest.raises(ValueError, match=match):
         regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "out", **RUN, **shards)
@@ -456,8 +506,22 @@ def test_regenerate_command_splits_by_hand_and_exports_the_union(model, tokenize
 
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
-    command = ["--target", str(tmp_path / "tiny"), "--prompts", str(prompt_file), "--out", str(tmp_path / "out"),
-               "--max_new_tokens", "6", "--batch_size", "3", "--shard_size", "4", "--dtype", "float32"]
+    command = [
+        "--target",
+        str(tmp_path / "tiny"),
+        "--prompts",
+        str(prompt_file),
+        "--out",
+        str(tmp_path / "out"),
+        "--max_new_tokens",
+        "6",
+        "--batch_size",
+        "3",
+        "--shard_size",
+        "4",
+        "--dtype",
+        "float32",
+    ]
     with pytest.raises(ValueError, match="run --export_only once every part is done"):
         main(command + ["--num_shards", "2", "--shard_index", "0", "--export", str(tmp_path / "rows.npz")])
     for index in ("0", "1"):

@@ -17,9 +17,25 @@ from tiny import prompts, tiny_head, tiny_target
 
 # the package's files a saved head needs: the head, its config and formats, and every file of the round
 CODE_FILES = {
-    "modeling_jetspec.py", "configuration_jetspec.py", "checkpoint_formats.py", "integration.py", "decode.py",
-    "verifiers.py", "hybrid.py", "steps.py", "state.py", "compat.py", "tree.py", "budget.py", "timing.py",
-    "layers.py", "candidate_generator.py", "processors.py", "stopping.py", "linear_forms.py", "host_cache.py",
+    "modeling_jetspec.py",
+    "configuration_jetspec.py",
+    "checkpoint_formats.py",
+    "integration.py",
+    "decode.py",
+    "verifiers.py",
+    "hybrid.py",
+    "steps.py",
+    "state.py",
+    "compat.py",
+    "tree.py",
+    "budget.py",
+    "timing.py",
+    "layers.py",
+    "candidate_generator.py",
+    "processors.py",
+    "stopping.py",
+    "linear_forms.py",
+    "host_cache.py",
 }
 
 FRESH_PROCESS = textwrap.dedent(
@@ -52,8 +68,7 @@ def test_save_reload_in_a_fresh_process_decodes_identically(tmp_path):
     ids, mask = prompts(3)
     plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     head = tiny_head(target)
-    ours = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                           assistant_model=head)
+    ours = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=head)
     target.save_pretrained(tmp_path / "target")
     head.save_pretrained(tmp_path / "head")
 
@@ -67,9 +82,20 @@ def test_save_reload_in_a_fresh_process_decodes_identically(tmp_path):
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     result = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS, str(tmp_path / "target"), str(folder),
-         json.dumps(ids.tolist()), json.dumps(mask.tolist())],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            FRESH_PROCESS,
+            str(tmp_path / "target"),
+            str(folder),
+            json.dumps(ids.tolist()),
+            json.dumps(mask.tolist()),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -122,12 +148,14 @@ def test_push_to_hub_uploads_the_jetspec_layout(tmp_path, monkeypatch):
     api = FakeHubApi()
     monkeypatch.setattr(transformers_hub, "hf_api", lambda: api)
     monkeypatch.setattr(  # a new repository has no card yet: transformers writes its default one
-        transformers_hub, "create_and_tag_model_card",
+        transformers_hub,
+        "create_and_tag_model_card",
         lambda repo_id, tags=None, token=None: ModelCard.from_template(ModelCardData(library_name="transformers")),
     )
     head = tiny_head(tiny_target("llama"))
-    head.save_pretrained(tmp_path / "head", push_to_hub=True, repo_id="org/head", private=True,
-                         commit_message="first head")
+    head.save_pretrained(
+        tmp_path / "head", push_to_hub=True, repo_id="org/head", private=True, commit_message="first head"
+    )
     local = {p.relative_to(tmp_path / "head").as_posix() for p in (tmp_path / "head").rglob("*") if p.is_file()}
     assert api.created == [("org/head", True)] and api.commit_message == "first head"
     assert set(api.uploaded) == local | {"README.md"}

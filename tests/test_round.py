@@ -40,13 +40,19 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monke
         state = compact(*args, **kwargs)
         if state.rows.numel():
             call = calls[-1]
-            snapshots.append(dict(
-                rows=state.rows.tolist(), lengths=list(call.lengths), sequences=call.sequences.clone(),
-                valid=state.valid.clone(), context_valid=state.context.valid.clone(),
-                cache=[(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers],
-                context=[(k.clone(), v.clone()) for k, v in zip(state.context.keys, state.context.values)],
-                anchors=state.anchors.tolist(), anchor_pos=state.anchor_pos.tolist(),
-            ))
+            snapshots.append(
+                dict(
+                    rows=state.rows.tolist(),
+                    lengths=list(call.lengths),
+                    sequences=call.sequences.clone(),
+                    valid=state.valid.clone(),
+                    context_valid=state.context.valid.clone(),
+                    cache=[(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers],
+                    context=[(k.clone(), v.clone()) for k, v in zip(state.context.keys, state.context.values)],
+                    anchors=state.anchors.tolist(),
+                    anchor_pos=state.anchor_pos.tolist(),
+                )
+            )
         return state
 
     monkeypatch.setattr(decode, "commit", recording_commit)
@@ -62,7 +68,9 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monke
                 cache = DynamicCache()
                 out = target(tokens[None, :-1], past_key_values=cache, use_cache=True, output_hidden_states=True)
                 fresh = head.extend_context(
-                    None, head.target_features(out.hidden_states), torch.arange(len(tokens) - 1)[None],
+                    None,
+                    head.target_features(out.hidden_states),
+                    torch.arange(len(tokens) - 1)[None],
                     torch.ones(1, len(tokens) - 1, dtype=torch.bool),
                 )
             # the same keys/values, computed once by a verify forward over a tree with masked entries and once by
@@ -75,15 +83,22 @@ def test_caches_after_several_rounds_equal_a_fresh_prefill(arch, settings, monke
                 torch.testing.assert_close(values[i][:, snap["context_valid"][i]], v[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings", [{}, dict(repetition_penalty=1.3, no_repeat_ngram_size=3)],
-                         ids=["no-processors", "processors"])
+@pytest.mark.parametrize(
+    "settings", [{}, dict(repetition_penalty=1.3, no_repeat_ngram_size=3)], ids=["no-processors", "processors"]
+)
 def test_scores_at_batch_3_with_a_row_finishing_early(settings):
     target = tiny_target("llama")
     ids, mask = prompts(3)
     free = greedy(target, ids, mask, max_new_tokens=20, **settings)
     eos = int(free[1, ids.shape[1] + 4])  # row 1 stops after 5 tokens, the others later or never
-    kwargs = dict(max_new_tokens=20, eos_token_id=eos, return_dict_in_generate=True, output_scores=True,
-                  output_logits=True, **settings)
+    kwargs = dict(
+        max_new_tokens=20,
+        eos_token_id=eos,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        **settings,
+    )
     plain = greedy(target, ids, mask, **kwargs)
     head = oracle_head(target, plain.sequences, mask, mode="sometimes", tree_depth=4, tree_budget=16)
     tree = greedy(target, ids, mask, assistant_model=head, **kwargs)
@@ -175,8 +190,11 @@ def test_row_wise_processors_see_one_row_and_prefix_constraints_the_batch(monkey
     spy(PrefixConstrainedLogitsProcessor, "prefix")
     target = tiny_target("llama")
     ids, mask = prompts(3)
-    kwargs = dict(max_new_tokens=16, logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.9)]),
-                  prefix_allowed_tokens_fn=lambda batch_id, tokens: [t for t in range(128) if t % 3 != batch_id])
+    kwargs = dict(
+        max_new_tokens=16,
+        logits_processor=LogitsProcessorList([TemperatureLogitsWarper(0.9)]),
+        prefix_allowed_tokens_fn=lambda batch_id, tokens: [t for t in range(128) if t % 3 != batch_id],
+    )
     plain = greedy(target, ids, mask, **kwargs)
     seen = {"row_wise": set(), "prefix": set()}
     head = oracle_head(target, plain, mask, mode="sometimes")

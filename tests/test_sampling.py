@@ -7,7 +7,6 @@ goodness-of-fit test at alpha = 1e-3: with a fixed seed the outcome is determini
 would fail it for one seed in a thousand. Plain sampling goes through the same test, which checks the reference.
 """
 
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -33,6 +32,7 @@ class MarginalHead(JetSpecDraftModel):
         depth = (position_ids - position_ids[:, :1]).clamp(max=NEW - 1)  # slot d drafts new token d
         out.logits = self.marginals[depth]
         return out
+
 
 VOCAB, NEW, SAMPLES, BATCH, ALPHA = 8, 3, 3200, 32, 1e-3
 SETTINGS = dict(do_sample=True, temperature=0.7, top_k=6, top_p=0.97, repetition_penalty=1.4)
@@ -111,19 +111,39 @@ def sample(target, prompt, **kwargs):
 SCORED = [[0.3, 0.2], [0.6], [0.9]]
 
 
-@pytest.mark.parametrize("width,budget,lookup,prior,branches", [
-    (8, 72, 0, None, {}), (2, 6, 0, None, {}), (2, 6, 2, None, {}), (2, 6, 2, SCORED, {}),
-    # the trie of every earlier continuation (the prompt's "1" is followed by 4 and by 5), alone and with the record
-    (2, 6, 2, SCORED, {"tree_lookup_branches": "trie"}),
-    (2, 6, 2, SCORED, {"tree_lookup_branches": "trie", "tree_lookup_record": True}),
-], ids=["full-tree", "partial-tree", "partial-tree-lookup", "partial-tree-scored-lookup", "partial-tree-trie",
-        "partial-tree-trie-record"])
+@pytest.mark.parametrize(
+    "width,budget,lookup,prior,branches",
+    [
+        (8, 72, 0, None, {}),
+        (2, 6, 0, None, {}),
+        (2, 6, 2, None, {}),
+        (2, 6, 2, SCORED, {}),
+        # the trie of every earlier continuation (the prompt's "1" is followed by 4 and by 5), alone and with the record
+        (2, 6, 2, SCORED, {"tree_lookup_branches": "trie"}),
+        (2, 6, 2, SCORED, {"tree_lookup_branches": "trie", "tree_lookup_record": True}),
+    ],
+    ids=[
+        "full-tree",
+        "partial-tree",
+        "partial-tree-lookup",
+        "partial-tree-scored-lookup",
+        "partial-tree-trie",
+        "partial-tree-trie-record",
+    ],
+)
 def test_tree_sampling_matches_the_exact_reference(setup, width, budget, lookup, prior, branches):
     target, prompt, probs = setup
     torch.manual_seed(1)
     head = MarginalHead.from_target(
-        target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=width, tree_budget=budget,
-        tree_lookup=lookup, tree_lookup_prior=prior, **branches,
+        target,
+        num_hidden_layers=1,
+        block_size=4,
+        tree_depth=2,
+        tree_width=width,
+        tree_budget=budget,
+        tree_lookup=lookup,
+        tree_lookup_prior=prior,
+        **branches,
     ).eval()
     marginals = torch.zeros(NEW, VOCAB)
     for seq, p in probs.items():
@@ -172,8 +192,9 @@ def test_tree_sampling_at_batch_32_with_ragged_prompts_and_eos():
     for row in range(BATCH):
         p = RAGGED[row % 2]
         ids[row, longest - len(p) :], mask[row, longest - len(p) :] = p, 1
-    head = MarginalHead.from_target(target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=3,
-                                    tree_budget=8).eval()
+    head = MarginalHead.from_target(
+        target, num_hidden_layers=1, block_size=4, tree_depth=2, tree_width=3, tree_budget=8
+    ).eval()
     marginals = torch.full((NEW, VOCAB), 1e-9)
     for probs in exact:  # the mixture of both prompts' marginals: often right, never exact
         for seq, p in probs.items():
@@ -184,8 +205,15 @@ def test_tree_sampling_at_batch_32_with_ragged_prompts_and_eos():
     samples = [[], []]
     stopped_early = 0
     for _ in range(2 * PER_PROMPT // BATCH):
-        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD,
-                              assistant_model=head, **RAGGED_SETTINGS)[:, longest:]
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            assistant_model=head,
+            **RAGGED_SETTINGS,
+        )[:, longest:]
         for row, seq in enumerate(out.tolist()):
             cut = seq.index(EOS) + 1 if EOS in seq else len(seq)
             assert all(t == PAD for t in seq[cut:]), "tokens after EOS must be padding"

@@ -43,16 +43,33 @@ def test_ablate_head_trains_each_variant_once_with_its_one_change(tmp_path, caps
         "report_to: none\ndisable_tqdm: true\nlogging_steps: 1\neval_strategy: steps\n"
     )
     ablate_head = load_script("ablate_head")
-    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "2", "--out",
-            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--offline", "off", "--variants", "baseline", "layers2"]
+    argv = [
+        "--config",
+        str(config),
+        "--store",
+        str(tmp_path / "store"),
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--offline",
+        "off",
+        "--variants",
+        "baseline",
+        "layers2",
+    ]
     summary = ablate_head.main(argv)
 
     assert list(summary) == ["baseline", "layers2"]
     assert summary["layers2"]["change"] == "--num_hidden_layers 2" and summary["baseline"]["steps"] == 2
     assert all(len(row["acc_per_depth"]) == 5 for row in summary.values())  # block 6: depths 1..5 evaluated
     # the variant's one change reached the head it trained; the baseline kept the config's
-    layers = {name: json.loads((tmp_path / "runs" / name / "config.json").read_text())["num_hidden_layers"]
-              for name in summary}
+    layers = {
+        name: json.loads((tmp_path / "runs" / name / "config.json").read_text())["num_hidden_layers"]
+        for name in summary
+    }
     assert layers == {"baseline": 1, "layers2": 2}
     table = (tmp_path / "out" / "ablation.md").read_text()
     assert "| baseline |" in table and "| layers2 | `--num_hidden_layers 2` |" in table
@@ -83,8 +100,23 @@ def ablation_config(tmp_path, extra: str = "") -> Path:
 def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
     config = ablation_config(tmp_path)
     ablate_head = load_script("ablate_head")
-    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--minutes", "0.05", "--out",
-            str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--offline", "off", "--variants", "baseline", "init_target"]
+    argv = [
+        "--config",
+        str(config),
+        "--store",
+        str(tmp_path / "store"),
+        "--minutes",
+        "0.05",
+        "--out",
+        str(tmp_path / "out"),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--offline",
+        "off",
+        "--variants",
+        "baseline",
+        "init_target",
+    ]
     summary = ablate_head.main(argv)
     out = capsys.readouterr().out
     for name in ("baseline", "init_target"):
@@ -105,9 +137,24 @@ def test_ablate_head_loss_and_block_attention_variants_reach_the_runs(tmp_path):
     config = ablation_config(tmp_path, "gamma: 4.0\n")
     ablate_head = load_script("ablate_head")
     variants = ["kl_tv", "topk_rank", "reverse_kl", "gamma0", "bidir_gamma4", "bidir_gamma0"]
-    summary = ablate_head.main(["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "1",
-                                "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
-                                "--offline", "off", "--variants", *variants])
+    summary = ablate_head.main(
+        [
+            "--config",
+            str(config),
+            "--store",
+            str(tmp_path / "store"),
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+            "--runs",
+            str(tmp_path / "runs"),
+            "--offline",
+            "off",
+            "--variants",
+            *variants,
+        ]
+    )
     assert list(summary) == variants
     runs = tmp_path / "runs"
     cards = {name: (runs / name / "README.md").read_text() for name in variants}
@@ -129,11 +176,27 @@ def test_ablate_decoding_decodes_held_out_prompts_like_plain_greedy(tmp_path):
     data = write_shards(tmp_path / "regen", rows)
     tiny_head(target).save_pretrained(tmp_path / "head")
     ablate_decoding = load_script("ablate_decoding")
-    summary = ablate_decoding.main([
-        "--target", str(target_dir), "--head", str(tmp_path / "head"), "--data", str(data), "--prompts", "2",
-        "--max-new-tokens", "10", "--dtype", "float32", "--settings", "tree-16", "tree-8-lookup12",
-        "--out", str(tmp_path / "out"),
-    ])
+    summary = ablate_decoding.main(
+        [
+            "--target",
+            str(target_dir),
+            "--head",
+            str(tmp_path / "head"),
+            "--data",
+            str(data),
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--dtype",
+            "float32",
+            "--settings",
+            "tree-16",
+            "tree-8-lookup12",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     _, held_out = split_train_eval(datasets.Dataset.from_list(rows), 0.02, 0)
     prompts = min(2, len(held_out))
     assert summary["prompts"] == prompts
@@ -147,8 +210,9 @@ def test_ablate_decoding_decodes_held_out_prompts_like_plain_greedy(tmp_path):
 
 def test_measure_draft_cost_times_one_head_per_draft_vocabulary(capsys):
     measure_draft_cost = load_script("measure_draft_cost")
-    measure_draft_cost.main(["--target", "tiny", "--depth", "3", "--context", "16", "--repeats", "2",
-                             "--draft-vocab-sizes", "128,32"])
+    measure_draft_cost.main(
+        ["--target", "tiny", "--depth", "3", "--context", "16", "--repeats", "2", "--draft-vocab-sizes", "128,32"]
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["draft_vocab_size"] for r in records] == [128, 32]
     assert all(r["depth"] == 3 and r["context"] == 16 and r["target"] == "tiny" for r in records)
@@ -160,16 +224,44 @@ def test_train_step_speed_trains_every_mode_from_the_same_start(tmp_path):
     bf16 rounding), and each table row is reported. torch.compile is left to the smoke run (minutes to compile)."""
     train_step_speed = load_script("train_step_speed")
     out = tmp_path / "speed.json"
-    results = train_step_speed.main([
-        "--steps", "1", "--warmup", "0", "--modes", "fp32,bf16", "--hidden_size", "64", "--intermediate_size", "128",
-        "--num_layers", "4", "--num_heads", "4", "--num_kv_heads", "2", "--vocab_size", "256",
-        "--draft_vocab_size", "64", "--anchors", "4", "--batch_size", "2", "--max_length", "32", "--out", str(out),
-    ])
+    results = train_step_speed.main(
+        [
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--modes",
+            "fp32,bf16",
+            "--hidden_size",
+            "64",
+            "--intermediate_size",
+            "128",
+            "--num_layers",
+            "4",
+            "--num_heads",
+            "4",
+            "--num_kv_heads",
+            "2",
+            "--vocab_size",
+            "256",
+            "--draft_vocab_size",
+            "64",
+            "--anchors",
+            "4",
+            "--batch_size",
+            "2",
+            "--max_length",
+            "32",
+            "--out",
+            str(out),
+        ]
+    )
     assert list(results) == ["fp32", "bf16"]
     assert results["fp32"]["speedup_over_fp32"] == 1.0
     # one step from the same head on the same batch: the reported losses are those of the first forward
-    torch.testing.assert_close(torch.tensor(results["bf16"]["last_loss"]), torch.tensor(results["fp32"]["last_loss"]),
-                               rtol=2e-2, atol=0.0)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
+    torch.testing.assert_close(
+        torch.tensor(results["bf16"]["last_loss"]), torch.tensor(results["fp32"]["last_loss"]), rtol=2e-2, atol=0.0
+    )  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
     written = json.loads(out.read_text())
     assert written["settings"]["modes"] == "fp32,bf16" and written["host_kind"] and written["host_dtype"]
 
@@ -178,8 +270,10 @@ def test_training_entry_points_run_from_the_repository_root():
     """`python -m training.<cli>` (the command-line modules import their siblings as a package), and
     `python training/run_trainer.py` (as `docs/training.md` and `accelerate launch` run it) via its one bootstrap."""
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    commands = [[sys.executable, "-m", "training.regenerate", "--help"],
-                [sys.executable, str(Path("training") / "run_trainer.py"), "--help"]]
+    commands = [
+        [sys.executable, "-m", "training.regenerate", "--help"],
+        [sys.executable, str(Path("training") / "run_trainer.py"), "--help"],
+    ]
     for command in commands:
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (command, result.stderr[-2000:])
@@ -206,8 +300,9 @@ def test_round_stats_prints_the_same_lines_on_every_run(tmp_path, capsys):
     round_stats = load_script("round_stats")
     runs = []
     for _ in range(2):
-        round_stats.main(["--target", str(target_dir), "--head", str(tmp_path / "head"), "--limit", "1",
-                          "--max-new-tokens", "12"])
+        round_stats.main(
+            ["--target", str(target_dir), "--head", str(tmp_path / "head"), "--limit", "1", "--max-new-tokens", "12"]
+        )
         runs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
     assert runs[0] == runs[1]
     assert len(runs[0]) == 3 * len(round_stats.METHODS)  # 1 prompt per suite
@@ -222,8 +317,20 @@ def test_transformers_loop_counts_every_route_against_plain_greedy(tmp_path):
 
     target_dir = chat_target_and_head(tmp_path)
     hooked = GenerationMixin.generate
-    load_script("transformers_loop").main(["--target", str(target_dir), "--head", str(tmp_path / "head"),
-                                           "--limit", "1", "--max-new-tokens", "10", "--out", str(tmp_path / "r.json")])
+    load_script("transformers_loop").main(
+        [
+            "--target",
+            str(target_dir),
+            "--head",
+            str(tmp_path / "head"),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "10",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert GenerationMixin.generate.__wrapped__ is hooked.__wrapped__  # wrapped again, once
     report = json.loads((tmp_path / "r.json").read_text())
     assert set(report["routes"]) == {"dflash", "chain", "chain+lookup", "tree (defaults)"}

@@ -60,13 +60,16 @@ class TinyServer:
         ids = self.tokens(prompt) if isinstance(prompt, str) else prompt
         with self.lock, torch.no_grad():
             self.requests += 1
-            out = self.model.generate(torch.tensor([ids]), max_new_tokens=body["max_tokens"], do_sample=False,
-                                      pad_token_id=1)[0, len(ids):].tolist()
+            out = self.model.generate(
+                torch.tensor([ids]), max_new_tokens=body["max_tokens"], do_sample=False, pad_token_id=1
+            )[0, len(ids) :].tolist()
         eos = self.model.generation_config.eos_token_id
         answer = out[: out.index(eos) + 1] if eos in out else out
         stopped = bool(answer) and answer[-1] == eos
-        choice = {"text": self.tokenizer.decode(answer, skip_special_tokens=True),
-                  "finish_reason": "stop" if stopped else "length"}
+        choice = {
+            "text": self.tokenizer.decode(answer, skip_special_tokens=True),
+            "finish_reason": "stop" if stopped else "length",
+        }
         if self.dialect == "vllm" and body.get("return_token_ids"):
             choice["token_ids"] = answer
         return 200, {"choices": [choice]}
@@ -125,10 +128,13 @@ def settings_of(folder) -> dict:
     return json.loads((folder / "progress.json").read_text())["settings"]
 
 
-@pytest.mark.parametrize("dialect, prompt_format, answer_ids", [
-    ("vllm", "token_ids", "server"),  # a) ids both ways
-    ("llama_cpp", "text", "retokenized"),  # b) text both ways: the word-level tokenizer retokenizes exactly
-])
+@pytest.mark.parametrize(
+    "dialect, prompt_format, answer_ids",
+    [
+        ("vllm", "token_ids", "server"),  # a) ids both ways
+        ("llama_cpp", "text", "retokenized"),  # b) text both ways: the word-level tokenizer retokenizes exactly
+    ],
+)
 def test_server_rows_are_the_in_process_rows(model, tokenizer, prompts, tmp_path, dialect, prompt_format, answer_ids):
     regenerate(model, tokenizer, prompts, tmp_path / "local", **RUN)
     with TinyServer(model, tokenizer, dialect) as server:
@@ -149,8 +155,9 @@ def test_server_rows_split_over_two_processes_are_the_one_process_rows(model, to
         client = CompletionsServer(server.url, concurrency=2)
         regenerate(None, tokenizer, prompts, tmp_path / "one", server=client, **SERVER_RUN)
         for index in (0, 1):
-            regenerate(None, tokenizer, prompts, tmp_path / "two", server=client, num_shards=2, shard_index=index,
-                       **SERVER_RUN)
+            regenerate(
+                None, tokenizer, prompts, tmp_path / "two", server=client, num_shards=2, shard_index=index, **SERVER_RUN
+            )
     by_id = {row["id"]: row for row in load_regenerated(tmp_path / "one")}
     assert {row["id"]: row for row in load_regenerated(tmp_path / "two")} == by_id and len(by_id) == 11
 
@@ -158,8 +165,11 @@ def test_server_rows_split_over_two_processes_are_the_one_process_rows(model, to
 def test_a_text_prompt_the_server_reads_otherwise_is_refused(model, tokenizer, prompts, tmp_path):
     with TinyServer(model, tokenizer, "llama_cpp", bos=0) as server:  # its tokenizer prepends <unk>
         client = CompletionsServer(server.url, prompt_format="text")
-        with pytest.raises(RuntimeError, match=r"to tokenize the prompt to our \d+ ids, got \d+ ids, first different "
-                                               r"at 0: \[0, 3, "):
+        with pytest.raises(
+            RuntimeError,
+            match=r"to tokenize the prompt to our \d+ ids, got \d+ ids, first different "
+            r"at 0: \[0, 3, ",
+        ):
             regenerate(None, tokenizer, prompts, tmp_path / "out", server=client, **SERVER_RUN)
         # token ids to a server that takes text only: its 422 is shown
         with pytest.raises(RuntimeError, match="got HTTP 422: .*valid string"):
@@ -175,14 +185,23 @@ def test_bad_server_runs_raise(model, tokenizer, prompts, tmp_path):
             ({"continuous": True}, r"got \['continuous'\]"),
         ]:
             with pytest.raises(ValueError, match=match):
-                regenerate(kwargs.pop("model", None), tokenizer, prompts, tmp_path / "out", server=client,
-                           **SERVER_RUN, **kwargs)
+                regenerate(
+                    kwargs.pop("model", None),
+                    tokenizer,
+                    prompts,
+                    tmp_path / "out",
+                    server=client,
+                    **SERVER_RUN,
+                    **kwargs,
+                )
         # rows of a server and of the model in this process never share a folder (their dtypes differ)
         regenerate(None, tokenizer, prompts[:2], tmp_path / "mixed", server=client, **SERVER_RUN)
         with pytest.raises(ValueError, match="expected the settings of the run being resumed"):
             regenerate(model, tokenizer, prompts, tmp_path / "mixed", **RUN)
-    for url, match in [("127.0.0.1:8000", "expected a server address such as"),
-                       ("http://127.0.0.1:1", "expected a completions server at http://127.0.0.1:1/v1, got no answer")]:
+    for url, match in [
+        ("127.0.0.1:8000", "expected a server address such as"),
+        ("http://127.0.0.1:1", "expected a completions server at http://127.0.0.1:1/v1, got no answer"),
+    ]:
         with pytest.raises((ValueError, RuntimeError), match=match):
             CompletionsServer(url)
     with pytest.raises(ValueError, match="expected concurrency to be a positive int"):
@@ -200,8 +219,10 @@ def wait_for(url: str, process: subprocess.Popen, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            pytest.fail(f"expected the llama.cpp server to start, it exited with {process.returncode}:\n"
-                        f"{process.stderr.read()[-3000:]}")
+            pytest.fail(
+                f"expected the llama.cpp server to start, it exited with {process.returncode}:\n"
+                f"{process.stderr.read()[-3000:]}"
+            )
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=2):
                 return
@@ -213,16 +234,38 @@ def wait_for(url: str, process: subprocess.Popen, seconds: float) -> None:
 @pytest.fixture(scope="module")
 def llama_server():
     """llama-cpp-python's OpenAI-compatible server on the SmolLM2 Q4_1 GGUF, on a free loopback port, one thread."""
-    pytest.importorskip("llama_cpp.server", reason="needs llama-cpp-python[server] (pip install "
-                                                   "'llama-cpp-python[server]'; not yet installed by .ci/run)")
+    pytest.importorskip(
+        "llama_cpp.server",
+        reason="needs llama-cpp-python[server] (pip install 'llama-cpp-python[server]'; not yet installed by .ci/run)",
+    )
     from jetspec.targets import SMOLLM2_GGUF_FILE, smollm2_gguf_folder
 
     gguf = smollm2_gguf_folder() / SMOLLM2_GGUF_FILE
     port = free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
-               str(port), "--n_threads", "1", "--n_ctx", "2048", "--model_alias", "smollm2-135m"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        "1",
+        "--n_ctx",
+        "2048",
+        "--model_alias",
+        "smollm2-135m",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(url, process, seconds=120)
@@ -246,23 +289,48 @@ def test_llama_cpp_server_regenerates_greedy_rows_of_the_real_target(llama_serve
     from jetspec.targets import apply_chat_template, load_target
 
     model, tokenizer = load_target("smollm2-135m")
-    prompts = [{"id": f"q{i}", "prompt": text} for i, text in enumerate(
-        ["What is 2 + 3?", "Name the capital of France.", "Say hello in Spanish.", "List three colours."])]
+    prompts = [
+        {"id": f"q{i}", "prompt": text}
+        for i, text in enumerate(
+            ["What is 2 + 3?", "Name the capital of France.", "Say hello in Spanish.", "List three colours."]
+        )
+    ]
     client = CompletionsServer(llama_server, concurrency=2, prompt_format="text")
-    stats = regenerate(None, tokenizer, prompts, tmp_path / "server", server=client, max_new_tokens=16,
-                       shard_size=2, target="smollm2-135m", progress=False)
+    stats = regenerate(
+        None,
+        tokenizer,
+        prompts,
+        tmp_path / "server",
+        server=client,
+        max_new_tokens=16,
+        shard_size=2,
+        target="smollm2-135m",
+        progress=False,
+    )
     rows = load_regenerated(tmp_path / "server")
     assert stats["new_rows"] == 4 and rows["id"] == ["q0", "q1", "q2", "q3"]
     assert settings_of(tmp_path / "server")["answer_ids"] == "retokenized"
     same = 0
     for prompt, row in zip(prompts, rows):
         prompt_ids = tokenizer(apply_chat_template(tokenizer, prompt["prompt"]), add_special_tokens=False)["input_ids"]
-        answer = row["input_ids"][row["prompt_length"]:]
+        answer = row["input_ids"][row["prompt_length"] :]
         assert row["input_ids"][: row["prompt_length"]] == prompt_ids
         assert 1 <= len(answer) <= 16 and (answer[-1] == tokenizer.eos_token_id or len(answer) == 16)
-        local = model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, len(prompt_ids):]
+        local = model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, len(prompt_ids) :]
         same += local.tolist()[: len(answer)] == answer
     assert "5" in rows[0]["answer"]
     assert same >= 2, f"expected most greedy answers of the Q4_1 server to equal the fp32 target's, got {same} of 4"
-    assert regenerate(None, tokenizer, prompts, tmp_path / "server", server=client, max_new_tokens=16, shard_size=2,
-                      target="smollm2-135m", progress=False)["new_rows"] == 0
+    assert (
+        regenerate(
+            None,
+            tokenizer,
+            prompts,
+            tmp_path / "server",
+            server=client,
+            max_new_tokens=16,
+            shard_size=2,
+            target="smollm2-135m",
+            progress=False,
+        )["new_rows"]
+        == 0
+    )

@@ -59,8 +59,18 @@ def test_random_head_matches_greedy_with_rows_finishing_apart(arch, shape, batch
     ids, mask, _, plain, eos = eos_case(target, batch, 24)
     depth, width, budget = shape
     head = tiny_head(target)
-    tree = greedy(target, ids, mask, max_new_tokens=24, eos_token_id=eos, assistant_model=head,
-                  tree_depth=depth, tree_width=width, tree_budget=budget, jetspec_static="eager")
+    tree = greedy(
+        target,
+        ids,
+        mask,
+        max_new_tokens=24,
+        eos_token_id=eos,
+        assistant_model=head,
+        tree_depth=depth,
+        tree_width=width,
+        tree_budget=budget,
+        jetspec_static="eager",
+    )
     assert torch.equal(tree, plain)
     assert len(verifiers) == 1 and not verifiers[0].compiled
     assert verifiers[0].nodes == min(budget, sum(width**d for d in range(1, depth + 1)))
@@ -77,8 +87,7 @@ def test_sometimes_right_drafter_accepts_paths_in_place(batch, budget, verifiers
     target = tiny_target("qwen3")
     ids, mask, free, plain, eos = eos_case(target, batch, 30)
     head = oracle_head(target, free, mask, mode="sometimes", tree_depth=4, tree_width=3, tree_budget=budget)
-    tree = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos, assistant_model=head,
-                  jetspec_static="eager")
+    tree = greedy(target, ids, mask, max_new_tokens=30, eos_token_id=eos, assistant_model=head, jetspec_static="eager")
     assert torch.equal(tree, plain)
     assert head.last_stats.tau > 1.5
     verifier = verifiers[0]
@@ -187,8 +196,9 @@ def test_compiled_path_matches_greedy(verifiers):
     ids, mask, _, plain, eos = eos_case(target, 2, 12)
     head = tiny_head(target, tree_lookup=3, tree_budget=8)
     for _ in range(2):
-        tree = greedy(target, ids, mask, max_new_tokens=12, eos_token_id=eos, assistant_model=head,
-                      jetspec_static="compile")
+        tree = greedy(
+            target, ids, mask, max_new_tokens=12, eos_token_id=eos, assistant_model=head, jetspec_static="compile"
+        )
         assert torch.equal(tree, plain)
     assert [v.compiled for v in verifiers] == [True, True]
     first, second = stop_steps(plain, ids.shape[1], eos)

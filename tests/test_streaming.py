@@ -16,15 +16,44 @@ from training.run_trainer import HeadArguments, build_head
 
 
 def training_command(target_dir, data, out, *extra):
-    return ["--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "5",
-            "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--logging_steps", "1",
-            "--eval_fraction", "0.2", "--block_size", "6", "--num_hidden_layers", "1", "--use_cpu",
-            "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0", *extra]
+    return [
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "5",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "1",
+        "--eval_fraction",
+        "0.2",
+        "--block_size",
+        "6",
+        "--num_hidden_layers",
+        "1",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "no",
+        "--seed",
+        "0",
+        *extra,
+    ]
 
 
 def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps({key: row[key] for key in ("id", "input_ids", "prompt_length")}) + "\n"
-                            for row in rows))
+    path.write_text(
+        "".join(json.dumps({key: row[key] for key in ("id", "input_ids", "prompt_length")}) + "\n" for row in rows)
+    )
     return path
 
 
@@ -77,8 +106,9 @@ def test_a_streamed_jsonl_trains_and_ships_without_random_access(tmp_path, targe
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     target_dir = save_target_folder(target, tmp_path / "target")
     before = {name: p.clone() for name, p in target.named_parameters()}
-    command = training_command(target_dir, path, tmp_path / "head", "--streaming", "--shuffle_buffer", "8",
-                               "--draft_vocab_size", "64")
+    command = training_command(
+        target_dir, path, tmp_path / "head", "--streaming", "--shuffle_buffer", "8", "--draft_vocab_size", "64"
+    )
     metrics = run_trainer.main(command)
     card = check_trained(tmp_path / "head", target, before)
     _, held_out = split_train_eval(load_rows([str(path)]), 0.2, seed=0)
@@ -129,6 +159,9 @@ def test_a_source_without_the_training_columns_is_named(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
     for streaming in (False, True):
-        with pytest.raises(ValueError, match=r"expected the columns \['id', 'input_ids', 'prompt_length'\] in .*"
-                                             r"prompts\.jsonl, got \['id', 'prompt'\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"expected the columns \['id', 'input_ids', 'prompt_length'\] in .*"
+            r"prompts\.jsonl, got \['id', 'prompt'\]",
+        ):
             load_rows([str(path)], streaming=streaming)

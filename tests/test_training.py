@@ -53,11 +53,17 @@ def regenerated_rows(target, count: int = 16, prompt_length: int = 6, seed: int 
     """Rows in `load_regenerated`'s format: random prompts answered greedily by the target, of varied lengths."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, VOCAB, (count, prompt_length), generator=g)
-    out = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                          max_new_tokens=30, pad_token_id=0)  # (count, prompt_length + 30)
+    out = target.generate(
+        input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=30, pad_token_id=0
+    )  # (count, prompt_length + 30)
     return [
-        {"id": f"row-{i}", "prompt": f"prompt {i}", "input_ids": out[i, : prompt_length + 12 + (i * 5) % 19].tolist(),
-         "prompt_length": prompt_length, "answer": ""}
+        {
+            "id": f"row-{i}",
+            "prompt": f"prompt {i}",
+            "input_ids": out[i, : prompt_length + 12 + (i * 5) % 19].tolist(),
+            "prompt_length": prompt_length,
+            "answer": "",
+        }
         for i in range(count)
     ]
 
@@ -79,17 +85,26 @@ def save_target_folder(target, folder: Path) -> Path:
 
 
 def training_args(tmp_path, **overrides):
-    fields = dict(output_dir=str(tmp_path / "out"), max_steps=12, learning_rate=3e-3, per_device_train_batch_size=4,
-                  logging_steps=1, report_to="none", use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
-                  save_strategy="no", seed=0, lr_scheduler_type="constant")
+    fields = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=12,
+        learning_rate=3e-3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        remove_unused_columns=False,
+        disable_tqdm=True,
+        save_strategy="no",
+        seed=0,
+        lr_scheduler_type="constant",
+    )
     fields.update(overrides)
     return JetSpecTrainingArguments(**fields)
 
 
 def losses_of(log_history):
     return [entry["loss"] for entry in log_history if "loss" in entry]
-
-
 
 
 # -------------------------------------------------------------------------------------------------------- losses
@@ -115,12 +130,14 @@ def test_losses_match_hand_computed_values():
     for gamma in (1.0, 4.0):
         e = math.exp(-1.0 / gamma)
         expected = (l1 + e * l2) / (1.0 + e)
-        torch.testing.assert_close(block_loss(student, None, labels, everything, "sft", gamma=gamma),
-                                   torch.tensor(expected))
+        torch.testing.assert_close(
+            block_loss(student, None, labels, everything, "sft", gamma=gamma), torch.tensor(expected)
+        )
     # a masked-out slot does not count, whatever its loss: one slot left, weighted w1 = 2 / (1 + exp(-1))
     only_first = torch.tensor([[True, False]])
-    torch.testing.assert_close(block_loss(student, None, labels, only_first, "sft", gamma=1.0),
-                               torch.tensor(2.0 / (1.0 + math.exp(-1.0)) * l1))
+    torch.testing.assert_close(
+        block_loss(student, None, labels, only_first, "sft", gamma=1.0), torch.tensor(2.0 / (1.0 + math.exp(-1.0)) * l1)
+    )
     decay = torch.tensor([1.0, math.exp(-0.5), math.exp(-1.0)])
     torch.testing.assert_close(depth_weights(3, 2.0), decay * 3.0 / decay.sum())
     torch.testing.assert_close(depth_weights(3), torch.ones(3))
@@ -131,8 +148,13 @@ def test_unknown_loss_name_is_refused_with_the_valid_names():
     with pytest.raises(ValueError, match=r"expected loss in \('fkl', 'sft', 'rkl', 'kl_tv', 'topk_rank'\).*got 'mse'"):
         JetSpecTrainingArguments(output_dir="unused", loss="mse")
     with pytest.raises(ValueError, match="fkl"):
-        block_loss(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long),
-                   torch.ones(1, 1, dtype=torch.bool), kind="kl")
+        block_loss(
+            torch.zeros(1, 1, 2),
+            torch.zeros(1, 1, 2),
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, 1, dtype=torch.bool),
+            kind="kl",
+        )
 
 
 # ------------------------------------------------------------------------------------------------- packed blocks
@@ -142,8 +164,9 @@ def test_packed_blocks_equal_one_forward_per_block():
     target = sharp_target()
     head = tiny_head(target)
     rows = regenerated_rows(target, count=2)
-    collator = JetSpecCollator(mask_token_id=head.config.mask_id, block_size=8, num_blocks=3, max_length=64,
-                               answer_anchor_prob=0.5)
+    collator = JetSpecCollator(
+        mask_token_id=head.config.mask_id, block_size=8, num_blocks=3, max_length=64, answer_anchor_prob=0.5
+    )
     batch = collator(rows)
     lengths = batch["attention_mask"].sum(-1)
     anchors = batch["block_position_ids"].view(2, 3, 8)[..., 0]  # slot 0 of each block sits at its anchor
@@ -151,8 +174,13 @@ def test_packed_blocks_equal_one_forward_per_block():
         hidden = target(**{k: batch[k] for k in ("input_ids", "attention_mask")}, output_hidden_states=True)
         features = head.target_features(hidden.hidden_states)  # (B, L, k*H)
         valid = torch.arange(features.shape[1]) < lengths.unsqueeze(-1)
-        packed = head(batch["block_ids"], batch["block_position_ids"], batch["block_attention_mask"],
-                      context_features=features, context_valid=valid).logits.view(2, 3, 8, -1)
+        packed = head(
+            batch["block_ids"],
+            batch["block_position_ids"],
+            batch["block_attention_mask"],
+            context_features=features,
+            context_valid=valid,
+        ).logits.view(2, 3, 8, -1)
         for b in range(2):
             for j, a in enumerate(anchors[b].tolist()):
                 assert 1 <= a <= int(lengths[b]) - 2
@@ -188,8 +216,9 @@ def test_revealed_slots_carry_real_tokens_and_get_no_loss():
     flat, loss_mask = labels.view(16, 7), (labels != -100).view(16, 7)
     changed = student.clone()
     changed[revealed.view(16, 7)] += 5 * torch.randn(int(revealed.sum()), VOCAB)
-    torch.testing.assert_close(block_loss(changed, teacher, flat, loss_mask),
-                               block_loss(student, teacher, flat, loss_mask))
+    torch.testing.assert_close(
+        block_loss(changed, teacher, flat, loss_mask), block_loss(student, teacher, flat, loss_mask)
+    )
 
 
 def test_collator_draws_per_row_and_epoch():
@@ -224,8 +253,12 @@ def test_answer_anchor_prob_below_one_draws_anchors_in_the_prompt(tmp_path):
     rows = datasets.Dataset.from_list(regenerated_rows(target, count=8))  # prompts of 6 tokens, rows of 18-36
     shares = {}
     for prob in (1.0, 0.5, 0.0):
-        trainer = JetSpecTrainer(model=tiny_head(target), train_dataset=rows, target=target,
-                                 args=training_args(tmp_path, num_blocks_per_sequence=64, answer_anchor_prob=prob))
+        trainer = JetSpecTrainer(
+            model=tiny_head(target),
+            train_dataset=rows,
+            target=target,
+            args=training_args(tmp_path, num_blocks_per_sequence=64, answer_anchor_prob=prob),
+        )
         batch = trainer.data_collator(list(rows))
         anchors = batch["block_position_ids"].view(8, 64, -1)[..., 0]  # (B, n)
         shares[prob] = float((anchors < 6 - 1).float().mean())
@@ -242,8 +275,13 @@ def test_training_lowers_the_loss_changes_every_head_parameter_and_leaves_the_ta
     head = tiny_head(target).train()
     head_before = {n: p.detach().clone() for n, p in head.named_parameters()}
     rows = datasets.Dataset.from_list(regenerated_rows(target))
-    trainer = JetSpecTrainer(model=head, args=training_args(tmp_path, num_blocks_per_sequence=3, reveal_prob=0.2),
-                             train_dataset=rows, eval_dataset=rows.select(range(4)), target=target)
+    trainer = JetSpecTrainer(
+        model=head,
+        args=training_args(tmp_path, num_blocks_per_sequence=3, reveal_prob=0.2),
+        train_dataset=rows,
+        eval_dataset=rows.select(range(4)),
+        target=target,
+    )
     before = trainer.evaluate()
     trainer.train()
     after = trainer.evaluate()
@@ -269,10 +307,16 @@ def test_the_trainers_item_count_is_the_number_of_slots_that_carry_loss(tmp_path
     target = sharp_target()
     head = tiny_head(target)
     rows = datasets.Dataset.from_list(regenerated_rows(target, count=8))
-    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
-                             args=training_args(tmp_path, num_blocks_per_sequence=5, reveal_prob=0.3))
-    batches = [trainer.data_collator(list(rows.select(range(0, 4)))),
-               trainer.data_collator(list(rows.select(range(4, 8))))]
+    trainer = JetSpecTrainer(
+        model=head,
+        train_dataset=rows,
+        target=target,
+        args=training_args(tmp_path, num_blocks_per_sequence=5, reveal_prob=0.3),
+    )
+    batches = [
+        trainer.data_collator(list(rows.select(range(0, 4)))),
+        trainer.data_collator(list(rows.select(range(4, 8)))),
+    ]
     _, num_items = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
     slots = 0
     for batch in batches:
@@ -297,9 +341,20 @@ def test_time_budget_stops_training_and_evaluates_once_more(tmp_path):
     head = tiny_head(target).train()
     before = {n: p.detach().clone() for n, p in head.named_parameters()}
     rows = datasets.Dataset.from_list(regenerated_rows(target))
-    trainer = JetSpecTrainer(model=head, train_dataset=rows, eval_dataset=rows.select(range(4)), target=target,
-                             args=training_args(tmp_path, max_steps=50, max_train_minutes=1e-6, eval_strategy="steps",
-                                                eval_steps=1000, num_blocks_per_sequence=2))
+    trainer = JetSpecTrainer(
+        model=head,
+        train_dataset=rows,
+        eval_dataset=rows.select(range(4)),
+        target=target,
+        args=training_args(
+            tmp_path,
+            max_steps=50,
+            max_train_minutes=1e-6,
+            eval_strategy="steps",
+            eval_steps=1000,
+            num_blocks_per_sequence=2,
+        ),
+    )
     trainer.train()
     assert trainer.state.global_step == 1
     assert len(losses_of(trainer.state.log_history)) == 1
@@ -313,19 +368,49 @@ def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
     target_dir = save_target_folder(target, tmp_path / "target")
     data = write_shards(tmp_path / "regen", regenerated_rows(target))
     out = tmp_path / "head"
-    metrics = run_trainer.main([
-        "--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "6",
-        "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--logging_steps", "1",
-        "--eval_fraction", "0.25", "--block_size", "6", "--num_hidden_layers", "1", "--use_cpu",
-        "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--measure_tau_prompts", "2",
-        "--measure_tau_new_tokens", "12",
-    ])
+    metrics = run_trainer.main(
+        [
+            "--target",
+            str(target_dir),
+            "--data",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "6",
+            "--learning_rate",
+            "3e-3",
+            "--per_device_train_batch_size",
+            "4",
+            "--logging_steps",
+            "1",
+            "--eval_fraction",
+            "0.25",
+            "--block_size",
+            "6",
+            "--num_hidden_layers",
+            "1",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--save_strategy",
+            "no",
+            "--measure_tau_prompts",
+            "2",
+            "--measure_tau_new_tokens",
+            "12",
+        ]
+    )
     assert metrics["train_tokens_per_second"] > 0 and "eval_tau_chain" in metrics
     log = json.loads((out / "training_log.json").read_text())
     assert len(losses_of(log)) == 6
     # the Trainer counts the rows' real tokens the target read: 4 rows of at least 3 tokens per step
     seen = [entry["num_input_tokens_seen"] for entry in log if "loss" in entry]
-    assert seen[0] >= 4 * 3 and all(b > a for a, b in zip(seen, seen[1:])) and seen[-1] == metrics["num_input_tokens_seen"]
+    assert (
+        seen[0] >= 4 * 3 and all(b > a for a, b in zip(seen, seen[1:])) and seen[-1] == metrics["num_input_tokens_seen"]
+    )
     card = (out / "README.md").read_text()
     assert "base_model: " + str(target_dir) in card and "{{" not in card and "| tau, tree decoding" in card
 
@@ -339,8 +424,9 @@ def test_run_trainer_saves_a_head_that_reloads_and_decodes_losslessly(tmp_path):
     prompt = torch.tensor([regenerated_rows(target, count=1, seed=7)[0]["input_ids"][:6]])
     mask = torch.ones_like(prompt)
     plain = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=20)
-    tree = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=20,
-                           assistant_model=head)
+    tree = target.generate(
+        input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=20, assistant_model=head
+    )
     assert tree.tolist() == plain.tolist()
 
 
@@ -351,10 +437,35 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     target_dir = save_target_folder(target, tmp_path / "target")
     data = write_shards(tmp_path / "regen", regenerated_rows(target))
     out = tmp_path / "run"
-    args = ["--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "4",
-            "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--logging_steps", "1",
-            "--eval_fraction", "0", "--block_size", "6", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-            "--save_strategy", "steps", "--save_steps", "2"]
+    args = [
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "1",
+        "--eval_fraction",
+        "0",
+        "--block_size",
+        "6",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+    ]
     run_trainer.main(args)
     full = losses_of(json.loads((out / "training_log.json").read_text()))
     assert (out / "checkpoint-2" / "config.json").is_file()
@@ -363,8 +474,7 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     resumed = [(e["step"], e["loss"]) for e in log if "loss" in e and e["step"] > 2]
     assert [step for step, _ in resumed] == [3, 4]
     # same computation in the same order, in a process that reloaded fp32 weights: equal to fp32 rounding
-    torch.testing.assert_close(torch.tensor([loss for _, loss in resumed]), torch.tensor(full[2:]),
-                               rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(torch.tensor([loss for _, loss in resumed]), torch.tensor(full[2:]), rtol=1e-5, atol=0.0)
 
 
 def test_lora_trains_only_the_adapters(tmp_path):
@@ -375,8 +485,12 @@ def test_lora_trains_only_the_adapters(tmp_path):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert any(".fc." in n for n in trainable) and any("q_proj" in n for n in trainable)
-    trainer = JetSpecTrainer(model=model, args=training_args(tmp_path, max_steps=4, num_blocks_per_sequence=2),
-                             train_dataset=datasets.Dataset.from_list(regenerated_rows(target)), target=target)
+    trainer = JetSpecTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=4, num_blocks_per_sequence=2),
+        train_dataset=datasets.Dataset.from_list(regenerated_rows(target)),
+        target=target,
+    )
     trainer.train()
     after = dict(model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n])}
@@ -393,11 +507,15 @@ def test_head_layers_can_start_as_the_targets_last_layers():
     assert {"self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"} <= shared
     assert all(torch.equal(layer[n], last[n]) for n in shared)
     # the head's q/k norms have no Llama counterpart and keep their init
-    assert all(torch.equal(layer[n], torch.ones_like(layer[n])) for n in layer if n.endswith("_norm.weight")
-               and n not in shared)
+    assert all(
+        torch.equal(layer[n], torch.ones_like(layer[n]))
+        for n in layer
+        if n.endswith("_norm.weight") and n not in shared
+    )
     random = run_trainer.build_head(HeadArguments(num_hidden_layers=1), target, 8)
-    assert not torch.equal(dict(random.layers[0].named_parameters())["self_attn.q_proj.weight"],
-                           last["self_attn.q_proj.weight"])
+    assert not torch.equal(
+        dict(random.layers[0].named_parameters())["self_attn.q_proj.weight"], last["self_attn.q_proj.weight"]
+    )
     # two head layers copy the target's two layers, in order
     two = run_trainer.build_head(HeadArguments(num_hidden_layers=2, init_layers_from_target=True), target, 8)
     for head_layer, target_layer in zip(two.layers, target.model.layers):
@@ -420,18 +538,64 @@ def test_two_process_run_matches_one_process_with_the_doubled_batch(tmp_path):
     target = sharp_target()
     target_dir = save_target_folder(target, tmp_path / "target")
     data = write_shards(tmp_path / "regen", regenerated_rows(target))
-    common = ["--target", str(target_dir), "--data", str(data), "--max_steps", "4", "--learning_rate", "3e-3",
-              "--logging_steps", "1", "--eval_fraction", "0", "--use_cpu", "--report_to", "none",
-              "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0", "--num_blocks_per_sequence", "2",
-              "--ddp_find_unused_parameters", "false", "--ddp_timeout", "60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    common = [
+        "--target",
+        str(target_dir),
+        "--data",
+        str(data),
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--logging_steps",
+        "1",
+        "--eval_fraction",
+        "0",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "no",
+        "--seed",
+        "0",
+        "--num_blocks_per_sequence",
+        "2",
+        "--ddp_find_unused_parameters",
+        "false",
+        "--ddp_timeout",
+        "60",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     # accelerate 1.15: `--cpu` runs a single process whatever --num_processes says; `--multi_gpu` starts torchrun,
     # and ACCELERATE_USE_CPU=1 with --use_cpu makes it a gloo process group on CPU
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "training" / "run_trainer.py"), *common, "--output_dir", str(tmp_path / "two"),
-               "--per_device_train_batch_size", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(REPO / "training" / "run_trainer.py"),
+        *common,
+        "--output_dir",
+        str(tmp_path / "two"),
+        "--per_device_train_batch_size",
+        "2",
+    ]
     result = run_bounded(command, env, timeout=240)
     assert result.returncode == 0, result.stderr[-4000:]
     two = losses_of(json.loads((tmp_path / "two" / "training_log.json").read_text()))
@@ -449,8 +613,9 @@ def run_bounded(command, env, timeout: int) -> subprocess.CompletedProcess:
     workers) gets SIGABRT, so faulthandler prints where each one hung, then SIGKILL: no worker is left behind holding
     the rendezvous port, and the failure shows the stacks."""
     env = {**env, "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -484,9 +649,20 @@ class FakeApi:
         return "commit"
 
 
-CARD_VALUES = dict(base_model="org/target", repo_id="org/head", max_depth=7, num_hidden_layers=1, block_size=8,
-                   training_data="data/regen", loss="fkl", steps=10, num_train_rows=9, num_eval_rows=1,
-                   tau_table="| a | b |", licence="Apache-2.0")
+CARD_VALUES = dict(
+    base_model="org/target",
+    repo_id="org/head",
+    max_depth=7,
+    num_hidden_layers=1,
+    block_size=8,
+    training_data="data/regen",
+    loss="fkl",
+    steps=10,
+    num_train_rows=9,
+    num_eval_rows=1,
+    tau_table="| a | b |",
+    licence="Apache-2.0",
+)
 
 
 def test_push_uploads_exactly_the_head_files(tmp_path):
@@ -515,12 +691,15 @@ def test_push_offline_raises_instead_of_hanging(tmp_path):
     folder = tmp_path / "head"
     head.save_pretrained(folder)
     write_card(folder, **CARD_VALUES)
-    script = ("import sys; from training.shipping import push_folder\n"
-              "try:\n    push_folder(sys.argv[1], 'org/head')\n"
-              "except Exception as e:\n    print(type(e).__name__, str(e)[:200]); sys.exit(3)\n")
+    script = (
+        "import sys; from training.shipping import push_folder\n"
+        "try:\n    push_folder(sys.argv[1], 'org/head')\n"
+        "except Exception as e:\n    print(type(e).__name__, str(e)[:200]); sys.exit(3)\n"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_fake"}
-    result = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, env=env,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 3, (result.stdout, result.stderr[-2000:])
     assert "offline" in result.stdout.lower()
 
@@ -569,8 +748,9 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     with pytest.raises(ValueError, match="remove_unused_columns=False"):
         training_args(tmp_path, remove_unused_columns=True)
     with pytest.raises(ValueError, match="expected no data_collator"):
-        JetSpecTrainer(model=head, args=training_args(tmp_path), train_dataset=rows, target=target,
-                       data_collator=lambda rows: rows)
+        JetSpecTrainer(
+            model=head, args=training_args(tmp_path), train_dataset=rows, target=target, data_collator=lambda rows: rows
+        )
     with pytest.raises(ValueError, match=r"expected answer_anchor_prob in \[0, 1\], got 1.5"):
         training_args(tmp_path, answer_anchor_prob=1.5)
 
@@ -585,9 +765,12 @@ def test_cached_features_run_the_target_once_per_row_and_train_a_subset_head(tmp
     target.get_decoder().register_forward_hook(lambda *_: calls.append(1))
     head.set_draft_vocab(torch.arange(0, 128, 2))
     before = {n: p.detach().clone() for n, p in head.named_parameters()}
-    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
-                             args=training_args(tmp_path, max_steps=-1, num_train_epochs=3, num_blocks_per_sequence=3,
-                                                cache_features=True))
+    trainer = JetSpecTrainer(
+        model=head,
+        train_dataset=rows,
+        target=target,
+        args=training_args(tmp_path, max_steps=-1, num_train_epochs=3, num_blocks_per_sequence=3, cache_features=True),
+    )
     trainer.train()
     assert len(calls) == 4  # the first epoch's batches; epochs 2 and 3 read the cache
     assert trainer.data_collator.epoch == 2  # the collator drew the third epoch's anchors
@@ -602,15 +785,40 @@ def test_run_trainer_picks_the_most_frequent_answer_tokens_as_draft_vocabulary(t
     rows = regenerated_rows(target)
     data = write_shards(tmp_path / "regen", rows)
     out = tmp_path / "head"
-    metrics = run_trainer.main([
-        "--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "2",
-        "--per_device_train_batch_size", "4", "--eval_fraction", "0", "--block_size", "6", "--use_cpu",
-        "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--draft_vocab_size", "8",
-        "--last_context_input", "--cache_features", "--target_dtype", "bfloat16",
-    ])
+    metrics = run_trainer.main(
+        [
+            "--target",
+            str(target_dir),
+            "--data",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--eval_fraction",
+            "0",
+            "--block_size",
+            "6",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--save_strategy",
+            "no",
+            "--draft_vocab_size",
+            "8",
+            "--last_context_input",
+            "--cache_features",
+            "--target_dtype",
+            "bfloat16",
+        ]
+    )
     counts = {}
     for row in rows:  # every row trains (no eval split): count their answer tokens by hand
-        for token in row["input_ids"][row["prompt_length"]:]:
+        for token in row["input_ids"][row["prompt_length"] :]:
             counts[token] = counts.get(token, 0) + 1
     ranked = sorted(counts.values(), reverse=True)
     head = AutoModel.from_pretrained(out, trust_remote_code=True)
@@ -629,10 +837,17 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
     for batch, accumulation in ((4, 1), (2, 2)):
         head = tiny_head(target).train()
         trainer = JetSpecTrainer(
-            model=head, args=training_args(tmp_path / f"b{batch}", max_steps=3, per_device_train_batch_size=batch,
-                                           gradient_accumulation_steps=accumulation, num_blocks_per_sequence=3,
-                                           gamma=2.0),
-            train_dataset=rows, target=target,
+            model=head,
+            args=training_args(
+                tmp_path / f"b{batch}",
+                max_steps=3,
+                per_device_train_batch_size=batch,
+                gradient_accumulation_steps=accumulation,
+                num_blocks_per_sequence=3,
+                gamma=2.0,
+            ),
+            train_dataset=rows,
+            target=target,
         )
         trainer.train()
         heads.append(head)
@@ -666,7 +881,11 @@ def test_eval_split_is_stable_as_the_data_grows():
         ("rows.npz", b"", r"got .*rows\.npz, an empty file"),
         ("rows.npz", b"not an archive" * 8, r"got .*rows\.npz, which cannot be read \("),
         ("rows.npz", "truncated", r"got .*rows\.npz, which cannot be read \(BadZipFile"),
-        ("regen/shard-00000.jsonl", b'{"id": "a", "input_ids": [1, 2]\n', r"expected a JSON row at .*shard-00000\.jsonl line 1"),
+        (
+            "regen/shard-00000.jsonl",
+            b'{"id": "a", "input_ids": [1, 2]\n',
+            r"expected a JSON row at .*shard-00000\.jsonl line 1",
+        ),
         ("regen/shard-00000.jsonl", b'{"id": "a"}\n', r"expected a row with fields .* at .*shard-00000\.jsonl line 1"),
     ],
 )
@@ -711,17 +930,20 @@ def test_training_arguments_are_checked_before_the_target_loads(tmp_path, monkey
         raise AssertionError("the target was loaded before the arguments were checked")
 
     monkeypatch.setattr(run_trainer, "load_target", load_target)
-    data = write_shards(tmp_path / "regen", [{"id": "a", "prompt": "", "input_ids": [1, 2, 3], "prompt_length": 1,
-                                              "answer": ""}])
+    data = write_shards(
+        tmp_path / "regen", [{"id": "a", "prompt": "", "input_ids": [1, 2, 3], "prompt_length": 1, "answer": ""}]
+    )
     with pytest.raises(ValueError, match=message):
-        run_trainer.main(["--data", str(data), "--output_dir", str(tmp_path / "out"), "--use_cpu",
-                          "--report_to", "none", *flags])
+        run_trainer.main(
+            ["--data", str(data), "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none", *flags]
+        )
 
 
 def test_a_config_file_is_overridden_by_the_flags_after_it(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("num_hidden_layers: 2\nmax_steps: 7\nlearning_rate: 1.0e-3\ndata: [a.npz]\nuse_cpu: true\n"
-                      "output_dir: out\n")
+    config.write_text(
+        "num_hidden_layers: 2\nmax_steps: 7\nlearning_rate: 1.0e-3\ndata: [a.npz]\nuse_cpu: true\noutput_dir: out\n"
+    )
     head_args, data_args, args = run_trainer.parse_args([str(config), "--max_steps", "3", "--data", "b.npz", "c"])
     assert (head_args.num_hidden_layers, args.max_steps, args.learning_rate) == (2, 3, 1.0e-3)
     assert data_args.data == ["b.npz", "c"] and args.use_cpu
@@ -744,8 +966,12 @@ class FreshVocabularyRows(TorchDispatchMode):
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         inputs = {t.untyped_storage().data_ptr() for t in leaves}
         for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab_size
-                    and t.untyped_storage().data_ptr() not in inputs):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim()
+                and t.shape[-1] == self.vocab_size
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
                 self.most = max(self.most, t.numel() // self.vocab_size)
         return out
 
@@ -758,8 +984,12 @@ def test_a_training_step_never_holds_the_logits_of_all_its_slots(tmp_path):
     target = tiny_target("llama", vocab_size=vocab)
     head = tiny_head(target).train()
     rows = datasets.Dataset.from_list(regenerated_rows(target, count=4))
-    trainer = JetSpecTrainer(model=head, train_dataset=rows, target=target,
-                             args=training_args(tmp_path, num_blocks_per_sequence=3, loss_chunk_slots=8))
+    trainer = JetSpecTrainer(
+        model=head,
+        train_dataset=rows,
+        target=target,
+        args=training_args(tmp_path, num_blocks_per_sequence=3, loss_chunk_slots=8),
+    )
     batch = trainer.data_collator(list(rows))
     chunked = FreshVocabularyRows(vocab)
     with chunked:
@@ -770,11 +1000,19 @@ def test_a_training_step_never_holds_the_logits_of_all_its_slots(tmp_path):
     whole = FreshVocabularyRows(vocab)
     features, final = trainer._target_states(batch)
     with whole:
-        logits = head(input_ids=batch["block_ids"], position_ids=batch["block_position_ids"],
-                      attention_mask=batch["block_attention_mask"], context_features=features,
-                      context_valid=batch["attention_mask"].bool()).logits
-        block_loss(logits.view(4, 3, 8, vocab)[:, :, 1:].reshape(12, 7, vocab), torch.randn(12, 7, vocab),
-                   batch["labels"].view(12, 7), batch["labels"].view(12, 7) != -100).backward()
+        logits = head(
+            input_ids=batch["block_ids"],
+            position_ids=batch["block_position_ids"],
+            attention_mask=batch["block_attention_mask"],
+            context_features=features,
+            context_valid=batch["attention_mask"].bool(),
+        ).logits
+        block_loss(
+            logits.view(4, 3, 8, vocab)[:, :, 1:].reshape(12, 7, vocab),
+            torch.randn(12, 7, vocab),
+            batch["labels"].view(12, 7),
+            batch["labels"].view(12, 7) != -100,
+        ).backward()
     assert whole.most >= 4 * 3 * 7
 
 
@@ -797,8 +1035,9 @@ def test_the_target_returns_only_the_layers_the_head_reads_and_the_same_features
     assert seen["asked"] == [2, 3]
     assert [i for i, state in enumerate(seen["states"]) if state is not None] == [2, 3]
     with torch.no_grad():
-        full = target.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    output_hidden_states=True)
+        full = target.get_decoder()(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+        )
     assert torch.equal(features, head.target_features(full.hidden_states))
     assert torch.equal(final, full.last_hidden_state)
 
@@ -810,8 +1049,7 @@ def test_unwrap_head_finds_the_head_in_every_wrapper_accelerate_returns(tmp_path
     from torch.nn.parallel import DistributedDataParallel
 
     target = sharp_target()
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                                         world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         head = tiny_head(target)
         assert unwrap_head(head) is head
@@ -857,8 +1095,21 @@ def test_each_process_loads_the_target_straight_to_its_device(tmp_path, monkeypa
     monkeypatch.setattr(run_trainer, "load_target", stop)
     data = write_shards(tmp_path / "regen", regenerated_rows(target, count=2))
     with pytest.raises(RuntimeError, match="stop after"):
-        run_trainer.main(["--data", str(data), "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to",
-                          "none", "--target", str(folder), "--eval_fraction", "0"])
+        run_trainer.main(
+            [
+                "--data",
+                str(data),
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--use_cpu",
+                "--report_to",
+                "none",
+                "--target",
+                str(folder),
+                "--eval_fraction",
+                "0",
+            ]
+        )
     assert asked == [torch.device("cpu")]  # the Trainer's device of this process
 
 
@@ -876,21 +1127,54 @@ def test_a_store_missing_rows_is_refused_by_file_and_a_covered_run_keeps_its_hea
     from training.feature_store import build_feature_store
     from training.rows import load_regenerated
 
-    only_first = [{"id": r["id"], "input_ids": r["input_ids"], "prompt_length": r["prompt_length"]}
-                  for r in load_regenerated(first)]
+    only_first = [
+        {"id": r["id"], "input_ids": r["input_ids"], "prompt_length": r["prompt_length"]}
+        for r in load_regenerated(first)
+    ]
     build_feature_store(target, head.config.target_layer_ids, only_first, tmp_path / "store", progress=False)
-    common = ["--target", str(target_dir), "--data", str(first), str(second), "--feature_store",
-              str(tmp_path / "store"), "--max_steps", "3", "--per_device_train_batch_size", "4", "--block_size", "6",
-              "--num_hidden_layers", "1", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-              "--save_strategy", "no", "--eval_fraction", "0.2", "--train_precision", "fp32"]
+    common = [
+        "--target",
+        str(target_dir),
+        "--data",
+        str(first),
+        str(second),
+        "--feature_store",
+        str(tmp_path / "store"),
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--block_size",
+        "6",
+        "--num_hidden_layers",
+        "1",
+        "--use_cpu",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "no",
+        "--eval_fraction",
+        "0.2",
+        "--train_precision",
+        "fp32",
+    ]
     with pytest.raises(ValueError, match=rf"{second}: 6 of 6 rows") as raised:
         run_trainer.main(common + ["--output_dir", str(tmp_path / "refused")])
     assert str(first) not in str(raised.value).split("got rows missing from it:")[1].split(". Add")[0]
     assert not (tmp_path / "refused").exists()  # refused before any work
 
-    build_feature_store(target, head.config.target_layer_ids,
-                        [{"id": r["id"], "input_ids": r["input_ids"], "prompt_length": r["prompt_length"]}
-                         for r in load_regenerated(second)], tmp_path / "store", progress=False)
+    build_feature_store(
+        target,
+        head.config.target_layer_ids,
+        [
+            {"id": r["id"], "input_ids": r["input_ids"], "prompt_length": r["prompt_length"]}
+            for r in load_regenerated(second)
+        ],
+        tmp_path / "store",
+        progress=False,
+    )
     kept = tmp_path / "kept" / "head"
     run_trainer.main(common + ["--output_dir", str(tmp_path / "out"), "--keep_head_dir", str(kept)])
     from safetensors.torch import load_file
@@ -908,8 +1192,9 @@ def test_a_store_missing_rows_is_refused_by_file_and_a_covered_run_keeps_its_hea
     prompt = torch.tensor([rows[0]["input_ids"][:6]])
     mask = torch.ones_like(prompt)
     plain = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=16)
-    tree = target.generate(input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=16,
-                           assistant_model=reloaded)
+    tree = target.generate(
+        input_ids=prompt, attention_mask=mask, do_sample=False, max_new_tokens=16, assistant_model=reloaded
+    )
     assert tree.tolist() == plain.tolist()
 
 
@@ -928,8 +1213,12 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
         # the Trainer's accelerator reads `mixed_precision`, derived from `bf16` when the arguments were made
         assert args.mixed_precision == ("bf16" if expected else "no")
         if expected:
-            trainer = JetSpecTrainer(model=tiny_head(sharp_target()), args=args, target=sharp_target(),
-                                     train_dataset=datasets.Dataset.from_list(regenerated_rows(sharp_target())))
+            trainer = JetSpecTrainer(
+                model=tiny_head(sharp_target()),
+                args=args,
+                target=sharp_target(),
+                train_dataset=datasets.Dataset.from_list(regenerated_rows(sharp_target())),
+            )
             assert trainer.accelerator.mixed_precision == "bf16"
     args = training_args(tmp_path, train_precision="bf16")
     run_trainer.resolve_precision(args)

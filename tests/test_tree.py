@@ -1,6 +1,5 @@
 """Tree construction, tree masks and acceptance, against brute-force references."""
 
-
 import itertools
 import math
 
@@ -172,8 +171,9 @@ def walk(tree, choice):
     node, nodes, committed = 0, [0], []
     while True:
         committed.append(choice[node])
-        child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents), 1)
-                      if p == node and t == choice[node]), None)
+        child = next(
+            (i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents), 1) if p == node and t == choice[node]), None
+        )
         if child is None:
             return nodes, committed
         node = child
@@ -285,7 +285,8 @@ def test_one_lookup_survival_serves_the_tree_the_trie_the_record_and_the_chain_d
     assert lookup_survival(prior, 3, 2) == pytest.approx([0.9, 0.72])
     # the tree's conditional log-odds add up to the survival's log at every depth
     assert list(itertools.accumulate(lookup_logprobs(prior, 2, 4))) == pytest.approx(
-        [math.log(s) for s in lookup_survival(prior, 2, 4)])
+        [math.log(s) for s in lookup_survival(prior, 2, 4)]
+    )
     # the chain drafter's expected accepted length of a 4-token chain: its survivals summed
     assert _expected_accepted(prior, 2, 4) == pytest.approx(0.6 + 0.3 + 0.15 + 0.075)
     # a trie of one occurrence scores each depth as the chain does (its child holds the whole count)
@@ -319,7 +320,7 @@ def test_a_scored_lookup_chain_takes_only_the_nodes_it_earns():
     children = marginal_children(top_lp, top_tok, torch.zeros(3))
     chain = [12, 99, 98]
     # a likely chain (0.95 per token) outranks everything: built first, as an unscored one
-    sure = build_tree(with_chain(children, chain, [0.95, 0.95 ** 2, 0.95 ** 3]), budget=5, depth=3)
+    sure = build_tree(with_chain(children, chain, [0.95, 0.95**2, 0.95**3]), budget=5, depth=3)
     assert sure.tokens[:3] == chain and sure.parents[:3] == [0, 1, 2]
     # an unlikely one (0.05 at depth 1) loses to the head's nodes: a budget of 3 holds none of it
     weak = with_chain(children, chain, [0.05, 0.05 * 0.9, 0.05 * 0.9 * 0.9])
@@ -339,8 +340,15 @@ def test_the_lookup_prior_comes_from_the_head_unless_the_call_sets_it():
     from modeling_jetspec.state import resolve_tree_shape
 
     prior = [[0.2], [0.5], [0.9]]
-    config = JetSpecConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4,
-                           block_size=8, tree_lookup=3, tree_lookup_prior=prior)
+    config = JetSpecConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        target_num_hidden_layers=4,
+        block_size=8,
+        tree_lookup=3,
+        tree_lookup_prior=prior,
+    )
     assert resolve_tree_shape(config).lookup_prior == prior
     assert resolve_tree_shape(config, tree_lookup_prior=False).lookup_prior is None  # the chain first, this call
     assert resolve_tree_shape(config, tree_lookup_prior=[[0.1]]).lookup_prior == [[0.1]]

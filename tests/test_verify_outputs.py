@@ -63,9 +63,15 @@ def largest_float32_in_rounds(monkeypatch, target, head, ids, **kwargs) -> int:
     return seen.largest
 
 
-@pytest.mark.parametrize("settings", [dict(do_sample=False), dict(do_sample=False, return_dict_in_generate=True,
-                                                                     output_logits=True),
-                                      dict(do_sample=True, top_k=20)], ids=["greedy", "output_logits", "sampling"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(do_sample=False),
+        dict(do_sample=False, return_dict_in_generate=True, output_logits=True),
+        dict(do_sample=True, top_k=20),
+    ],
+    ids=["greedy", "output_logits", "sampling"],
+)
 def test_a_bfloat16_round_never_copies_the_verify_logits_to_float32(settings, monkeypatch):
     """The verify's logits of a bf16 target stay bf16: greedy acceptance takes their argmax (bf16 -> fp32 is exact, so
     the argmax is the same), and only the nodes a record or a processor reads are upcast, one `(V,)` row each."""

@@ -47,11 +47,23 @@ def tiny_target(arch: str = "llama", vocab_size: int = 128, seed: int = 0, **ove
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": 256, **common}))
     elif arch == "deepseek_v3":  # multi-head latent attention: a layer caches keys and values of different last sizes
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(
-            **{**common, "num_key_value_heads": 4}, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-            moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
-        ))
+        model = DeepseekV3ForCausalLM(
+            DeepseekV3Config(
+                **{**common, "num_key_value_heads": 4},
+                kv_lora_rank=16,
+                q_lora_rank=None,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=8,
+                v_head_dim=12,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                moe_intermediate_size=32,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+            )
+        )
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     return model.eval()
@@ -139,7 +151,6 @@ def prompts(batch: int, lengths=(9, 5, 13), vocab_size: int = 128, seed: int = 0
         ids[row, longest - n :] = torch.randint(1, vocab_size, (n,), generator=g)
         mask[row, longest - n :] = 1
     return ids, mask
-
 
 
 def tiny_tokenizer(vocab_size: int = 128):

@@ -46,8 +46,18 @@ from jetspec.targets import apply_chat_template
 from .completions import Completion, CompletionFailed, CompletionsServer, Failure
 from .feature_store import StoreWriter, stack_states
 from .rows import (
-    COMPACT_SUFFIX, MANIFEST_NAME, PART_GLOB, compact_ids, load_compact, load_regenerated, part_folders, part_name,
-    read_shard, regenerated_folders, row_key, shard_files,
+    COMPACT_SUFFIX,
+    MANIFEST_NAME,
+    PART_GLOB,
+    compact_ids,
+    load_compact,
+    load_regenerated,
+    part_folders,
+    part_name,
+    read_shard,
+    regenerated_folders,
+    row_key,
+    shard_files,
 )
 
 HUMAN_ROLES = ("human", "user")
@@ -78,8 +88,10 @@ def _prompt_of(record: Any, where: str) -> str:
             if isinstance(turn, dict) and turn.get("from", turn.get("role")) in HUMAN_ROLES
         ]
         if not human:
-            raise ValueError(f"expected a human/user turn in `conversations` at {where}, got roles "
-                             f"{[turn.get('from', turn.get('role')) for turn in turns if isinstance(turn, dict)]}")
+            raise ValueError(
+                f"expected a human/user turn in `conversations` at {where}, got roles "
+                f"{[turn.get('from', turn.get('role')) for turn in turns if isinstance(turn, dict)]}"
+            )
         prompt = human[0]
     else:
         raise ValueError(f"expected a `prompt` or `conversations` field at {where}, got fields {sorted(record)}")
@@ -111,7 +123,9 @@ def read_prompts(path: Union[str, os.PathLike], limit: Optional[int] = None) -> 
     if path.is_dir():
         dataset = datasets.load_from_disk(str(path))
         if not isinstance(dataset, datasets.Dataset):
-            raise ValueError(f"expected a single Dataset saved with save_to_disk in {path}, got {type(dataset).__name__}")
+            raise ValueError(
+                f"expected a single Dataset saved with save_to_disk in {path}, got {type(dataset).__name__}"
+            )
         if "prompt" not in dataset.column_names:
             raise ValueError(f"expected a `prompt` column in {path}, got columns {dataset.column_names}")
         if limit is not None:
@@ -176,8 +190,13 @@ def _until_eos(answer_ids: list[int], eos_ids: set[int]) -> list[int]:
 
 
 def _static_answers(
-    model: PreTrainedModel, shard: list[dict[str, Any]], *, batch_size: int, pad_token_id: int,
-    capture_layers: Optional[list[int]], generate_kwargs: dict,
+    model: PreTrainedModel,
+    shard: list[dict[str, Any]],
+    *,
+    batch_size: int,
+    pad_token_id: int,
+    capture_layers: Optional[list[int]],
+    generate_kwargs: dict,
 ) -> Iterator[tuple[list[int], list[list[int]], Optional[list[torch.Tensor]]]]:
     """`model.generate` on left-padded batches of similar prompt lengths; yields `(shard indices, answers, states)`
     per batch, states (one tensor per row) only with `capture_layers`. `generate_kwargs` may hold
@@ -219,7 +238,11 @@ def _static_answers(
 
 
 def _continuous_answers(
-    model: PreTrainedModel, shard: list[dict[str, Any]], *, pad_token_id: int, generate_kwargs: dict,
+    model: PreTrainedModel,
+    shard: list[dict[str, Any]],
+    *,
+    pad_token_id: int,
+    generate_kwargs: dict,
 ) -> Iterator[tuple[list[int], list[list[int]], None]]:
     """transformers' continuous batching (`generate_batch`) over the whole shard: a finished answer frees its slot
     for the next prompt at once, so no row decodes padding after its EOS and no prompt is padded. Yields the shard
@@ -261,15 +284,25 @@ def _generate_shard(
     batching instead of padded `generate` batches; it returns no states, so `capture_layers` is ignored with it
     ([`regenerate`] refuses the combination).
     """
-    sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0} if sample_temperature > 0 else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0}
+        if sample_temperature > 0
+        else {"do_sample": False}
+    )
     generate_kwargs = {"max_new_tokens": max_new_tokens, **sampling}
     if continuous:
         batches = _continuous_answers(model, shard, pad_token_id=pad_token_id, generate_kwargs=generate_kwargs)
     else:
         if cache_implementation is not None:
             generate_kwargs["cache_implementation"] = cache_implementation
-        batches = _static_answers(model, shard, batch_size=batch_size, pad_token_id=pad_token_id,
-                                  capture_layers=capture_layers, generate_kwargs=generate_kwargs)
+        batches = _static_answers(
+            model,
+            shard,
+            batch_size=batch_size,
+            pad_token_id=pad_token_id,
+            capture_layers=capture_layers,
+            generate_kwargs=generate_kwargs,
+        )
     rows: dict[int, dict[str, Any]] = {}
     for batch, answers, states in batches:
         for row, (i, answer_ids) in enumerate(zip(batch, answers)):
@@ -286,9 +319,14 @@ def _generate_shard(
     return [rows[i] for i in range(len(shard))]
 
 
-def _server_shard(server: CompletionsServer, tokenizer: PreTrainedTokenizerBase, shard: list[dict[str, Any]], *,
-                  max_new_tokens: int, on_batch: Callable[[int, int], None]
-                  ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+def _server_shard(
+    server: CompletionsServer,
+    tokenizer: PreTrainedTokenizerBase,
+    shard: list[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    on_batch: Callable[[int, int], None],
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Answers the prompts of one shard through the server, `server.concurrency` at a time: `(rows, failed)`, the
     rows in the shard's order, as [`_generate_shard`] writes them, for the prompts answered, and `{id: reason}` for
     those every attempt failed for (no row)."""
@@ -309,13 +347,15 @@ def _server_shard(server: CompletionsServer, tokenizer: PreTrainedTokenizerBase,
             on_batch(1, 0)
             continue
         answer_ids = answer_token_ids(completion, tokenizer, max_new_tokens)
-        rows.append({
-            "id": record["id"],
-            "prompt": record["prompt"],
-            "input_ids": record["prompt_ids"] + answer_ids,
-            "prompt_length": len(record["prompt_ids"]),
-            "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
-        })
+        rows.append(
+            {
+                "id": record["id"],
+                "prompt": record["prompt"],
+                "input_ids": record["prompt_ids"] + answer_ids,
+                "prompt_length": len(record["prompt_ids"]),
+                "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
+            }
+        )
         on_batch(1, len(answer_ids))
     return rows, failed
 
@@ -430,21 +470,39 @@ def regenerate(
         if model is None:
             raise ValueError("expected a model to answer with, or a server, got neither")
         settings = _settings(
-            model, target=target, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-            sample_temperature=sample_temperature, shard_size=shard_size, continuous=continuous, sort_pool=sort_pool,
+            model,
+            target=target,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+            sample_temperature=sample_temperature,
+            shard_size=shard_size,
+            continuous=continuous,
+            sort_pool=sort_pool,
             cache_implementation=cache_implementation,
         )
     else:
         _check_server_run(model, feature_store, continuous, sample_temperature, cache_implementation)
         probes = [(prompt_ids(record), apply_chat_template(tokenizer, record["prompt"])) for record in prompts[:3]]
-        settings = _server_settings(server, probes, target=target, max_new_tokens=max_new_tokens, seed=seed,
-                                    shard_size=shard_size, sort_pool=sort_pool)
+        settings = _server_settings(
+            server,
+            probes,
+            target=target,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            shard_size=shard_size,
+            sort_pool=sort_pool,
+        )
     if continuous and feature_store is not None:
-        raise ValueError("expected either continuous=True or a feature_store, got both: continuous batching returns "
-                         "no hidden states (build the store afterwards with training/feature_store.py)")
+        raise ValueError(
+            "expected either continuous=True or a feature_store, got both: continuous batching returns "
+            "no hidden states (build the store afterwards with training/feature_store.py)"
+        )
     if num_shards > 1 and feature_store is not None:
-        raise ValueError(f"expected no feature_store with num_shards={num_shards} (one store has one writer), got "
-                         "one; build the store from the exported rows afterwards (training/feature_store.py)")
+        raise ValueError(
+            f"expected no feature_store with num_shards={num_shards} (one store has one writer), got "
+            "one; build the store from the exported rows afterwards (training/feature_store.py)"
+        )
     pad_token_id = _pad_token_id(tokenizer)
     folder = _part_folder(Path(out_dir), num_shards, shard_index)
     shards, done_ids, failed = _resume(folder, settings)
@@ -454,8 +512,18 @@ def regenerate(
     progress_bar = _Progress(len(pending), enabled=progress)
     try:
         written = _write_shards(
-            model, tokenizer, pending, folder, settings, shards, failed, prompt_ids=prompt_ids,
-            pad_token_id=pad_token_id, feature_store=feature_store, on_batch=progress_bar.update, server=server,
+            model,
+            tokenizer,
+            pending,
+            folder,
+            settings,
+            shards,
+            failed,
+            prompt_ids=prompt_ids,
+            pad_token_id=pad_token_id,
+            feature_store=feature_store,
+            on_batch=progress_bar.update,
+            server=server,
         )
     finally:
         progress_bar.close()
@@ -468,9 +536,19 @@ def regenerate(
     }
 
 
-def _settings(model: PreTrainedModel, *, target: Optional[str], max_new_tokens: int, batch_size: int, seed: int,
-              sample_temperature: float, shard_size: int, continuous: bool, sort_pool: int,
-              cache_implementation: Optional[str]) -> dict[str, Any]:
+def _settings(
+    model: PreTrainedModel,
+    *,
+    target: Optional[str],
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    sample_temperature: float,
+    shard_size: int,
+    continuous: bool,
+    sort_pool: int,
+    cache_implementation: Optional[str],
+) -> dict[str, Any]:
     """The run's settings as recorded in `progress.json` (checked on resume), after checking each of them."""
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
         if not isinstance(value, int) or value < 1:
@@ -495,20 +573,39 @@ def _settings(model: PreTrainedModel, *, target: Optional[str], max_new_tokens: 
     }
 
 
-def _check_server_run(model: Optional[PreTrainedModel], feature_store: Optional[StoreWriter], continuous: bool,
-                      sample_temperature: float, cache_implementation: Optional[str]) -> None:
+def _check_server_run(
+    model: Optional[PreTrainedModel],
+    feature_store: Optional[StoreWriter],
+    continuous: bool,
+    sample_temperature: float,
+    cache_implementation: Optional[str],
+) -> None:
     """A server answers greedily and alone: no model here, no hidden states, no batching settings of `generate`."""
     if model is not None:
         raise ValueError(f"expected either a model or a server to answer with, got both ({type(model).__name__})")
-    given = {"feature_store": feature_store is not None, "continuous": continuous,
-             "sample_temperature": sample_temperature != 0, "cache_implementation": cache_implementation is not None}
+    given = {
+        "feature_store": feature_store is not None,
+        "continuous": continuous,
+        "sample_temperature": sample_temperature != 0,
+        "cache_implementation": cache_implementation is not None,
+    }
     if any(given.values()):
-        raise ValueError(f"expected greedy decoding and none of {sorted(given)} with a server (they belong to "
-                         f"generate in this process), got {sorted(name for name, on in given.items() if on)}")
+        raise ValueError(
+            f"expected greedy decoding and none of {sorted(given)} with a server (they belong to "
+            f"generate in this process), got {sorted(name for name, on in given.items() if on)}"
+        )
 
 
-def _server_settings(server: CompletionsServer, probes: list[tuple[list[int], str]], *, target: Optional[str],
-                     max_new_tokens: int, seed: int, shard_size: int, sort_pool: int) -> dict[str, Any]:
+def _server_settings(
+    server: CompletionsServer,
+    probes: list[tuple[list[int], str]],
+    *,
+    target: Optional[str],
+    max_new_tokens: int,
+    seed: int,
+    shard_size: int,
+    sort_pool: int,
+) -> dict[str, Any]:
     """The settings of a run through a server, as recorded in `progress.json`: the served model's name, how prompts
     are sent, and whether the answers' token ids are the server's own or retokenized from its text (asked with a
     one-token answer to the first of the `probes` prompts, ids and text, that gets one); the dtype is the server's
@@ -563,8 +660,10 @@ def _part_folder(out_dir: Path, num_shards: int, shard_index: int) -> Path:
     if out_dir in regenerated_folders(out_dir):
         held.add(1)  # its own shards: one process
     if held - {num_shards}:
-        raise ValueError(f"expected {out_dir} to hold rows split over num_shards={num_shards} processes only, got rows "
-                         f"split over {sorted(held)}; resume with the same num_shards, or use a fresh output folder")
+        raise ValueError(
+            f"expected {out_dir} to hold rows split over num_shards={num_shards} processes only, got rows "
+            f"split over {sorted(held)}; resume with the same num_shards, or use a fresh output folder"
+        )
     folder = out_dir if num_shards == 1 else out_dir / part_name(shard_index, num_shards)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
@@ -574,8 +673,10 @@ def _pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id left padding uses: the tokenizer's pad token, else its EOS."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_token_id is None:
-        raise ValueError(f"expected the tokenizer to have a pad or EOS token for left padding, got neither on "
-                         f"{type(tokenizer).__name__}")
+        raise ValueError(
+            f"expected the tokenizer to have a pad or EOS token for left padding, got neither on "
+            f"{type(tokenizer).__name__}"
+        )
     return pad_token_id
 
 
@@ -604,8 +705,9 @@ def _resume(out_dir: Path, settings: dict[str, Any]) -> tuple[list[dict[str, Any
     return shards, done_ids, {id_: reason for id_, reason in failed.items() if id_ not in done_ids}
 
 
-def _write_manifest(out_dir: Path, settings: dict[str, Any], shards: list[dict[str, Any]],
-                    failed: dict[str, str]) -> None:
+def _write_manifest(
+    out_dir: Path, settings: dict[str, Any], shards: list[dict[str, Any]], failed: dict[str, str]
+) -> None:
     summary = {"settings": settings, "rows": sum(s["rows"] for s in shards), "shards": shards, "failed": failed}
     _write_atomic(out_dir / MANIFEST_NAME, json.dumps(summary, indent=1) + "\n")
 
@@ -657,9 +759,18 @@ class _Progress:
 
 
 def _write_shards(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pending: list[dict[str, str]], out_dir: Path,
-    settings: dict[str, Any], shards: list[dict[str, Any]], failed: dict[str, str], *, prompt_ids: _PromptIds,
-    pad_token_id: int, feature_store: Optional[StoreWriter], on_batch: Callable[[int, int], None],
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pending: list[dict[str, str]],
+    out_dir: Path,
+    settings: dict[str, Any],
+    shards: list[dict[str, Any]],
+    failed: dict[str, str],
+    *,
+    prompt_ids: _PromptIds,
+    pad_token_id: int,
+    feature_store: Optional[StoreWriter],
+    on_batch: Callable[[int, int], None],
     server: Optional[CompletionsServer],
 ) -> int:
     """Answers the `pending` prompts shard by shard (with `model`, or through `server`), appending each completed
@@ -679,8 +790,9 @@ def _write_shards(
         torch.manual_seed(settings["seed"] + index)
         shard_failed = {}
         if server is not None:
-            rows, shard_failed = _server_shard(server, tokenizer, shard, max_new_tokens=settings["max_new_tokens"],
-                                               on_batch=on_batch)
+            rows, shard_failed = _server_shard(
+                server, tokenizer, shard, max_new_tokens=settings["max_new_tokens"], on_batch=on_batch
+            )
         else:
             rows = _generate_shard(
                 model,
@@ -722,19 +834,23 @@ def folder_settings(out_dir: Union[str, os.PathLike]) -> dict[str, Any]:
     split over processes, after checking that every part ran with them (only scheduling settings may differ)."""
     folders = regenerated_folders(out_dir)
     if not folders:
-        raise ValueError(f"expected a regenerate folder ({MANIFEST_NAME}, or {PART_GLOB} folders holding one) in "
-                         f"{out_dir}, got none")
+        raise ValueError(
+            f"expected a regenerate folder ({MANIFEST_NAME}, or {PART_GLOB} folders holding one) in {out_dir}, got none"
+        )
     manifests = [folder / MANIFEST_NAME for folder in folders]
     missing = [str(path) for path in manifests if not path.is_file()]
     if missing:
         raise ValueError(f"expected {MANIFEST_NAME} in every part of {out_dir}, missing {missing}")
     every = [json.loads(path.read_text(encoding="utf-8"))["settings"] for path in manifests]
     for folder, settings in zip(folders[1:], every[1:]):
-        differ = sorted(key for key in {*settings, *every[0]} - SCHEDULING_SETTINGS
-                        if settings.get(key) != every[0].get(key))
+        differ = sorted(
+            key for key in {*settings, *every[0]} - SCHEDULING_SETTINGS if settings.get(key) != every[0].get(key)
+        )
         if differ:
-            raise ValueError(f"expected the parts of {out_dir} to share their settings, got {folder.name} differing "
-                             f"from {folders[0].name} in {differ}")
+            raise ValueError(
+                f"expected the parts of {out_dir} to share their settings, got {folder.name} differing "
+                f"from {folders[0].name} in {differ}"
+            )
     return every[0]
 
 
@@ -783,7 +899,8 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     rows = load_compact(path).to_list() if previous_ids else []
     rows += [
         {"id": row["id"], "input_ids": row["input_ids"], "prompt_length": row["prompt_length"]}
-        for row in load_regenerated(out_dir) if row["id"] not in previous_ids
+        for row in load_regenerated(out_dir)
+        if row["id"] not in previous_ids
     ]
     ids = [row["input_ids"] for row in rows]
     flat = [token for row in ids for token in row]
@@ -800,5 +917,10 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, path)
     answer_tokens = int(lengths.sum() - arrays["prompt_length"].sum())
-    return {"rows": len(ids), "tokens": len(flat), "answer_tokens": answer_tokens, "settings": settings,
-            "failed": failed_prompts(out_dir)}
+    return {
+        "rows": len(ids),
+        "tokens": len(flat),
+        "answer_tokens": answer_tokens,
+        "settings": settings,
+        "failed": failed_prompts(out_dir),
+    }

@@ -44,8 +44,15 @@ TOKENIZE_PATH = "/extras/tokenize"  # llama-cpp-python's, at the root (not under
 PROMPT_FORMATS = ("token_ids", "text")
 # what each engine calls "no repetition penalty": llama.cpp's servers default `repeat_penalty` to 1.1 (greedy
 # decoding with it is not the target's greedy decoding), vLLM / SGLang / TGI name it `repetition_penalty`
-GREEDY = {"temperature": 0.0, "top_p": 1.0, "n": 1, "repeat_penalty": 1.0, "repetition_penalty": 1.0,
-          "frequency_penalty": 0.0, "presence_penalty": 0.0}
+GREEDY = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "n": 1,
+    "repeat_penalty": 1.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
 FINISH_REASONS = ("stop", "length")  # an end-of-generation token; max_tokens reached
 RETRIED_STATUSES = frozenset({408, 429})  # request timeout, too many requests; and every 5xx
 MAX_RETRY_DELAY = 60.0  # seconds: the longest wait between two attempts, however many there are
@@ -126,9 +133,17 @@ class CompletionsServer:
             Seconds before the first retry; doubled before each next one, at most `MAX_RETRY_DELAY`.
     """
 
-    def __init__(self, url: str, *, concurrency: int = 8, model: Optional[str] = None,
-                 timeout: float = DEFAULT_TIMEOUT, prompt_format: str = "token_ids",
-                 max_attempts: int = DEFAULT_ATTEMPTS, retry_delay: float = DEFAULT_RETRY_DELAY):
+    def __init__(
+        self,
+        url: str,
+        *,
+        concurrency: int = 8,
+        model: Optional[str] = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        prompt_format: str = "token_ids",
+        max_attempts: int = DEFAULT_ATTEMPTS,
+        retry_delay: float = DEFAULT_RETRY_DELAY,
+    ):
         parsed = urllib.parse.urlparse(url if isinstance(url, str) else "")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"expected a server address such as http://127.0.0.1:8000, got {url!r}")
@@ -168,9 +183,11 @@ class CompletionsServer:
                 detail = "(no readable body)"
             if error.code >= 500 or error.code in RETRIED_STATUSES:
                 raise _Retry(f"HTTP {error.code}") from None
-            raise ServerRefused(f"expected a JSON answer from {address}, got HTTP {error.code}: {detail} (a retry "
-                                "would be refused the same way: check the address, the model name and the "
-                                "credentials)") from None
+            raise ServerRefused(
+                f"expected a JSON answer from {address}, got HTTP {error.code}: {detail} (a retry "
+                "would be refused the same way: check the address, the model name and the "
+                "credentials)"
+            ) from None
         except urllib.error.URLError as error:  # before the answer's head: connect, send
             if isinstance(error.reason, TimeoutError):
                 raise _Retry(f"no answer within {self.timeout:g} s") from None
@@ -201,19 +218,22 @@ class CompletionsServer:
                 return attempt()
             except _Retry as failure:
                 if first_contact and failure.refused:
-                    raise RuntimeError(f"expected a completions server at {self.base}, got no answer "
-                                       f"({failure.reason})") from None
+                    raise RuntimeError(
+                        f"expected a completions server at {self.base}, got no answer ({failure.reason})"
+                    ) from None
                 reasons.append(failure.reason)
                 if number == self.max_attempts:
                     break
                 delay = min(self.retry_delay * 2 ** (number - 1), MAX_RETRY_DELAY)
-                logger.warning("%s: %s; attempt %d of %d in %.3g s", address, failure.reason, number + 1,
-                               self.max_attempts, delay)
+                logger.warning(
+                    "%s: %s; attempt %d of %d in %.3g s", address, failure.reason, number + 1, self.max_attempts, delay
+                )
                 self._stop.wait(delay)
         raise CompletionFailed(address, _summary(reasons))
 
-    def _request(self, path: str, body: Optional[dict] = None, root: bool = False,
-                 first_contact: bool = False) -> dict[str, Any]:
+    def _request(
+        self, path: str, body: Optional[dict] = None, root: bool = False, first_contact: bool = False
+    ) -> dict[str, Any]:
         """The JSON answer to `path` under the `/v1` address (or the root), retried."""
         address = (self.root if root else self.base) + path
         return self._with_retries(address, lambda: self._attempt(address, body), first_contact)
@@ -240,8 +260,9 @@ class CompletionsServer:
 
         tokens = self._with_retries(address, attempt)
         if tokens != list(prompt_ids):
-            at = next((i for i, (a, b) in enumerate(zip(tokens, prompt_ids)) if a != b),
-                      min(len(tokens), len(prompt_ids)))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(tokens, prompt_ids)) if a != b), min(len(tokens), len(prompt_ids))
+            )
             raise RuntimeError(
                 f"expected {self.root} to tokenize the prompt to our {len(prompt_ids)} ids, got {len(tokens)} "
                 f"ids, first different at {at}: {tokens[at : at + 4]} vs {list(prompt_ids)[at : at + 4]}"
@@ -266,14 +287,25 @@ class CompletionsServer:
             raise _Retry(f"cut off (finish_reason 'length' after {len(token_ids)} of {max_new_tokens} tokens)")
         return Completion(text=text or "", token_ids=token_ids, finish_reason=finish)
 
-    def complete(self, prompt_ids: list[int], max_new_tokens: int, text: Optional[str] = None,
-                 check: Optional[Callable[[Completion], Optional[str]]] = None) -> Completion:
+    def complete(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        text: Optional[str] = None,
+        check: Optional[Callable[[Completion], Optional[str]]] = None,
+    ) -> Completion:
         """The greedy answer to one prompt of token ids (its `text` too with `prompt_format="text"`), at most
         `max_new_tokens` tokens long, retried on faults; `check(completion)` may name what else makes an answer
         unusable (retried too). `CompletionFailed` when every attempt failed; `ServerRefused` when refused."""
         prompt = list(prompt_ids) if self.prompt_format == "token_ids" else self._text_prompt(prompt_ids, text)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_new_tokens, "stream": False,
-                "return_token_ids": True, **GREEDY}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "stream": False,
+            "return_token_ids": True,
+            **GREEDY,
+        }
         address = self.base + COMPLETIONS_PATH
 
         def attempt() -> Completion:
@@ -289,24 +321,35 @@ class CompletionsServer:
             self._stop.set()
             raise
 
-    def _complete_or_failure(self, prompt_ids: list[int], max_new_tokens: int, text: Optional[str],
-                             check: Optional[Callable[[Completion], Optional[str]]]) -> Union[Completion, Failure]:
+    def _complete_or_failure(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        text: Optional[str],
+        check: Optional[Callable[[Completion], Optional[str]]],
+    ) -> Union[Completion, Failure]:
         try:
             return self.complete(prompt_ids, max_new_tokens, text, check)
         except CompletionFailed as failed:
             return Failure(failed.reason)
 
-    def complete_all(self, prompts: list[list[int]], texts: list[str], max_new_tokens: int,
-                     check: Optional[Callable[[Completion], Optional[str]]] = None
-                     ) -> Iterator[Union[Completion, Failure]]:
+    def complete_all(
+        self,
+        prompts: list[list[int]],
+        texts: list[str],
+        max_new_tokens: int,
+        check: Optional[Callable[[Completion], Optional[str]]] = None,
+    ) -> Iterator[Union[Completion, Failure]]:
         """The answers to `prompts` (token ids, and their `texts`), in their order, `concurrency` requests at a
         time: a [`Completion`], or a [`Failure`] where every attempt failed. A refusal (`ServerRefused`) raises,
         and the requests not yet sent are dropped."""
         self._stop.clear()
         pool, futures = ThreadPoolExecutor(max_workers=self.concurrency), []
         try:
-            futures = [pool.submit(self._complete_or_failure, ids, max_new_tokens, text, check)
-                       for ids, text in zip(prompts, texts)]
+            futures = [
+                pool.submit(self._complete_or_failure, ids, max_new_tokens, text, check)
+                for ids, text in zip(prompts, texts)
+            ]
             for future in futures:
                 yield future.result()
         except BaseException:  # refused, interrupted, or the caller stopped reading early: no request waits to retry

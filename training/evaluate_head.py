@@ -178,7 +178,10 @@ class Tally:
     def summary(self) -> dict:
         accepted = sum(self.sources.values())
         out = {
-            "rows": self.rows, "rounds": self.rounds, "tokens": self.tokens, "tau": self.tau,
+            "rows": self.rows,
+            "rounds": self.rounds,
+            "tokens": self.tokens,
+            "tau": self.tau,
             "acceptance_per_depth": [c / max(self.rounds, 1) for c in self.accepted_at_depth],
             "accepted_tokens": accepted,
             "accepted_by_source": dict(self.sources),
@@ -220,7 +223,10 @@ def _tree_nodes(tree) -> int:
     """Nodes of a host tree before `_stack_trees` padded it (the padding repeats the last node)."""
     n = len(tree.tokens)
     while n > 1 and (tree.tokens[n - 1], tree.parents[n - 1], tree.depths[n - 1]) == (
-            tree.tokens[n - 2], tree.parents[n - 2], tree.depths[n - 2]):
+        tree.tokens[n - 2],
+        tree.parents[n - 2],
+        tree.depths[n - 2],
+    ):
         n -= 1
     return n
 
@@ -241,8 +247,15 @@ def _walk(tree, n: int, following: list) -> list:
 
 
 @torch.no_grad()
-def evaluate(head, rows: list, shape: TreeShape, batch_size: int = 32, first_round: bool = True,
-             calibration: bool = False, on_round: Callable | None = None) -> Tally:
+def evaluate(
+    head,
+    rows: list,
+    shape: TreeShape,
+    batch_size: int = 32,
+    first_round: bool = True,
+    calibration: bool = False,
+    on_round: Callable | None = None,
+) -> Tally:
     """Replay decoding over `rows` ([`EvalRow`]) with `head` at `shape` (a fixed budget), `batch_size` rows per
     head forward. See the module docstring.
 
@@ -257,8 +270,7 @@ def evaluate(head, rows: list, shape: TreeShape, batch_size: int = 32, first_rou
     return tally
 
 
-def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_round: bool, calibration: bool,
-                    on_round):
+def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_round: bool, calibration: bool, on_round):
     device = head.device
     a = len(rows)
     width = max(row.prompt_length for row in rows)
@@ -279,8 +291,15 @@ def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_roun
         lengths = [len(histories[i]) for i in active]
         anchors = torch.tensor([histories[i][-1] for i in active], device=device)
         anchor_pos = torch.tensor([n - 1 for n in lengths], device=device)
-        state = RoundState(rows=torch.tensor(active, device=device), cache=None, valid=None, positions=None,
-                           context=context, anchors=anchors, anchor_pos=anchor_pos)
+        state = RoundState(
+            rows=torch.tensor(active, device=device),
+            cache=None,
+            valid=None,
+            positions=None,
+            context=context,
+            anchors=anchors,
+            anchor_pos=anchor_pos,
+        )
         recorder.block_logits = None
         order = {i: histories[i] for i in active}
         trees = steps.draft(recorder, state, shape, shape.budget, order if shape.lookup else None, record)
@@ -405,8 +424,12 @@ def _first_round(head, tree, n: int, row: EvalRow, m: int, shape: TreeShape) -> 
     score = tree.scores[path[-1] - 1] if path else 0.0
     known_score = tree.scores[node_known - 1] if node_known else 0.0
     return {
-        "id": row.id, "depth": len(path), "known_depth": known, "draft_score": score,
-        "draft_score_known": known_score if scored else None, "target_logprob_known": target_lp if known else None,
+        "id": row.id,
+        "depth": len(path),
+        "known_depth": known,
+        "draft_score": score,
+        "draft_score_known": known_score if scored else None,
+        "target_logprob_known": target_lp if known else None,
         "inflation": known_score - target_lp if (known and scored) else None,
     }
 
@@ -429,8 +452,9 @@ def first_round_summary(entries: list) -> dict:
         "rows": len(entries),
         "rows_with_target_logprob": len(known),
         "complete_paths": sum(1 for e in known if e["known_depth"] == e["depth"]),
-        "share_below_-20_nats": (sum(1 for e in known if e["target_logprob_known"] < IMPOSSIBLE_NATS) / len(known)
-                                 if known else None),
+        "share_below_-20_nats": (
+            sum(1 for e in known if e["target_logprob_known"] < IMPOSSIBLE_NATS) / len(known) if known else None
+        ),
         "mean_inflation": sum(inflations) / len(inflations) if inflations else None,
         "mean_draft_score": sum(e["draft_score"] for e in entries) / len(entries) if entries else None,
         "rows_detail": entries,
@@ -447,10 +471,18 @@ def calibration_table(calibration: dict) -> list:
     for (depth, source), bins in sorted(groups.items()):
         fitted = _isotonic([b[2] / b[1] for b in bins], [b[1] for b in bins])
         for (bucket, trials, accepted, summed), fit in zip(bins, fitted):
-            rows.append({"depth": depth, "source": source, "bin": [bucket / CALIBRATION_BINS,
-                                                                    (bucket + 1) / CALIBRATION_BINS],
-                         "trials": trials, "accepted": accepted, "acceptance": accepted / trials,
-                         "mean_draft_probability": summed / trials, "fitted": fit})
+            rows.append(
+                {
+                    "depth": depth,
+                    "source": source,
+                    "bin": [bucket / CALIBRATION_BINS, (bucket + 1) / CALIBRATION_BINS],
+                    "trials": trials,
+                    "accepted": accepted,
+                    "acceptance": accepted / trials,
+                    "mean_draft_probability": summed / trials,
+                    "fitted": fit,
+                }
+            )
     return rows
 
 
@@ -467,18 +499,21 @@ def _isotonic(values: list, weights: list) -> list:
 
 
 # ------------------------------------------------------------------------------------------------ the trainer's hook
-def tree_shape(head, budget: int | None = None, lookup: bool = True, tree_key: str | None = None,
-               lookup_settings=None) -> TreeShape:
+def tree_shape(
+    head, budget: int | None = None, lookup: bool = True, tree_key: str | None = None, lookup_settings=None
+) -> TreeShape:
     """The tree a head drafts at its defaults, with `budget`, the model-free branch on or off, and `tree_key`;
     `lookup_settings` (a head config) lends its model-free branch settings (a head that has none of its own)."""
     given = {"tree_budget": budget, "tree_scoring": tree_key}
     if not lookup:
         given["tree_lookup"] = 0
     elif lookup_settings is not None:
-        given.update(tree_lookup=lookup_settings.tree_lookup,
-                     tree_lookup_prior=getattr(lookup_settings, "tree_lookup_prior", None) or False,
-                     tree_lookup_branches=getattr(lookup_settings, "tree_lookup_branches", "chain"),
-                     tree_lookup_record=getattr(lookup_settings, "tree_lookup_record", False))
+        given.update(
+            tree_lookup=lookup_settings.tree_lookup,
+            tree_lookup_prior=getattr(lookup_settings, "tree_lookup_prior", None) or False,
+            tree_lookup_branches=getattr(lookup_settings, "tree_lookup_branches", "chain"),
+            tree_lookup_record=getattr(lookup_settings, "tree_lookup_record", False),
+        )
     shape = resolve_tree_shape(head.config, **given)
     if shape.budget == "auto":
         raise ValueError("expected a fixed tree budget for offline evaluation, got the head's 'auto'; pass budget")
@@ -487,9 +522,17 @@ def tree_shape(head, budget: int | None = None, lookup: bool = True, tree_key: s
     return shape
 
 
-def offline_tau(head, rows, store=None, fetch: Callable | None = None, budget: int | None = None,
-                lookup: bool = True, max_new_tokens: int | None = 256, max_rows: int | None = 64,
-                batch_size: int = 32) -> dict:
+def offline_tau(
+    head,
+    rows,
+    store=None,
+    fetch: Callable | None = None,
+    budget: int | None = None,
+    lookup: bool = True,
+    max_new_tokens: int | None = 256,
+    max_rows: int | None = 64,
+    batch_size: int = 32,
+) -> dict:
     """Offline tau of `head` at its defaults (its own budget unless `budget`) on `rows` (held-out rows: dicts or a
     `datasets.Dataset` with `id`, `input_ids`, `prompt_length`), features from `store` (a `FeatureStore`) or
     `fetch`. The head must have its target attached. Returns `{"tau", "rounds", "rows", "acceptance_per_depth",
@@ -498,11 +541,13 @@ def offline_tau(head, rows, store=None, fetch: Callable | None = None, budget: i
 
     head = unwrap_head(head)
     if (store is None) == (fetch is None):
-        raise ValueError("expected exactly one of a feature store or a features function, got "
-                         f"{'both' if store is not None else 'neither'}")
+        raise ValueError(
+            "expected exactly one of a feature store or a features function, got "
+            f"{'both' if store is not None else 'neither'}"
+        )
     fetch = fetch or store_features(store)
     shape = tree_shape(head, budget, lookup)
-    rows = list(rows)[: max_rows] if max_rows is not None else list(rows)
+    rows = list(rows)[:max_rows] if max_rows is not None else list(rows)
     prepared, skipped = prepare_rows(rows, fetch, max_new_tokens, shape.depth)
     training = head.training
     head.eval()
@@ -511,9 +556,14 @@ def offline_tau(head, rows, store=None, fetch: Callable | None = None, budget: i
     finally:
         head.train(training)
     summary = tally.summary()
-    return {"tau": summary["tau"], "rounds": summary["rounds"], "rows": summary["rows"],
-            "acceptance_per_depth": summary["acceptance_per_depth"],
-            "accepted_by_source": summary["accepted_by_source"], "skipped": len(skipped)}
+    return {
+        "tau": summary["tau"],
+        "rounds": summary["rounds"],
+        "rows": summary["rows"],
+        "acceptance_per_depth": summary["acceptance_per_depth"],
+        "accepted_by_source": summary["accepted_by_source"],
+        "skipped": len(skipped),
+    }
 
 
 class OfflineTauCallback(TrainerCallback):
@@ -548,30 +598,49 @@ def parse_budgets(text: str) -> list:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training.evaluate_head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", nargs="+", required=True, help="Head folders (save_pretrained), scored alike.")
-    parser.add_argument("--data", nargs="+", default=["training/data/smollm2-135m-mix.npz",
-                                                      "training/data/smollm2-135m-mix-fp32.npz",
-                                                      "training/data/smollm2-135m-mix-amx.npz",
-                                                      "training/data/smollm2-135m-mix-fp32-more.npz",
-                                                      "training/data/smollm2-135m-mix-amx-rev.npz"],
-                        help="Regenerated rows (.npz or regenerate folders), as the trainer reads them.")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        default=[
+            "training/data/smollm2-135m-mix.npz",
+            "training/data/smollm2-135m-mix-fp32.npz",
+            "training/data/smollm2-135m-mix-amx.npz",
+            "training/data/smollm2-135m-mix-fp32-more.npz",
+            "training/data/smollm2-135m-mix-amx-rev.npz",
+        ],
+        help="Regenerated rows (.npz or regenerate folders), as the trainer reads them.",
+    )
     parser.add_argument("--feature_store", required=True, help="Feature store folder holding the held-out rows.")
-    parser.add_argument("--target", default="smollm2-135m",
-                        help="The target (alias, folder or Hub id): only its embeddings and LM head are used.")
+    parser.add_argument(
+        "--target",
+        default="smollm2-135m",
+        help="The target (alias, folder or Hub id): only its embeddings and LM head are used.",
+    )
     parser.add_argument("--eval_fraction", type=float, default=0.02, help="The trainer's eval_fraction.")
     parser.add_argument("--seed", type=int, default=0, help="The trainer's seed (of the held-out hash).")
     parser.add_argument("--rows", type=int, default=None, help="Score at most this many held-out rows.")
     parser.add_argument("--max_new_tokens", type=int, default=None, help="Cap on each row's answer tokens.")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)), help="Tree budgets, e.g. 8,16,32.")
     parser.add_argument("--lookup", default="on", choices=["on", "off"], help="The model-free branch.")
-    parser.add_argument("--lookup_settings", default=None,
-                        help="A head folder whose model-free branch settings every head uses (default: each its own).")
+    parser.add_argument(
+        "--lookup_settings",
+        default=None,
+        help="A head folder whose model-free branch settings every head uses (default: each its own).",
+    )
     parser.add_argument("--tree_key", default=None, help=f"Tree scoring, one of {TREE_SCORINGS} (default: the head's).")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="Head and target dtype.")
     parser.add_argument("--batch_size", type=int, default=32, help="Rows per head forward.")
-    parser.add_argument("--missing", default="error", choices=["error", "skip"],
-                        help="Held-out rows the store does not hold: refuse (error) or leave them out (skip).")
-    parser.add_argument("--fit_calibration", action="store_true",
-                        help="Measure acceptance against the node's draft probability, per depth and source.")
+    parser.add_argument(
+        "--missing",
+        default="error",
+        choices=["error", "skip"],
+        help="Held-out rows the store does not hold: refuse (error) or leave them out (skip).",
+    )
+    parser.add_argument(
+        "--fit_calibration",
+        action="store_true",
+        help="Measure acceptance against the node's draft probability, per depth and source.",
+    )
     parser.add_argument("--json", default=None, help="Write every number to this file.")
     return parser
 
@@ -598,13 +667,22 @@ def check_args(args) -> dict:
     if args.batch_size < 1:
         raise ValueError(f"expected --batch_size >= 1, got {args.batch_size}")
     if args.lookup_settings is not None and not (Path(args.lookup_settings) / "config.json").is_file():
-        raise ValueError(f"expected --lookup_settings to be a head folder holding config.json, got "
-                         f"{args.lookup_settings}")
+        raise ValueError(
+            f"expected --lookup_settings to be a head folder holding config.json, got {args.lookup_settings}"
+        )
     return {"budgets": budgets}
 
 
-def run(heads: dict, rows: list, budgets: list, lookup: bool = True, tree_key: str | None = None,
-        batch_size: int = 32, calibration: bool = False, lookup_settings=None) -> dict:
+def run(
+    heads: dict,
+    rows: list,
+    budgets: list,
+    lookup: bool = True,
+    tree_key: str | None = None,
+    batch_size: int = 32,
+    calibration: bool = False,
+    lookup_settings=None,
+) -> dict:
     """Score every head of `heads` (`{name: head with its target attached}`) on the same prepared `rows` at every
     budget: `{name: {budget: summary}}`."""
     results = {}
@@ -616,10 +694,16 @@ def run(heads: dict, rows: list, budgets: list, lookup: bool = True, tree_key: s
             tally = evaluate(head, rows, shape, batch_size, first_round=True, calibration=calibration)
             summary = tally.summary()
             summary["seconds"] = time.perf_counter() - started
-            summary["shape"] = {"depth": shape.depth, "width": shape.width, "budget": shape.budget,
-                                "scoring": shape.scoring, "lookup": shape.lookup,
-                                "lookup_branches": shape.lookup_branches, "lookup_record": shape.lookup_record,
-                                "lookup_prior": shape.lookup_prior is not None}
+            summary["shape"] = {
+                "depth": shape.depth,
+                "width": shape.width,
+                "budget": shape.budget,
+                "scoring": shape.scoring,
+                "lookup": shape.lookup,
+                "lookup_branches": shape.lookup_branches,
+                "lookup_record": shape.lookup_record,
+                "lookup_prior": shape.lookup_prior is not None,
+            }
             results[name][budget] = summary
     return results
 
@@ -630,30 +714,39 @@ def format_results(results: dict) -> str:
         lines.append(f"head {name}")
         depths = max(len(s["acceptance_per_depth"]) for s in by_budget.values())
         shown = min(depths, 8)
-        lines.append("  budget   tau  rounds  rows  " + " ".join(f"acc@{d + 1:<2}" for d in range(shown))
-                     + "  accepted: head-only lookup-only both")
+        lines.append(
+            "  budget   tau  rounds  rows  "
+            + " ".join(f"acc@{d + 1:<2}" for d in range(shown))
+            + "  accepted: head-only lookup-only both"
+        )
         for budget, s in by_budget.items():
             acc = " ".join(f"{a:6.3f}" for a in s["acceptance_per_depth"][:shown])
             src = s["accepted_by_source"]
-            lines.append(f"  {budget:6d} {s['tau']:5.3f} {s['rounds']:7d} {s['rows']:5d}  {acc}  "
-                         f"{src['head']:>18d} {src['lookup']:>11d} {src['both']:>4d}")
+            lines.append(
+                f"  {budget:6d} {s['tau']:5.3f} {s['rounds']:7d} {s['rows']:5d}  {acc}  "
+                f"{src['head']:>18d} {src['lookup']:>11d} {src['both']:>4d}"
+            )
         for budget, s in by_budget.items():
             f = s["first_round"]
             if not f["rows"]:
                 continue
             share = "n/a" if f["share_below_-20_nats"] is None else f"{f['share_below_-20_nats']:.3f}"
             inflation = "n/a" if f["mean_inflation"] is None else f"{f['mean_inflation']:+.2f}"
-            lines.append(f"  first round, budget {budget}: top-ranked path below -20 nats (target log-prob over the "
-                         f"prefix that follows the stored answer; {f['complete_paths']}/{f['rows_with_target_logprob']}"
-                         f" paths wholly on it): {share}; mean score inflation {inflation} nats")
+            lines.append(
+                f"  first round, budget {budget}: top-ranked path below -20 nats (target log-prob over the "
+                f"prefix that follows the stored answer; {f['complete_paths']}/{f['rows_with_target_logprob']}"
+                f" paths wholly on it): {share}; mean score inflation {inflation} nats"
+            )
         for budget, s in by_budget.items():
             if "calibration" not in s:
                 continue
             lines.append(f"  calibration, budget {budget}: depth source bin trials acceptance draft-prob fitted")
             for r in s["calibration"]:
-                lines.append(f"    {r['depth']:2d} {r['source']:6s} [{r['bin'][0]:.1f},{r['bin'][1]:.1f}) "
-                             f"{r['trials']:7d} {r['acceptance']:.3f} {r['mean_draft_probability']:.3f} "
-                             f"{r['fitted']:.3f}")
+                lines.append(
+                    f"    {r['depth']:2d} {r['source']:6s} [{r['bin'][0]:.1f},{r['bin'][1]:.1f}) "
+                    f"{r['trials']:7d} {r['acceptance']:.3f} {r['mean_draft_probability']:.3f} "
+                    f"{r['fitted']:.3f}"
+                )
     if len(results) > 1:  # the heads side by side, on the same rows: tau and its ratio to the first head's
         names = list(results)
         lines.append("tau on the same rows (ratio to " + names[0] + ")")
@@ -683,8 +776,10 @@ def main(argv=None) -> dict:
     found = store._lookup(keys)[0]
     missing = [str(i) for i, f in zip(held["id"], found) if not f]
     if missing and args.missing == "error":
-        raise ValueError(f"expected every held-out row in the feature store {args.feature_store}, got {len(missing)} "
-                         f"of {len(held)} missing (e.g. {missing[:3]}); build it for --data, or pass --missing skip")
+        raise ValueError(
+            f"expected every held-out row in the feature store {args.feature_store}, got {len(missing)} "
+            f"of {len(held)} missing (e.g. {missing[:3]}); build it for --data, or pass --missing skip"
+        )
     dtype = getattr(torch, args.dtype)
     target, _ = load_target(args.target, dtype=dtype)
     heads = {}
@@ -697,14 +792,28 @@ def main(argv=None) -> dict:
     if not rows:
         raise ValueError(f"expected held-out rows with at least one round to score, got none of {len(held)}")
     started = time.perf_counter()
-    results = run(heads, rows, checked["budgets"], args.lookup == "on", args.tree_key, args.batch_size,
-                  args.fit_calibration, lookup_settings)
-    print(f"{len(rows)} held-out rows ({sum(r.end - r.prompt_length for r in rows)} answer tokens), "
-          f"{len(skipped)} skipped, {time.perf_counter() - started:.1f} s")
+    results = run(
+        heads,
+        rows,
+        checked["budgets"],
+        args.lookup == "on",
+        args.tree_key,
+        args.batch_size,
+        args.fit_calibration,
+        lookup_settings,
+    )
+    print(
+        f"{len(rows)} held-out rows ({sum(r.end - r.prompt_length for r in rows)} answer tokens), "
+        f"{len(skipped)} skipped, {time.perf_counter() - started:.1f} s"
+    )
     print(format_results(results))
     if args.json:
-        out = {"settings": {k: v for k, v in vars(args).items()}, "rows": len(rows), "skipped": skipped,
-               "heads": {name: {str(b): s for b, s in by.items()} for name, by in results.items()}}
+        out = {
+            "settings": {k: v for k, v in vars(args).items()},
+            "rows": len(rows),
+            "skipped": skipped,
+            "heads": {name: {str(b): s for b, s in by.items()} for name, by in results.items()},
+        }
         Path(args.json).write_text(json.dumps(out, indent=1))
     return results
 

@@ -61,11 +61,14 @@ def _open_index(path: Path) -> tuple[dict, np.ndarray, int]:
             rows = sorted((int(s), int(k), int(n)) for k, (s, n) in meta["rows"].items())
             return meta, np.array([(k, s, n) for s, k, n in rows], dtype=INDEX_RECORD), int(meta["total"])
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"expected a feature store index (target_layer_ids, hidden_size, rows, total) in "
-                         f"{meta_path}, got an unreadable one ({type(error).__name__}: {error})") from None
+        raise ValueError(
+            f"expected a feature store index (target_layer_ids, hidden_size, rows, total) in "
+            f"{meta_path}, got an unreadable one ({type(error).__name__}: {error})"
+        ) from None
     if meta["format"] != STORE_FORMAT:
-        raise ValueError(f"expected a feature store of format 1 or {STORE_FORMAT} in {meta_path}, got "
-                         f"{meta['format']!r}")
+        raise ValueError(
+            f"expected a feature store of format 1 or {STORE_FORMAT} in {meta_path}, got {meta['format']!r}"
+        )
     index_path = path / INDEX_NAME
     raw = index_path.read_bytes() if index_path.is_file() else b""
     records = np.frombuffer(raw[: len(raw) - len(raw) % INDEX_RECORD.itemsize], dtype=INDEX_RECORD)
@@ -77,8 +80,10 @@ def _check_data(path: Path, total: int, width: int) -> None:
     data_path = path / DATA_NAME
     size = data_path.stat().st_size if data_path.is_file() else 0
     if size < total * width * 2:  # bfloat16 rows
-        raise ValueError(f"expected {total} rows of {width} bfloat16 values ({total * width * 2} bytes) "
-                         f"in {data_path} (as {META_NAME} and {INDEX_NAME} say), got {size} bytes")
+        raise ValueError(
+            f"expected {total} rows of {width} bfloat16 values ({total * width * 2} bytes) "
+            f"in {data_path} (as {META_NAME} and {INDEX_NAME} say), got {size} bytes"
+        )
 
 
 class FeatureStore:
@@ -98,8 +103,11 @@ class FeatureStore:
         order = np.argsort(records["key"], kind="stable")
         self._keys, self._starts, self._lengths = (records[name][order] for name in ("key", "start", "length"))
         self._rows = int(np.unique(self._keys).size)
-        self._data = (np.memmap(self.path / DATA_NAME, dtype=np.uint16, mode="r", shape=(self.total, self.width))
-                      if self.total else None)
+        self._data = (
+            np.memmap(self.path / DATA_NAME, dtype=np.uint16, mode="r", shape=(self.total, self.width))
+            if self.total
+            else None
+        )
 
     def __len__(self) -> int:
         return self._rows
@@ -151,8 +159,10 @@ class FeatureStore:
         short = np.flatnonzero(~found | (lengths > stored))
         if short.size:
             i = int(short[0])
-            raise ValueError(f"expected at most {int(stored[i])} positions of row {int(np.asarray(keys)[i])} "
-                             f"(stored), got {int(lengths[i])}")
+            raise ValueError(
+                f"expected at most {int(stored[i])} positions of row {int(np.asarray(keys)[i])} "
+                f"(stored), got {int(lengths[i])}"
+            )
         width = int(lengths.max(initial=0)) if width is None else int(width)
         block = np.zeros((len(lengths), width, self.width), dtype=np.uint16)  # (B, width, (k + 1) * H)
         for i in np.argsort(starts, kind="stable"):  # file order: sequential reads
@@ -200,8 +210,13 @@ def store_settings(target, layer_ids, max_length: int, target_name: str = "") ->
         raise ValueError(f"expected target layer ids in [0, {num_layers}), got {layer_ids}")
     if max_length < 1:
         raise ValueError(f"expected max_length >= 1, got {max_length}")
-    return {"target": target_name, "target_layer_ids": layer_ids, "hidden_size": hidden_size, "dtype": "bfloat16",
-            "max_length": int(max_length)}
+    return {
+        "target": target_name,
+        "target_layer_ids": layer_ids,
+        "hidden_size": hidden_size,
+        "dtype": "bfloat16",
+        "max_length": int(max_length),
+    }
 
 
 def stored_hidden_states(layer_ids) -> list[int]:
@@ -292,8 +307,17 @@ def _length_batches(order: list[int], lengths: list[int], batch_tokens: int) -> 
 
 
 @torch.no_grad()
-def build_feature_store(target, layer_ids, rows, out_dir, max_length: int = 512, batch_tokens: int = 8192,
-                        chunk_rows: int = 128, target_name: str = "", progress: bool = True) -> FeatureStore:
+def build_feature_store(
+    target,
+    layer_ids,
+    rows,
+    out_dir,
+    max_length: int = 512,
+    batch_tokens: int = 8192,
+    chunk_rows: int = 128,
+    target_name: str = "",
+    progress: bool = True,
+) -> FeatureStore:
     """Run the frozen `target` once over every row of `rows` not yet stored, appending to the store in `out_dir`.
 
     Args:
@@ -335,8 +359,12 @@ def build_feature_store(target, layer_ids, rows, out_dir, max_length: int = 512,
             for j, i in enumerate(batch):
                 input_ids[j, : lengths[i]] = torch.tensor(chunk[i][1])
                 attention_mask[j, : lengths[i]] = 1
-            output = decoder(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             output_hidden_states=stored_hidden_states(layer_ids), use_cache=False)
+            output = decoder(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                output_hidden_states=stored_hidden_states(layer_ids),
+                use_cache=False,
+            )
             states = stack_states(output.hidden_states, layer_ids)  # (b, longest, (k+1)*H)
             for j, i in enumerate(batch):
                 stored[i] = states[j, : lengths[i]]
@@ -349,8 +377,10 @@ def build_feature_store(target, layer_ids, rows, out_dir, max_length: int = 512,
 @dataclass
 class StoreArguments:
     target: str = field(default="smollm2-135m", metadata={"help": "Target alias, folder or Hub id (load_target)."})
-    data: list[str] = field(default_factory=lambda: ["training/data/smollm2-135m-mix.npz"],
-                            metadata={"help": "Regenerated data (.npz or regenerate folders), as for training."})
+    data: list[str] = field(
+        default_factory=lambda: ["training/data/smollm2-135m-mix.npz"],
+        metadata={"help": "Regenerated data (.npz or regenerate folders), as for training."},
+    )
     out: str = field(default="cache/smollm2-135m", metadata={"help": "The store folder (created or extended)."})
     dtype: str = field(default="bfloat16", metadata={"help": "Target dtype: float32 or bfloat16."})
     target_layer_ids: list[int] | None = field(
@@ -370,9 +400,15 @@ def main(argv=None) -> FeatureStore:
     layer_ids = args.target_layer_ids or default_target_layer_ids(config.num_hidden_layers)
     for source in args.data:
         rows = load_source(source)
-        store = build_feature_store(target, layer_ids, rows.select_columns(["id", "input_ids"]), args.out,
-                                    max_length=args.max_length, batch_tokens=args.batch_tokens,
-                                    target_name=args.target)
+        store = build_feature_store(
+            target,
+            layer_ids,
+            rows.select_columns(["id", "input_ids"]),
+            args.out,
+            max_length=args.max_length,
+            batch_tokens=args.batch_tokens,
+            target_name=args.target,
+        )
     print(f"feature store {args.out}: {len(store)} rows, {store.total} positions, layers {layer_ids}")
     return store
 

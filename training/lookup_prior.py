@@ -77,8 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--data", required=True, help="a compact regenerated file (.npz) or regenerate folder")
     parser.add_argument("--head", required=True, help="a saved head folder: its config.json gets the table")
     parser.add_argument("--max_rows", type=int, default=1000, help="training rows measured (default 1000)")
-    parser.add_argument("--depth", type=int, default=16,
-                        help="longest chain measured (default 16; longer chains repeat the last ratio)")
+    parser.add_argument(
+        "--depth", type=int, default=16, help="longest chain measured (default 16; longer chains repeat the last ratio)"
+    )
     parser.add_argument("--eval_fraction", type=float, default=0.02, help="as the trainer's: its rows are skipped")
     args = parser.parse_args(argv)
     source = args.data
@@ -89,12 +90,20 @@ def main(argv=None) -> int:
     config = json.loads(config_path.read_text())
     result = measure_lookup_prior(zip(train["input_ids"], train["prompt_length"]), args.depth, progress=True)
     if result["prior"] is None:
-        raise ValueError(f"expected lookup matches in the answers of {source}, got none in {result['positions']} "
-                         "positions")
+        raise ValueError(
+            f"expected lookup matches in the answers of {source}, got none in {result['positions']} positions"
+        )
     config["tree_lookup_prior"] = result["prior"]
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    print(json.dumps({"matches_per_order": result["matches"], "positions": result["positions"],
-                      "tree_lookup_prior": config["tree_lookup_prior"]}))
+    print(
+        json.dumps(
+            {
+                "matches_per_order": result["matches"],
+                "positions": result["positions"],
+                "tree_lookup_prior": config["tree_lookup_prior"],
+            }
+        )
+    )
     return 0
 
 

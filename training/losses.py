@@ -43,8 +43,10 @@ RANK_TOP_K = 8  # tokens of the target's top-K that `"topk_rank"` orders (a tree
 def check_loss_kind(kind: str) -> None:
     """Raise a `ValueError` naming the valid loss kinds when `kind` is not one of them."""
     if kind not in LOSS_KINDS:
-        raise ValueError(f"expected loss in {LOSS_KINDS} (forward KL, hard-label CE, reverse KL, forward KL + total "
-                         f"variation, forward KL + top-K ranking), got {kind!r}")
+        raise ValueError(
+            f"expected loss in {LOSS_KINDS} (forward KL, hard-label CE, reverse KL, forward KL + total "
+            f"variation, forward KL + top-K ranking), got {kind!r}"
+        )
 
 
 def total_variation(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -250,11 +252,15 @@ def chunked_block_loss_terms(
     """
     check_loss_kind(kind)
     if student_hidden.dim() != 3 or labels.shape != student_hidden.shape[:2] or loss_mask.shape != labels.shape:
-        raise ValueError(f"expected student_hidden of shape (N, D, H) and labels and loss_mask of shape (N, D), got "
-                         f"{tuple(student_hidden.shape)}, {tuple(labels.shape)} and {tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"expected student_hidden of shape (N, D, H) and labels and loss_mask of shape (N, D), got "
+            f"{tuple(student_hidden.shape)}, {tuple(labels.shape)} and {tuple(loss_mask.shape)}"
+        )
     if kind != "sft" and (teacher_hidden is None or teacher_hidden.shape != student_hidden.shape):
-        raise ValueError(f"expected teacher_hidden of the student's shape {tuple(student_hidden.shape)} for loss "
-                         f"{kind!r}, got {None if teacher_hidden is None else tuple(teacher_hidden.shape)}")
+        raise ValueError(
+            f"expected teacher_hidden of the student's shape {tuple(student_hidden.shape)} for loss "
+            f"{kind!r}, got {None if teacher_hidden is None else tuple(teacher_hidden.shape)}"
+        )
     if weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("expected a frozen LM head weight (requires_grad=False), got one that requires grad")
     if chunk_slots < 1:
@@ -264,22 +270,33 @@ def chunked_block_loss_terms(
     slot_weight = (mask * depth_weights(d, gamma, device=mask.device)).reshape(-1)  # (N*D,)
     counted = slot_weight.nonzero().squeeze(-1)  # only counted slots have a loss; the others get no gradient
     teacher = None if kind == "sft" else teacher_hidden.reshape(n * d, h)[counted]
-    total = _ChunkedLoss.apply(student_hidden.reshape(n * d, h)[counted], teacher, weight, bias,
-                               labels.reshape(-1)[counted], slot_weight[counted], kind, chunk_slots)
+    total = _ChunkedLoss.apply(
+        student_hidden.reshape(n * d, h)[counted],
+        teacher,
+        weight,
+        bias,
+        labels.reshape(-1)[counted],
+        slot_weight[counted],
+        kind,
+        chunk_slots,
+    )
     return total, mask.sum().detach()
 
 
 @torch.no_grad()
-def chunked_argmax(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   chunk_slots: int = LOSS_CHUNK_SLOTS) -> torch.Tensor:
+def chunked_argmax(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, chunk_slots: int = LOSS_CHUNK_SLOTS
+) -> torch.Tensor:
     """`F.linear(hidden, weight, bias).argmax(-1)`, `chunk_slots` rows of `hidden` `(..., H)` at a time.
 
     Returns:
         `torch.LongTensor` of shape `(...)`.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])  # (S, H)
-    top = [F.linear(flat[i : i + chunk_slots].to(weight.dtype), weight, bias).argmax(-1)
-           for i in range(0, flat.shape[0], chunk_slots)]
+    top = [
+        F.linear(flat[i : i + chunk_slots].to(weight.dtype), weight, bias).argmax(-1)
+        for i in range(0, flat.shape[0], chunk_slots)
+    ]
     return torch.cat(top).view(hidden.shape[:-1]) if top else flat.new_zeros(hidden.shape[:-1], dtype=torch.long)
 
 

@@ -44,7 +44,11 @@ from modeling_jetspec.configuration_jetspec import default_target_layer_ids  # n
 
 from training.answers import read_prompts, regenerate, save_compact  # noqa: E402
 from training.completions import (  # noqa: E402
-    DEFAULT_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT, MAX_RETRY_DELAY, CompletionsServer,
+    DEFAULT_ATTEMPTS,
+    DEFAULT_RETRY_DELAY,
+    DEFAULT_TIMEOUT,
+    MAX_RETRY_DELAY,
+    CompletionsServer,
 )
 from training.feature_store import StoreWriter, store_settings  # noqa: E402
 from training.rows import compact_ids  # noqa: E402
@@ -70,31 +74,41 @@ class RegenerateArguments:
     shard_size: int = field(default=64, metadata={"help": "Rows per shard file (the most an interruption loses)."})
     export: Optional[str] = field(
         default=None,
-        metadata={"help": "After regenerating, pack every row of --out into this compact .npz file (token ids, "
-                          "offsets, prompt lengths, ids) for committing; training reads it like a folder."},
+        metadata={
+            "help": "After regenerating, pack every row of --out into this compact .npz file (token ids, "
+            "offsets, prompt lengths, ids) for committing; training reads it like a folder."
+        },
     )
     export_only: bool = field(default=False, metadata={"help": "Only pack --out into --export; regenerate nothing."})
     feature_store: Optional[str] = field(
         default=None,
-        metadata={"help": "Also store the target's features of every new row, as computed while generating, in "
-                          "this folder (see training/feature_store.py): training reads them instead of running the "
-                          "target."},
+        metadata={
+            "help": "Also store the target's features of every new row, as computed while generating, in "
+            "this folder (see training/feature_store.py): training reads them instead of running the "
+            "target."
+        },
     )
     feature_max_length: int = field(default=512, metadata={"help": "Positions stored per row (training max_length)."})
     continuous: bool = field(
         default=False,
-        metadata={"help": "Answer with transformers' continuous batching (generate_batch) instead of padded "
-                          "generate batches; excludes --feature_store (build it afterwards)."},
+        metadata={
+            "help": "Answer with transformers' continuous batching (generate_batch) instead of padded "
+            "generate batches; excludes --feature_store (build it afterwards)."
+        },
     )
     exclude: list[str] = field(
         default_factory=list,
-        metadata={"help": "Compact .npz files whose row ids are skipped besides --export's (e.g. rows committed "
-                          "from a run with other settings, which --export cannot be extended with)."},
+        metadata={
+            "help": "Compact .npz files whose row ids are skipped besides --export's (e.g. rows committed "
+            "from a run with other settings, which --export cannot be extended with)."
+        },
     )
     sort_pool: int = field(
         default=0,
-        metadata={"help": "Order the prompts by token length within pools of this many before sharding (0 keeps "
-                          "file order): batches then pad prompts to a width close to their own."},
+        metadata={
+            "help": "Order the prompts by token length within pools of this many before sharding (0 keeps "
+            "file order): batches then pad prompts to a width close to their own."
+        },
     )
     cache_implementation: Optional[str] = field(
         default=None,
@@ -102,46 +116,60 @@ class RegenerateArguments:
     )
     server: Optional[str] = field(
         default=None,
-        metadata={"help": "Answer through this OpenAI-compatible completions server (vLLM, SGLang, llama.cpp, TGI), "
-                          "e.g. http://127.0.0.1:8000, instead of generate in this process (greedy; the target's "
-                          "tokenizer formats the prompts and sends them as token ids)."},
+        metadata={
+            "help": "Answer through this OpenAI-compatible completions server (vLLM, SGLang, llama.cpp, TGI), "
+            "e.g. http://127.0.0.1:8000, instead of generate in this process (greedy; the target's "
+            "tokenizer formats the prompts and sends them as token ids)."
+        },
     )
     concurrency: int = field(default=8, metadata={"help": "With --server: requests in flight at once."})
     server_prompt: str = field(
         default="token_ids",
-        metadata={"help": "With --server: send prompts as `token_ids`, or as `text` for a server whose prompt takes "
-                          "text only (llama-cpp-python's), each checked to tokenize to our ids on the server first."},
+        metadata={
+            "help": "With --server: send prompts as `token_ids`, or as `text` for a server whose prompt takes "
+            "text only (llama-cpp-python's), each checked to tokenize to our ids on the server first."
+        },
     )
     server_model: Optional[str] = field(
         default=None, metadata={"help": "With --server: the served model's name; defaults to the one it lists."}
     )
     server_attempts: int = field(
         default=DEFAULT_ATTEMPTS,
-        metadata={"help": "With --server: attempts per prompt (1 retries nothing) before it is recorded as failed "
-                          "(5xx, 408, 429, timeouts, dropped connections, empty, cut or malformed answers)."},
+        metadata={
+            "help": "With --server: attempts per prompt (1 retries nothing) before it is recorded as failed "
+            "(5xx, 408, 429, timeouts, dropped connections, empty, cut or malformed answers)."
+        },
     )
     server_retry_delay: float = field(
         default=DEFAULT_RETRY_DELAY,
-        metadata={"help": f"With --server: seconds before the first retry, doubled before each next one (at most "
-                          f"{MAX_RETRY_DELAY:g})."},
+        metadata={
+            "help": f"With --server: seconds before the first retry, doubled before each next one (at most "
+            f"{MAX_RETRY_DELAY:g})."
+        },
     )
     server_timeout: float = field(
         default=DEFAULT_TIMEOUT,
-        metadata={"help": "With --server: seconds a request may wait for the server's next bytes before the attempt "
-                          "fails (the whole answer comes at once: allow for the longest one under load)."},
+        metadata={
+            "help": "With --server: seconds a request may wait for the server's next bytes before the attempt "
+            "fails (the whole answer comes at once: allow for the longest one under load)."
+        },
     )
     num_shards: Optional[int] = field(
         default=None,
-        metadata={"help": "Split the prompts over this many processes or machines (disjoint sets by id hash, each "
-                          "written to --out/part-i-of-K); defaults to accelerate's process count."},
+        metadata={
+            "help": "Split the prompts over this many processes or machines (disjoint sets by id hash, each "
+            "written to --out/part-i-of-K); defaults to accelerate's process count."
+        },
     )
     shard_index: Optional[int] = field(
         default=None, metadata={"help": "The set this process answers; defaults to accelerate's process index."}
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "Target weights: `auto` (bfloat16 on a GPU or a CPU with native bf16, else float32), "
-                          "`bfloat16` or `float32`. bf16 without native support is several times slower."},
+        metadata={
+            "help": "Target weights: `auto` (bfloat16 on a GPU or a CPU with native bf16, else float32), "
+            "`bfloat16` or `float32`. bf16 without native support is several times slower."
+        },
     )
 
 
@@ -156,8 +184,10 @@ def report_failures(failed: dict[str, str], out: str, where: str, shown: int = 1
     """Prints the prompts recorded as failed (the first `shown`, each with its reason) and how to retry them."""
     if not failed:
         return
-    print(f"{len(failed)} prompt{'s' if len(failed) > 1 else ''} failed, {where} (recorded in {out}'s progress.json; "
-          "rerun the same command to ask again):")
+    print(
+        f"{len(failed)} prompt{'s' if len(failed) > 1 else ''} failed, {where} (recorded in {out}'s progress.json; "
+        "rerun the same command to ask again):"
+    )
     for id_, reason in list(failed.items())[:shown]:
         print(f"  {id_}: {reason}")
     if len(failed) > shown:
@@ -170,8 +200,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     num_shards = state.num_processes if args.num_shards is None else args.num_shards
     shard_index = state.process_index if args.shard_index is None else args.shard_index
     if args.export is not None and not args.export_only and num_shards != state.num_processes:
-        raise ValueError(f"expected --export with --num_shards only under one launch of all {num_shards} processes, "
-                         f"got {state.num_processes}; run --export_only once every part is done")
+        raise ValueError(
+            f"expected --export with --num_shards only under one launch of all {num_shards} processes, "
+            f"got {state.num_processes}; run --export_only once every part is done"
+        )
     if args.export_only:
         if args.export is None:
             raise ValueError("expected --export FILE.npz with --export_only, got none")
@@ -195,9 +227,15 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
     model, server, writer = None, None, None
     if args.server is not None:
-        server = CompletionsServer(args.server, concurrency=args.concurrency, model=args.server_model,
-                                   prompt_format=args.server_prompt, timeout=args.server_timeout,
-                                   max_attempts=args.server_attempts, retry_delay=args.server_retry_delay)
+        server = CompletionsServer(
+            args.server,
+            concurrency=args.concurrency,
+            model=args.server_model,
+            prompt_format=args.server_prompt,
+            timeout=args.server_timeout,
+            max_attempts=args.server_attempts,
+            retry_delay=args.server_retry_delay,
+        )
         tokenizer = target_tokenizer(args.target)
         print(f"answering through {server.base} ({server.model}), {server.concurrency} requests at a time")
     else:
@@ -207,7 +245,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         model.to(state.device)  # each process its own accelerator
         if args.feature_store is not None:
             layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
-            writer = StoreWriter(args.feature_store, store_settings(model, layers, args.feature_max_length, args.target))
+            writer = StoreWriter(
+                args.feature_store, store_settings(model, layers, args.feature_max_length, args.target)
+            )
     stats = regenerate(
         model,
         tokenizer,

@@ -37,8 +37,11 @@ PART_GLOB = "part-*-of-*"
 COMPACT_SUFFIX = ".npz"
 TRAINING_COLUMNS = ["id", "input_ids", "prompt_length"]
 TRAINING_FEATURES = datasets.Features(
-    {"id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int64")),
-     "prompt_length": datasets.Value("int64")}
+    {
+        "id": datasets.Value("string"),
+        "input_ids": datasets.List(datasets.Value("int64")),
+        "prompt_length": datasets.Value("int64"),
+    }
 )
 # local data files training reads through `datasets.load_dataset`, by suffix
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -85,10 +88,14 @@ def read_shard(path: Union[str, os.PathLike]) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"expected a JSON row at {path} line {number}, got {error.msg}: {line[:80]!r}") from None
+                raise ValueError(
+                    f"expected a JSON row at {path} line {number}, got {error.msg}: {line[:80]!r}"
+                ) from None
             if not isinstance(row, dict) or not set(TRAINING_COLUMNS) <= set(row):
-                raise ValueError(f"expected a row with fields {TRAINING_COLUMNS} at {path} line {number}, got "
-                                 f"{sorted(row) if isinstance(row, dict) else type(row).__name__}")
+                raise ValueError(
+                    f"expected a row with fields {TRAINING_COLUMNS} at {path} line {number}, got "
+                    f"{sorted(row) if isinstance(row, dict) else type(row).__name__}"
+                )
             rows.append(row)
     return rows
 
@@ -108,16 +115,19 @@ def load_regenerated(out_dir: Union[str, os.PathLike]) -> datasets.Dataset:
     """
     files = [path for folder in regenerated_folders(out_dir) for path in shard_files(folder)]
     if not files:
-        raise ValueError(f"expected {SHARD_GLOB} files from regenerate in {out_dir} (or in its {PART_GLOB} "
-                         "folders), got none")
+        raise ValueError(
+            f"expected {SHARD_GLOB} files from regenerate in {out_dir} (or in its {PART_GLOB} folders), got none"
+        )
     rows = [row for path in files for row in read_shard(path)]
     if not rows:
         raise ValueError(f"expected regenerated rows in {out_dir}, got an empty dataset ({len(files)} empty shards)")
     seen: set[str] = set()
     for row in rows:
         if row["id"] in seen:
-            raise ValueError(f"expected each row once in {out_dir}, got id {row['id']!r} twice (parts of one folder "
-                             "hold disjoint prompts)")
+            raise ValueError(
+                f"expected each row once in {out_dir}, got id {row['id']!r} twice (parts of one folder "
+                "hold disjoint prompts)"
+            )
         seen.add(row["id"])
     features = datasets.Features(
         {
@@ -154,8 +164,9 @@ def read_compact_arrays(path: Path, names) -> dict[str, np.ndarray]:
                 arrays = {name: data[name] for name in names if name in files}
     except UNREADABLE as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())
-        raise ValueError(f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path}, which cannot be "
-                         f"read ({reason})") from None
+        raise ValueError(
+            f"expected a compact regenerated-data file ({COMPACT_SUFFIX}), got {path}, which cannot be read ({reason})"
+        ) from None
     if len(arrays) < len(names):
         raise ValueError(f"expected arrays {', '.join(names)} in {path}, got {sorted(files)}")
     return arrays
@@ -175,7 +186,9 @@ def load_compact(path: Union[str, os.PathLike]) -> datasets.Dataset:
     tokens, offsets = data["tokens"].astype(np.int64), data["offsets"].astype(np.int64)
     n = len(data["id"])
     if (
-        offsets.ndim != 1 or len(offsets) != n + 1 or len(data["prompt_length"]) != n
+        offsets.ndim != 1
+        or len(offsets) != n + 1
+        or len(data["prompt_length"]) != n
         or (n and (offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any()))
     ):
         raise ValueError(
@@ -229,8 +242,9 @@ def load_source(source: Union[str, os.PathLike], streaming: bool = False):
     elif path.is_file():
         builder = DATA_FILE_BUILDERS.get(path.suffix)
         if builder is None:
-            raise ValueError(f"expected a data file ending in {sorted(DATA_FILE_BUILDERS)} or {COMPACT_SUFFIX}, "
-                             f"got {path}")
+            raise ValueError(
+                f"expected a data file ending in {sorted(DATA_FILE_BUILDERS)} or {COMPACT_SUFFIX}, got {path}"
+            )
         return datasets.load_dataset(builder, data_files=str(path), split="train", streaming=streaming)
     else:
         return _load_hub(str(source), streaming)
@@ -248,8 +262,10 @@ def _load_hub(name: str, streaming: bool):
         return datasets.load_dataset(name, split="train", streaming=streaming)
     except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError, ConnectionError) as error:
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-        raise ValueError(f"expected a local data folder or file, or a Hub dataset id, got {name!r}, which is no "
-                         f"local path and which the Hub does not serve ({reason})") from None
+        raise ValueError(
+            f"expected a local data folder or file, or a Hub dataset id, got {name!r}, which is no "
+            f"local path and which the Hub does not serve ({reason})"
+        ) from None
 
 
 def load_rows(sources: list, streaming: bool = False):
@@ -284,8 +300,9 @@ def _training_columns(dataset, source):
         columns = list(first)
     missing = [name for name in TRAINING_COLUMNS if name not in columns]
     if missing:
-        raise ValueError(f"expected the columns {TRAINING_COLUMNS} in {source}, got {sorted(columns)} (missing "
-                         f"{missing})")
+        raise ValueError(
+            f"expected the columns {TRAINING_COLUMNS} in {source}, got {sorted(columns)} (missing {missing})"
+        )
     dataset = dataset.select_columns(TRAINING_COLUMNS)
     return dataset if dataset.features == TRAINING_FEATURES else dataset.cast(TRAINING_FEATURES)
 
@@ -365,8 +382,10 @@ def _split_stream(stream: datasets.IterableDataset, eval_fraction: float, seed: 
         held, forced = [lowest[1]], _row_name(lowest[1])
     train = stream.filter(functools.partial(_is_training_row, eval_fraction=eval_fraction, seed=seed, forced=forced))
     if next(iter(train.take(1)), None) is None:
-        raise ValueError(f"expected a stream with rows left for training after eval_fraction={eval_fraction}, got "
-                         f"only the {len(held)} held-out rows")
+        raise ValueError(
+            f"expected a stream with rows left for training after eval_fraction={eval_fraction}, got "
+            f"only the {len(held)} held-out rows"
+        )
     return train, datasets.Dataset.from_list(held, features=stream.features)
 
 

@@ -52,11 +52,21 @@ from training.evaluate_head import OfflineTauCallback  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
 from training.rows import (  # noqa: E402
-    answer_lengths, answer_token_cap, first_rows, load_rows, load_source, row_key, split_train_eval,
+    answer_lengths,
+    answer_token_cap,
+    first_rows,
+    load_rows,
+    load_source,
+    row_key,
+    split_train_eval,
 )
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import (  # noqa: E402
-    CHECKPOINT_MARKER, JetSpecTrainer, JetSpecTrainingArguments, checkpoint_problem, last_complete_checkpoint,
+    CHECKPOINT_MARKER,
+    JetSpecTrainer,
+    JetSpecTrainingArguments,
+    checkpoint_problem,
+    last_complete_checkpoint,
     unwrap_head,
 )
 
@@ -83,9 +93,11 @@ class HeadArguments:
     )
     target_dtype: str = field(
         default="float32",
-        metadata={"help": "Dtype of the frozen target during training: float32, bfloat16, or auto (bfloat16 where "
-                          "jetspec.host measures it faster on this host; float32 where ATen is held at AVX2). "
-                          "Features are cached in bfloat16 either way when cache_features is on."},
+        metadata={
+            "help": "Dtype of the frozen target during training: float32, bfloat16, or auto (bfloat16 where "
+            "jetspec.host measures it faster on this host; float32 where ATen is held at AVX2). "
+            "Features are cached in bfloat16 either way when cache_features is on."
+        },
     )
     init_head: str | None = field(
         default=None,
@@ -104,8 +116,10 @@ class HeadArguments:
     tree_budget: int | None = field(default=None, metadata={"help": "Default tree budget stored in the head."})
     draft_vocab_size: int | None = field(
         default=None,
-        metadata={"help": "New head only: draft from the N most frequent answer tokens of the training data "
-                          "(reduced LM head and loss); the full vocabulary by default."},
+        metadata={
+            "help": "New head only: draft from the N most frequent answer tokens of the training data "
+            "(reduced LM head and loss); the full vocabulary by default."
+        },
     )
     last_context_input: bool = field(
         default=False,
@@ -113,8 +127,10 @@ class HeadArguments:
     )
     init_layers_from_target: bool = field(
         default=False,
-        metadata={"help": "New head only: start its decoder layers as copies of the target's last layers (the "
-                          "weights whose names and shapes match; the rest keep their random init)."},
+        metadata={
+            "help": "New head only: start its decoder layers as copies of the target's last layers (the "
+            "weights whose names and shapes match; the rest keep their random init)."
+        },
     )
     use_lora: bool = field(default=False, metadata={"help": "Train LoRA adapters on the head's linear layers only."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -131,8 +147,15 @@ class HeadArguments:
             raise ValueError(f"expected target_dtype 'auto', 'float32' or 'bfloat16', got {self.target_dtype!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"expected draft_vocab_size >= 1 or None (full vocabulary), got {self.draft_vocab_size}")
-        for name in ("num_hidden_layers", "intermediate_size", "tree_depth", "tree_width", "tree_budget", "lora_r",
-                     "lora_alpha"):
+        for name in (
+            "num_hidden_layers",
+            "intermediate_size",
+            "tree_depth",
+            "tree_width",
+            "tree_budget",
+            "lora_r",
+            "lora_alpha",
+        ):
             value = getattr(self, name)
             if value is not None and not value >= 1:
                 raise ValueError(f"expected {name} >= 1, got {value}")
@@ -145,8 +168,16 @@ class HeadArguments:
 
     def head_overrides(self, block_size: int | None = None) -> dict:
         """Config fields given for a new head (None means the `from_target` default), with the trained block size."""
-        names = ("num_hidden_layers", "intermediate_size", "block_attention", "target_layer_ids", "tree_depth",
-                 "tree_width", "tree_budget", "draft_vocab_size")
+        names = (
+            "num_hidden_layers",
+            "intermediate_size",
+            "block_attention",
+            "target_layer_ids",
+            "tree_depth",
+            "tree_width",
+            "tree_budget",
+            "draft_vocab_size",
+        )
         overrides = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if block_size is not None:
             overrides["block_size"] = block_size
@@ -162,14 +193,18 @@ class DataArguments:
 
     data: list[str] = field(
         default_factory=lambda: ["data/regen"],
-        metadata={"help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), compact .npz files from "
-                          "`regenerate.py --export`, save_to_disk folders, local .jsonl / .parquet files or Hub "
-                          "dataset ids, with columns id, input_ids and prompt_length; concatenated in order."},
+        metadata={
+            "help": "Folder(s) written by training/regenerate.py (shard-*.jsonl), compact .npz files from "
+            "`regenerate.py --export`, save_to_disk folders, local .jsonl / .parquet files or Hub "
+            "dataset ids, with columns id, input_ids and prompt_length; concatenated in order."
+        },
     )
     streaming: bool = field(
         default=False,
-        metadata={"help": "Read the data as a datasets IterableDataset (data files and Hub datasets are never loaded "
-                          "whole); needs --max_steps. Training rows are shuffled in a buffer of shuffle_buffer rows."},
+        metadata={
+            "help": "Read the data as a datasets IterableDataset (data files and Hub datasets are never loaded "
+            "whole); needs --max_steps. Training rows are shuffled in a buffer of shuffle_buffer rows."
+        },
     )
     shuffle_buffer: int = field(
         default=10_000, metadata={"help": "With --streaming: rows of the shuffle buffer (0 keeps the stream's order)."}
@@ -183,15 +218,19 @@ class DataArguments:
     )
     feature_store: str | None = field(
         default=None,
-        metadata={"help": "Folder written by training/feature_store.py: rows it holds read their target features from "
-                          "disk and the target never runs for them (any run, any epoch)."},
+        metadata={
+            "help": "Folder written by training/feature_store.py: rows it holds read their target features from "
+            "disk and the target never runs for them (any run, any epoch)."
+        },
     )
     max_train_answer_tokens: int | None = field(
         default=None,
-        metadata={"help": "Train on a subset of the training rows holding about this many answer tokens (chosen by a "
-                          "draw fixed by row id and seed, at least the cap, over it by less than one row; a smaller "
-                          "cap's rows are a subset of a larger one's); the held-out rows are unchanged. Not with "
-                          "--streaming."},
+        metadata={
+            "help": "Train on a subset of the training rows holding about this many answer tokens (chosen by a "
+            "draw fixed by row id and seed, at least the cap, over it by less than one row; a smaller "
+            "cap's rows are a subset of a larger one's); the held-out rows are unchanged. Not with "
+            "--streaming."
+        },
     )
 
     def __post_init__(self):
@@ -209,8 +248,10 @@ class DataArguments:
             if self.max_train_answer_tokens < 1:
                 raise ValueError(f"expected max_train_answer_tokens >= 1 or None, got {self.max_train_answer_tokens}")
             if self.streaming:
-                raise ValueError("expected no max_train_answer_tokens with --streaming (the cap draws from all training "
-                                 "rows), got both")
+                raise ValueError(
+                    "expected no max_train_answer_tokens with --streaming (the cap draws from all training "
+                    "rows), got both"
+                )
 
 
 ARGUMENTS = (HeadArguments, DataArguments, JetSpecTrainingArguments)
@@ -266,10 +307,14 @@ def resolve_checkpoint(args: JetSpecTrainingArguments) -> str | None:
     problem = checkpoint_problem(value)
     if problem is not None:
         if (Path(value) / CHECKPOINT_MARKER).is_file() or not readable_json(Path(value) / TRAINER_STATE_NAME):
-            raise ValueError(f"expected a complete checkpoint to resume from, got {value}, an incomplete one "
-                             f"({problem}); resume from an earlier one, or with true")
-        print(f"jetspec: {value} has no {CHECKPOINT_MARKER} (written by an older version?); its trainer state is "
-              "whole, so it is loaded")
+            raise ValueError(
+                f"expected a complete checkpoint to resume from, got {value}, an incomplete one "
+                f"({problem}); resume from an earlier one, or with true"
+            )
+        print(
+            f"jetspec: {value} has no {CHECKPOINT_MARKER} (written by an older version?); its trainer state is "
+            "whole, so it is loaded"
+        )
     return str(value)
 
 
@@ -337,8 +382,10 @@ def build_head(head_args: HeadArguments, target, block_size: int | None = None, 
         head = JetSpecDraftModel.from_target(target, **head_args.head_overrides(block_size))
         if head_args.init_layers_from_target:
             copied = init_layers_from_target(head, target)
-            print(f"jetspec: the head's layers start as the target's last {head.config.num_hidden_layers}, copied "
-                  f"{len(copied)} weights per layer")
+            print(
+                f"jetspec: the head's layers start as the target's last {head.config.num_hidden_layers}, copied "
+                f"{len(copied)} weights per layer"
+            )
     if block_size is not None and block_size > head.config.block_size:
         raise ValueError(
             f"expected block_size <= {head.config.block_size} (the head's block_size, its maximum depth + 1), "
@@ -347,8 +394,12 @@ def build_head(head_args: HeadArguments, target, block_size: int | None = None, 
     if head_args.use_lora:
         from peft import LoraConfig, get_peft_model  # only LoRA runs need peft
 
-        lora = LoraConfig(r=head_args.lora_r, lora_alpha=head_args.lora_alpha, lora_dropout=head_args.lora_dropout,
-                          target_modules=list(head_args.lora_target_modules))
+        lora = LoraConfig(
+            r=head_args.lora_r,
+            lora_alpha=head_args.lora_alpha,
+            lora_dropout=head_args.lora_dropout,
+            target_modules=list(head_args.lora_target_modules),
+        )
         return get_peft_model(head, lora)
     return head
 
@@ -358,15 +409,21 @@ def load_data(data_args: DataArguments, seed: int):
     Streamed, `train` is an `IterableDataset` (shuffled in a buffer) and `eval` the stream's first held-out rows.
     With `max_train_answer_tokens`, `train` is the subset [`training.rows.answer_token_cap`] takes from the training
     rows (the held-out rows are the same with or without it)."""
-    train, held_out = split_train_eval(load_rows(data_args.data, streaming=data_args.streaming),
-                                       data_args.eval_fraction, seed, data_args.stream_eval_rows)
+    train, held_out = split_train_eval(
+        load_rows(data_args.data, streaming=data_args.streaming),
+        data_args.eval_fraction,
+        seed,
+        data_args.stream_eval_rows,
+    )
     if data_args.streaming and data_args.shuffle_buffer > 0:
         train = train.shuffle(seed=seed, buffer_size=data_args.shuffle_buffer)
     if data_args.max_train_answer_tokens is not None:
         rows = len(train)
         train, tokens = answer_token_cap(train, data_args.max_train_answer_tokens, seed)
-        print(f"jetspec: training rows capped at {data_args.max_train_answer_tokens} answer tokens: {len(train)} of "
-              f"{rows} rows, {tokens} answer tokens")
+        print(
+            f"jetspec: training rows capped at {data_args.max_train_answer_tokens} answer tokens: {len(train)} of "
+            f"{rows} rows, {tokens} answer tokens"
+        )
     return train, held_out
 
 
@@ -377,11 +434,15 @@ def check_streaming(data_args: DataArguments, args: JetSpecTrainingArguments) ->
     if not data_args.streaming:
         return
     if args.max_steps is None or args.max_steps <= 0:
-        raise ValueError(f"expected --max_steps > 0 with --streaming (a stream has no length to count epochs by), "
-                         f"got {args.max_steps}")
+        raise ValueError(
+            f"expected --max_steps > 0 with --streaming (a stream has no length to count epochs by), "
+            f"got {args.max_steps}"
+        )
     if args.accelerator_config.dispatch_batches:
-        raise ValueError("expected accelerator_config dispatch_batches unset or false with --streaming (each process "
-                         "collates its own rows), got true")
+        raise ValueError(
+            "expected accelerator_config dispatch_batches unset or false with --streaming (each process "
+            "collates its own rows), got true"
+        )
     args.accelerator_config.dispatch_batches = False
 
 
@@ -396,14 +457,23 @@ def measure_tau(head, target, rows, max_new_tokens: int) -> dict:
     head.eval()
     for row in rows:
         ids = torch.tensor([row["input_ids"][: row["prompt_length"]]], device=target.device)
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=max_new_tokens, assistant_model=head, return_dict_in_generate=True)
+        out = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            assistant_model=head,
+            return_dict_in_generate=True,
+        )
         stats = out.jetspec_stats
         rounds, tokens = rounds + stats.row_rounds, tokens + stats.round_tokens
         counts = list(stats.accepted_at_depth)
         depth_counts = counts if depth_counts is None else [a + b for a, b in zip(depth_counts, counts)]
-    return {"tau": tokens / max(rounds, 1), "rounds": rounds,
-            "acceptance_per_depth": [c / max(rounds, 1) for c in depth_counts or []]}
+    return {
+        "tau": tokens / max(rounds, 1),
+        "rounds": rounds,
+        "acceptance_per_depth": [c / max(rounds, 1) for c in depth_counts or []],
+    }
 
 
 def tau_table(eval_metrics: dict, measured: dict | None) -> str:
@@ -570,11 +640,18 @@ def main(argv=None, callbacks=None) -> dict:
     callbacks = list(callbacks or [])
     if store is not None and eval_set is not None and args.offline_tau_rows > 0 and not data_args.streaming:
         rows = eval_set.select(range(min(args.offline_tau_rows, len(eval_set))))
-        callbacks.append(OfflineTauCallback(rows, store, max_new_tokens=args.offline_tau_new_tokens,
-                                            max_rows=args.offline_tau_rows))
+        callbacks.append(
+            OfflineTauCallback(rows, store, max_new_tokens=args.offline_tau_new_tokens, max_rows=args.offline_tau_rows)
+        )
     trainer = JetSpecTrainer(
-        model=head, args=args, train_dataset=train_set, eval_dataset=eval_set, processing_class=tokenizer,
-        target=target, feature_store=store, callbacks=callbacks or None,
+        model=head,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        processing_class=tokenizer,
+        target=target,
+        feature_store=store,
+        callbacks=callbacks or None,
     )
     if trainer.is_world_process_zero():
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {describe_rows(train_set)}")
@@ -587,7 +664,9 @@ def main(argv=None, callbacks=None) -> dict:
     if not data_args.streaming:  # the answer tokens trained on (a data cap's count; the data-against-steps runs)
         metrics["train_answer_tokens"] = sum(answer_lengths(train_set))
     # the Trainer's count of the target's input tokens: its last training log holds this session's rate
-    speeds = [entry["train_tokens_per_second"] for entry in trainer.state.log_history if "train_tokens_per_second" in entry]
+    speeds = [
+        entry["train_tokens_per_second"] for entry in trainer.state.log_history if "train_tokens_per_second" in entry
+    ]
     if speeds:
         metrics["train_tokens_per_second"] = speeds[-1]
         metrics["num_input_tokens_seen"] = trainer.state.num_input_tokens_seen
@@ -603,16 +682,32 @@ def main(argv=None, callbacks=None) -> dict:
         ship(trainer, head_args, data_args, args, metrics, eval_set, train_set, target, push, repo_id)
         folder = keep_folder(args, train_minutes)
         if folder is not None:
-            run_config = {"head": dataclasses.asdict(head_args), "data": dataclasses.asdict(data_args),
-                          "training": args.to_dict(), "train_minutes": round(train_minutes, 2)}
+            run_config = {
+                "head": dataclasses.asdict(head_args),
+                "data": dataclasses.asdict(data_args),
+                "training": args.to_dict(),
+                "train_minutes": round(train_minutes, 2),
+            }
             kept = keep_head(Path(args.output_dir), folder, run_config)
-            print(f"jetspec: the final head is kept in {kept} (bf16; commit it: the next run can start from it with "
-                  f"--init_head {kept})")
+            print(
+                f"jetspec: the final head is kept in {kept} (bf16; commit it: the next run can start from it with "
+                f"--init_head {kept})"
+            )
     return metrics
 
 
-def ship(trainer, head_args: HeadArguments, data_args: DataArguments, args: JetSpecTrainingArguments, metrics: dict,
-         eval_set, train_set, target, push: bool, repo_id) -> None:
+def ship(
+    trainer,
+    head_args: HeadArguments,
+    data_args: DataArguments,
+    args: JetSpecTrainingArguments,
+    metrics: dict,
+    eval_set,
+    train_set,
+    target,
+    push: bool,
+    repo_id,
+) -> None:
     """Main process only: save the head, measure tau, write the card, logs and curve, push on request."""
     out = Path(args.output_dir)
     final = unwrap_head(trainer.model)

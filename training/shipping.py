@@ -32,8 +32,13 @@ def head_files(folder) -> list[str]:
     return files + (["README.md"] if (folder / "README.md").is_file() else [])
 
 
-def push_head_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | None = None,
-                     commit_message: str = "Upload JetSpec head"):
+def push_head_folder(
+    folder,
+    repo_id: str,
+    api: HfApi | None = None,
+    private: bool | None = None,
+    commit_message: str = "Upload JetSpec head",
+):
     """`upload_folder` of exactly [`head_files`] (as `allow_patterns`), the repository created when missing.
 
     Args:
@@ -81,8 +86,13 @@ def write_card(folder, template_path=None, **values) -> Path:
     return path
 
 
-def push_folder(folder, repo_id: str, api: HfApi | None = None, private: bool | None = None,
-                commit_message: str = "Upload JetSpec head"):
+def push_folder(
+    folder,
+    repo_id: str,
+    api: HfApi | None = None,
+    private: bool | None = None,
+    commit_message: str = "Upload JetSpec head",
+):
     """Upload the head saved in `folder`, with its card, to the model repository `repo_id`.
 
     Args:

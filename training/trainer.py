@@ -36,7 +36,14 @@ import numpy as np
 import torch
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
-from .losses import LOSS_CHUNK_SLOTS, LOSS_KINDS, chain_accept_length, check_loss_kind, chunked_argmax, chunked_block_loss_terms
+from .losses import (
+    LOSS_CHUNK_SLOTS,
+    LOSS_KINDS,
+    chain_accept_length,
+    check_loss_kind,
+    chunked_argmax,
+    chunked_block_loss_terms,
+)
 from .rows import row_key
 
 
@@ -50,17 +57,21 @@ class JetSpecTrainingArguments(TrainingArguments):
 
     block_size: int | None = field(
         default=None,
-        metadata={"help": "Block length [anchor, MASK x (block_size - 1)] trained. A new head is built with it (16 by "
-                          "default); a saved head's may be longer (its block_size bounds it)."},
+        metadata={
+            "help": "Block length [anchor, MASK x (block_size - 1)] trained. A new head is built with it (16 by "
+            "default); a saved head's may be longer (its block_size bounds it)."
+        },
     )
     num_blocks_per_sequence: int = field(
         default=4, metadata={"help": "Anchors drawn per row and epoch, packed into one head forward."}
     )
     loss: str = field(
         default="fkl",
-        metadata={"help": f"Distillation loss, one of {LOSS_KINDS}: forward KL (paper), hard-label CE on the target's "
-                          "greedy token, reverse KL, forward KL + total variation (1 - acceptance, as the LK losses), "
-                          "forward KL + a ranking loss on the target's top-8 tokens (HASS)."},
+        metadata={
+            "help": f"Distillation loss, one of {LOSS_KINDS}: forward KL (paper), hard-label CE on the target's "
+            "greedy token, reverse KL, forward KL + total variation (1 - acceptance, as the LK losses), "
+            "forward KL + a ranking loss on the target's top-8 tokens (HASS)."
+        },
     )
     gamma: float | None = field(
         default=None,
@@ -68,60 +79,79 @@ class JetSpecTrainingArguments(TrainingArguments):
     )
     reveal_prob: float = field(
         default=0.0,
-        metadata={"help": "Probability that a block slot is fed its real token instead of MASK (no loss there); "
-                          "trains path-conditioned drafting. Evaluation never reveals."},
+        metadata={
+            "help": "Probability that a block slot is fed its real token instead of MASK (no loss there); "
+            "trains path-conditioned drafting. Evaluation never reveals."
+        },
     )
     answer_anchor_prob: float = field(
         default=1.0,
-        metadata={"help": "Probability that an anchor is drawn in the answer part (a >= prompt_length - 1) rather "
-                          "than anywhere in the row (a >= 1)."},
+        metadata={
+            "help": "Probability that an anchor is drawn in the answer part (a >= prompt_length - 1) rather "
+            "than anywhere in the row (a >= 1)."
+        },
     )
     max_length: int = field(default=1024, metadata={"help": "Rows are truncated to this many tokens."})
     loss_chunk_slots: int = field(
         default=LOSS_CHUNK_SLOTS,
-        metadata={"help": "Block slots whose logits over the vocabulary exist at once (the LM head, the loss and its "
-                          "gradient go chunk by chunk): memory about 8 x chunk x vocabulary x 4 bytes, not per step."},
+        metadata={
+            "help": "Block slots whose logits over the vocabulary exist at once (the LM head, the loss and its "
+            "gradient go chunk by chunk): memory about 8 x chunk x vocabulary x 4 bytes, not per step."
+        },
     )
     cache_features: bool = field(
         default=False,
-        metadata={"help": "Keep each row's target features in memory after its first target forward, so later "
-                          "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."},
+        metadata={
+            "help": "Keep each row's target features in memory after its first target forward, so later "
+            "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."
+        },
     )
     max_train_minutes: float | None = field(
         default=None,
-        metadata={"help": "Stop training after this many minutes of wall time (and evaluate once more); the "
-                          "schedule still follows max_steps."},
+        metadata={
+            "help": "Stop training after this many minutes of wall time (and evaluate once more); the "
+            "schedule still follows max_steps."
+        },
     )
     train_precision: str = field(
         default="fp32",
-        metadata={"help": "The head's training step: `fp32`, `bf16` (autocast, the Trainer's `bf16`) or `auto`: bf16 "
-                          "where jetspec.host measures bf16 matmuls faster than float32 on this host (native bf16: "
-                          "AVX-512 BF16, AMX, a GPU), else fp32 (the committed config's choice). An explicit `--bf16 true` always "
-                          "wins."},
+        metadata={
+            "help": "The head's training step: `fp32`, `bf16` (autocast, the Trainer's `bf16`) or `auto`: bf16 "
+            "where jetspec.host measures bf16 matmuls faster than float32 on this host (native bf16: "
+            "AVX-512 BF16, AMX, a GPU), else fp32 (the committed config's choice). An explicit `--bf16 true` always "
+            "wins."
+        },
     )
     keep_head_dir: str | None = field(
         default="auto",
-        metadata={"help": "A tracked folder that receives the final head (bf16 weights, config, metrics, learning "
-                          "curve, about 11 MB) whether or not it ships: `auto` = training/checkpoints/<output_dir's "
-                          "name> for runs of keep_head_minutes or more, a path = always there, `none` = never."},
+        metadata={
+            "help": "A tracked folder that receives the final head (bf16 weights, config, metrics, learning "
+            "curve, about 11 MB) whether or not it ships: `auto` = training/checkpoints/<output_dir's "
+            "name> for runs of keep_head_minutes or more, a path = always there, `none` = never."
+        },
     )
     keep_head_minutes: float = field(
-        default=20.0, metadata={"help": "With keep_head_dir=auto: the training minutes from which a run keeps its head."}
+        default=20.0,
+        metadata={"help": "With keep_head_dir=auto: the training minutes from which a run keeps its head."},
     )
     offline_tau_rows: int = field(
         default=32,
-        metadata={"help": "With a feature store: at every evaluation, the head's offline tau at its defaults on this "
-                          "many held-out rows (training.evaluate_head: the decoder's own draft, tree and trie over the "
-                          "stored answers, no target forward), logged as eval_offline_tau beside the agreement; 0 "
-                          "skips it."},
+        metadata={
+            "help": "With a feature store: at every evaluation, the head's offline tau at its defaults on this "
+            "many held-out rows (training.evaluate_head: the decoder's own draft, tree and trie over the "
+            "stored answers, no target forward), logged as eval_offline_tau beside the agreement; 0 "
+            "skips it."
+        },
     )
     offline_tau_new_tokens: int = field(
         default=128, metadata={"help": "Answer tokens per row of the offline tau at each evaluation."}
     )
     measure_tau_prompts: int = field(
         default=0,
-        metadata={"help": "After training, decode this many held-out prompts with the head and report the "
-                          "measured tau (0 skips it)."},
+        metadata={
+            "help": "After training, decode this many held-out prompts with the head and report the "
+            "measured tau (0 skips it)."
+        },
     )
     measure_tau_new_tokens: int = field(default=64, metadata={"help": "max_new_tokens of the tau measurement."})
     base_model_id: str | None = field(
@@ -134,14 +164,18 @@ class JetSpecTrainingArguments(TrainingArguments):
     )
     include_num_input_tokens_seen: str = field(
         default="non_padding",
-        metadata={"help": "The Trainer's count of the rows' tokens that the target read, over all processes, logged as "
-                          "`num_input_tokens_seen` and `train_tokens_per_second`: `non_padding` (`attention_mask`), "
-                          "`all` or `no`."},
+        metadata={
+            "help": "The Trainer's count of the rows' tokens that the target read, over all processes, logged as "
+            "`num_input_tokens_seen` and `train_tokens_per_second`: `non_padding` (`attention_mask`), "
+            "`all` or `no`."
+        },
     )
     remove_unused_columns: bool = field(
         default=False,
-        metadata={"help": "Must stay False: the collator reads `id` and `prompt_length`, which the head's forward "
-                          "does not take."},
+        metadata={
+            "help": "Must stay False: the collator reads `id` and `prompt_length`, which the head's forward "
+            "does not take."
+        },
     )
 
     def __post_init__(self):
@@ -171,16 +205,21 @@ class JetSpecTrainingArguments(TrainingArguments):
         if self.train_precision == "fp32" and self.bf16:
             raise ValueError("expected bf16=False with train_precision='fp32', got bf16=True")
         if self.offline_tau_rows < 0 or self.offline_tau_new_tokens < 1:
-            raise ValueError(f"expected offline_tau_rows >= 0 and offline_tau_new_tokens >= 1, got "
-                             f"{self.offline_tau_rows} and {self.offline_tau_new_tokens}")
+            raise ValueError(
+                f"expected offline_tau_rows >= 0 and offline_tau_new_tokens >= 1, got "
+                f"{self.offline_tau_rows} and {self.offline_tau_new_tokens}"
+            )
         if not self.keep_head_minutes >= 0:
             raise ValueError(f"expected keep_head_minutes >= 0, got {self.keep_head_minutes}")
         if self.max_length < 3:
-            raise ValueError(f"expected max_length >= 3 (an anchor needs a token before and after it), got "
-                             f"{self.max_length}")
+            raise ValueError(
+                f"expected max_length >= 3 (an anchor needs a token before and after it), got {self.max_length}"
+            )
         if self.dataloader_persistent_workers and self.dataloader_num_workers > 0:
-            raise ValueError("expected dataloader_persistent_workers=False (persistent workers keep the collator of "
-                             "the first epoch, and with it its anchors), got True")
+            raise ValueError(
+                "expected dataloader_persistent_workers=False (persistent workers keep the collator of "
+                "the first epoch, and with it its anchors), got True"
+            )
 
 
 class TimeBudgetCallback(TrainerCallback):
@@ -251,8 +290,9 @@ def draw_anchors(lengths, prompt_lengths, keys, n, seed, answer_prob, generator_
     return torch.stack(anchors), generators
 
 
-def pack_blocks(input_ids, lengths, anchors, block_size, mask_token_id, causal=True, reveal_prob=0.0,
-                generators=None) -> PackedBlocks:
+def pack_blocks(
+    input_ids, lengths, anchors, block_size, mask_token_id, causal=True, reveal_prob=0.0, generators=None
+) -> PackedBlocks:
     """Build the packed blocks, their positions, their attention mask over `[context ; blocks]` and the targets.
 
     Args:
@@ -347,23 +387,39 @@ class JetSpecCollator:
             attention_mask[i, : len(r)] = 1
         lengths = attention_mask.sum(-1)  # (B,)
         prompt_length = torch.tensor([int(f.get("prompt_length", 0)) for f in features], dtype=torch.long)
-        keys = torch.tensor([row_key(f["id"] if "id" in f else list(f["input_ids"])) for f in features],
-                            dtype=torch.long)  # (B,)
+        keys = torch.tensor(
+            [row_key(f["id"] if "id" in f else list(f["input_ids"])) for f in features], dtype=torch.long
+        )  # (B,)
         offset = 0 if self.epoch is None else self.epoch + 1
-        anchors, generators = draw_anchors(lengths, prompt_length, keys, self.num_blocks, self.seed,
-                                           self.answer_anchor_prob, generator_offset=offset)
-        blocks = pack_blocks(input_ids, lengths, anchors, self.block_size, self.mask_token_id, causal=self.causal,
-                             reveal_prob=self.reveal_prob, generators=generators)
+        anchors, generators = draw_anchors(
+            lengths, prompt_length, keys, self.num_blocks, self.seed, self.answer_anchor_prob, generator_offset=offset
+        )
+        blocks = pack_blocks(
+            input_ids,
+            lengths,
+            anchors,
+            self.block_size,
+            self.mask_token_id,
+            causal=self.causal,
+            reveal_prob=self.reveal_prob,
+            generators=generators,
+        )
         batch = {
-            "input_ids": input_ids, "attention_mask": attention_mask, "sample_key": keys,
-            "block_ids": blocks.input_ids, "block_position_ids": blocks.position_ids,
-            "block_attention_mask": blocks.attention_mask, "teacher_index": blocks.teacher_index,
-            "labels": blocks.labels, "last_context_index": blocks.last_context_index,
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "sample_key": keys,
+            "block_ids": blocks.input_ids,
+            "block_position_ids": blocks.position_ids,
+            "block_attention_mask": blocks.attention_mask,
+            "teacher_index": blocks.teacher_index,
+            "labels": blocks.labels,
+            "last_context_index": blocks.last_context_index,
         }
         store = self.feature_store
         if store is not None and store.covers_all(keys.tolist(), lengths.tolist()):
-            batch["stored_features"], batch["stored_final"] = store.get_batch(keys.tolist(), lengths.tolist(),
-                                                                              width=width)
+            batch["stored_features"], batch["stored_final"] = store.get_batch(
+                keys.tolist(), lengths.tolist(), width=width
+            )
         return batch
 
 
@@ -409,8 +465,15 @@ def draft_labels(head, labels: torch.Tensor, kind: str) -> tuple[torch.Tensor, t
     return mapped, (counted & (mapped >= 0)) if kind == "sft" else counted
 
 
-def distillation_terms(model, batch: dict, features: torch.Tensor, final: torch.Tensor, kind: str = "fkl",
-                       gamma: float | None = None, chunk_slots: int = LOSS_CHUNK_SLOTS):
+def distillation_terms(
+    model,
+    batch: dict,
+    features: torch.Tensor,
+    final: torch.Tensor,
+    kind: str = "fkl",
+    gamma: float | None = None,
+    chunk_slots: int = LOSS_CHUNK_SLOTS,
+):
     """One head forward over a collated batch and the numerator and denominator of its loss. The LM head is applied
     to the head's and the target's final states `chunk_slots` slots at a time, inside the loss
     ([`training.losses.chunked_block_loss_terms`]): no `(slots, vocabulary)` tensor exists whole.
@@ -436,17 +499,22 @@ def distillation_terms(model, batch: dict, features: torch.Tensor, final: torch.
     ).view(b * n, d, -1)  # (B*n, D, H): the target's state predicting each slot's token
     extra = {"last_context_index": batch["last_context_index"]} if head.config.last_context_input else {}
     output = model(
-        input_ids=batch["block_ids"], position_ids=batch["block_position_ids"],
-        attention_mask=batch["block_attention_mask"], context_features=features,
-        context_valid=batch["attention_mask"].bool(), return_logits=False, **extra,
+        input_ids=batch["block_ids"],
+        position_ids=batch["block_position_ids"],
+        attention_mask=batch["block_attention_mask"],
+        context_features=features,
+        context_valid=batch["attention_mask"].bool(),
+        return_logits=False,
+        **extra,
     )
     student_hidden = output.hidden_states.view(b, n, d + 1, -1)[:, :, 1:].reshape(b * n, d, -1)  # slot 0: anchor
     # the target's logits over the head's draft vocabulary: with a reduced vocabulary its softmax restricted to the
     # draft tokens (renormalised by the loss's log-softmax), so the head learns to rank exactly what it can draft
     weight, bias = head.draft_lm_head()
     labels, summed = draft_labels(head, batch["labels"].view(b * n, d), kind)
-    total, _ = chunked_block_loss_terms(student_hidden, teacher_hidden, weight, bias, labels, summed, kind, gamma,
-                                        chunk_slots)
+    total, _ = chunked_block_loss_terms(
+        student_hidden, teacher_hidden, weight, bias, labels, summed, kind, gamma, chunk_slots
+    )
     count = (batch["labels"] != -100).sum().float()
     return total, count, student_hidden, teacher_hidden
 
@@ -457,8 +525,11 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's `checkpo
 
 def write_checkpoint_marker(folder: Path, step: int) -> None:
     """Marks `folder` complete: `CHECKPOINT_MARKER` lists the size of every file in it, written atomically, last."""
-    files = {str(path.relative_to(folder)): path.stat().st_size for path in sorted(folder.rglob("*"))
-             if path.is_file() and path.name != CHECKPOINT_MARKER}
+    files = {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != CHECKPOINT_MARKER
+    }
     tmp = folder / f".{CHECKPOINT_MARKER}.tmp"
     tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, folder / CHECKPOINT_MARKER)
@@ -546,8 +617,7 @@ class JetSpecTrainer(Trainer):
     # gradient-accumulation steps
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, args: JetSpecTrainingArguments, *, target: PreTrainedModel, feature_store=None,
-                 **kwargs):
+    def __init__(self, model, args: JetSpecTrainingArguments, *, target: PreTrainedModel, feature_store=None, **kwargs):
         if not isinstance(args, JetSpecTrainingArguments):
             raise ValueError(f"expected args of type JetSpecTrainingArguments, got {type(args).__name__}")
         if kwargs.get("data_collator") is not None:
@@ -567,9 +637,16 @@ class JetSpecTrainer(Trainer):
                 raise ValueError(f"expected a non-empty {name}, got an empty dataset")
         pad = getattr(kwargs.get("processing_class"), "pad_token_id", None)
         collator = JetSpecCollator(
-            mask_token_id=head.config.mask_id, block_size=block_size, num_blocks=args.num_blocks_per_sequence,
-            causal=head.config.block_attention == "causal", max_length=args.max_length, pad_token_id=pad or 0,
-            seed=args.seed, answer_anchor_prob=args.answer_anchor_prob, reveal_prob=args.reveal_prob, epoch=0,
+            mask_token_id=head.config.mask_id,
+            block_size=block_size,
+            num_blocks=args.num_blocks_per_sequence,
+            causal=head.config.block_attention == "causal",
+            max_length=args.max_length,
+            pad_token_id=pad or 0,
+            seed=args.seed,
+            answer_anchor_prob=args.answer_anchor_prob,
+            reveal_prob=args.reveal_prob,
+            epoch=0,
         )
         if feature_store is not None and args.dataloader_num_workers > 0:
             collator.feature_store = feature_store  # workers read the store ahead of the compute
@@ -643,15 +720,19 @@ class JetSpecTrainer(Trainer):
             # only the layers the head reads are kept (the tuple holds None for the others); the final state is
             # `last_hidden_state`
             out = self.target.get_decoder()(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
                 output_hidden_states=[i + 1 for i in head.config.target_layer_ids],
             )
         features = head.target_features(out.hidden_states)  # (B, L, k*H)
         final = out.last_hidden_state  # (B, L, H), what the target's LM head reads
         if cache is not None:
             for i, (key, length) in enumerate(zip(keys, lengths)):
-                cache[key] = (features[i, :length].to("cpu", torch.bfloat16),
-                              final[i, :length].to("cpu", torch.bfloat16))
+                cache[key] = (
+                    features[i, :length].to("cpu", torch.bfloat16),
+                    final[i, :length].to("cpu", torch.bfloat16),
+                )
         return features, final
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -690,7 +771,9 @@ class JetSpecTrainer(Trainer):
             chunk = self.args.loss_chunk_slots
             # agreement with the target's argmax over the full vocabulary: a token outside the draft vocabulary
             # counts as a miss, as it does when decoding
-            target_top = chunked_argmax(teacher_hidden, lm_head.weight, getattr(lm_head, "bias", None), chunk)  # (B*n, D)
+            target_top = chunked_argmax(
+                teacher_hidden, lm_head.weight, getattr(lm_head, "bias", None), chunk
+            )  # (B*n, D)
             draft_top = head.draft_to_target(chunked_argmax(student_hidden, *head.draft_lm_head(), chunk))  # (B*n, D)
         b, n, d = inputs["labels"].shape
         slots = inputs["labels"] != -100  # (B, n, D)

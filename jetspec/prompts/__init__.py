@@ -41,4 +41,3 @@ def load_prompts(suite: str, limit: int | None = None) -> list[dict]:
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}: expected one of {', '.join(SUITES)}")
     return _read_jsonl(f"{suite}.jsonl", limit)
-
