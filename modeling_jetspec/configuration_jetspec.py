@@ -93,6 +93,19 @@ def check_field_types(fields: dict):
             refuse(name, "a list of strings or None")
 
 
+# the tree settings a config stores exactly as given
+TREE_FIELDS = (
+    "tree_width",
+    "tree_budget",
+    "tree_scoring",
+    "path_conditioning",
+    "tree_lookup",
+    "tree_lookup_prior",
+    "tree_lookup_branches",
+    "tree_lookup_record",
+)
+
+
 @strict
 class JetSpecConfig(PretrainedConfig):
     r"""
@@ -244,26 +257,19 @@ class JetSpecConfig(PretrainedConfig):
         check_field_types(locals())  # the typed fields, by name, before anything is derived from them
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
+        self.num_key_value_heads, self.rms_norm_eps = num_key_value_heads, rms_norm_eps
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        self.rms_norm_eps = rms_norm_eps
         self._set_rope(rope_theta, rope_parameters, max_position_embeddings)
         self.target_hidden_size = target_hidden_size if target_hidden_size is not None else hidden_size
-        self.target_num_hidden_layers = target_num_hidden_layers
         ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target_num_hidden_layers)
-        self.target_layer_ids = list(ids)
-        self.block_size = block_size
-        self.mask_source = mask_source
-        self.dflash_mask_token_id = dflash_mask_token_id
+        self.target_num_hidden_layers, self.target_layer_ids = target_num_hidden_layers, list(ids)
+        self.block_size, self.mask_source, self.dflash_mask_token_id = block_size, mask_source, dflash_mask_token_id
         self.tree_depth = tree_depth if tree_depth is not None else min(7, block_size - 1)
-        self.tree_width, self.tree_budget, self.tree_scoring = tree_width, tree_budget, tree_scoring
-        self.path_conditioning, self.tree_lookup = path_conditioning, tree_lookup
-        self.tree_lookup_prior = tree_lookup_prior
-        self.tree_lookup_branches, self.tree_lookup_record = tree_lookup_branches, tree_lookup_record
+        for name in TREE_FIELDS:  # stored as given
+            setattr(self, name, locals()[name])
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
-        self.last_context_input = last_context_input
+        self.last_context_input, self.initializer_range = last_context_input, initializer_range
         self._set_layers(block_attention, layer_types, sliding_window, layer_block_attention)
-        self.initializer_range = initializer_range
         super().__init__(**kwargs)
         if mask_source == "head" and (mask_token_id is None or _outside(mask_token_id, vocab_size)):
             mask_token_id = dflash_mask_token_id if dflash_mask_token_id is not None else vocab_size - 1

@@ -326,16 +326,9 @@ class HybridVerifier:
                 keys[ii, :, jj], values[ii, :, jj] = step_keys[pp, :, past + oo], step_values[pp, :, past + oo]
             for p, (_, _, tokens) in enumerate(part):
                 if len(tokens) == length:  # no padding after the path: its states are the path's
-                    ends[start + p] = {
-                        key: LinearState(*linear_state(cache.layers[key[0]], key[1])).map(
-                            lambda t, p=p: t[p : p + 1].clone()
-                        )
-                        for key in read_states(cache, copy=False)
-                    }
+                    ends[start + p] = _row_states(cache, p)
             del out, cache
-        index_of = {}
-        for p, (i, path, _) in enumerate(paths):
-            index_of[i, path[-1]] = p
+        index_of = {(i, path[-1]): p for p, (i, path, _) in enumerate(paths)}
         self.added = n1
         for index, (keys, values) in tree_kv.items():  # the cache now holds past + n + 1 entries, as a tree verify's
             state.cache.layers[index].update(keys, values)
@@ -721,3 +714,11 @@ def _put_states(states: dict, rows: torch.Tensor, cache, conv: bool):
             out.recurrent[rows] = new_recurrent
         if conv and out.conv is not None:
             out.conv[rows] = new_conv
+
+
+def _row_states(cache, row: int) -> dict:
+    """The linear states `{(layer, s): LinearState (1, ...)}` of one batch row of a forward's cache, copied."""
+    return {
+        key: LinearState(*linear_state(cache.layers[key[0]], key[1])).map(lambda t: t[row : row + 1].clone())
+        for key in read_states(cache, copy=False)
+    }
