@@ -584,7 +584,8 @@ def keep_folder(args: JetSpecTrainingArguments, minutes: float) -> Path | None:
 
 
 def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
-    """Copies the shipped head in `out` (config, code, card, metrics, log, curve; no `checkpoint-*`) to `folder`
+    """Copies the shipped head in `out` (config, card, metrics, log, curve; no `checkpoint-*`, and no copy of the
+    package's code: the installed `modeling_jetspec` loads it) to `folder`
     with its weights cast to bf16 (half the float32 size) and the run's arguments as `training_args.json`,
     atomically: a temporary folder renamed into place, so a killed run never leaves half a head there."""
     from safetensors.torch import load_file, save_file
@@ -592,7 +593,9 @@ def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(out, staging, ignore=shutil.ignore_patterns("checkpoint-*", "runs", "*.partial"))
+    shutil.copytree(
+        out, staging, ignore=shutil.ignore_patterns("checkpoint-*", "runs", "*.partial", "*.py", "custom_generate")
+    )
     for weights in staging.glob("*.safetensors"):
         tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(weights).items()}
         save_file(tensors, weights, metadata={"format": "pt"})
