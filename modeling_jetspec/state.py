@@ -169,6 +169,9 @@ class DraftTrees:
     budget: int  # budget the trees were built for
     host: list | None = None  # (A,) the same trees as built on the host (`tree.Tree`, padded to n nodes); None:
     # not at hand (a verifier's part of the trees), and read from the tensors where needed
+    sizes: list | None = None  # (A,) each tree's own node count before the padding to n; None: not at hand
+    branches: list | None = None  # (A,) each row's model-free branch as `steps.draft` merged it, a trie
+    # `{path: Counter(next token)}` (`{}`: no match); None: the trees were drafted without one
 
     def max_depth(self) -> int:
         """The deepest node's depth, from the host trees (n, the deepest possible, without them): no read."""

@@ -134,17 +134,19 @@ def draft(
     device = state.anchors.device
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
     children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
+    branches = None
     if shape.lookup:
         indexes = RowIndexes() if indexes is None else indexes
-        children = [
-            _with_lookup_branch(fn, history, shape, record, row, indexes)
-            for fn, (row, history) in zip(children, histories.items())
-        ]
+        branches = [_lookup_branch(history, shape, record, row, indexes) for row, history in histories.items()]
+        children = [_merged(fn, *branch) for fn, branch in zip(children, branches)]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
-    return _stack_trees(trees, budget, device)
+    stacked = _stack_trees(trees, budget, device)
+    if branches is not None:
+        stacked.branches = [trie for trie, _, _ in branches]
+    return stacked
 
 
 def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
@@ -481,6 +483,7 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
             t.scores + t.scores[-1:] * extra,
         )
 
+    sizes = [len(t.tokens) for t in trees]
     trees = [padded(t) for t in trees]
     parents = torch.tensor([t.parents for t in trees], dtype=torch.long, device=device)  # (A, n)
     return DraftTrees(
@@ -490,6 +493,7 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
         ancestors=ancestor_mask(parents),
         budget=budget,
         host=trees,
+        sizes=sizes,
     )
 
 
@@ -501,9 +505,18 @@ def _with_lookup_branch(
     row: int = 0,
     indexes: RowIndexes | None = None,
 ):
-    """A row's children with its model-free branch (`shape.lookup_branches`: the prompt-lookup chain, or the trie of
-    every earlier continuation): scored by `shape.lookup_prior` (mixed with the row's `record` when given), else
-    first. The branch is read from the row's n-gram index (`indexes`), fed only the tokens committed since."""
+    """A row's children with its model-free branch ([`_lookup_branch`]) merged in."""
+    return _merged(children, *_lookup_branch(history, shape, record, row, indexes))
+
+
+def _lookup_branch(
+    history: list, shape: TreeShape, record: LookupRecord | None, row: int, indexes: RowIndexes | None
+) -> tuple[dict, list | None, int]:
+    """A row's model-free branch (`shape.lookup_branches`: the prompt-lookup chain, or the trie of every earlier
+    continuation) as `(trie, prior, order)`: the trie `{path: Counter(next token)}` (`{}` without a match), the
+    scores of its nodes (`shape.lookup_prior`, mixed with the row's `record` when given; `None`: first) and the
+    match's n-gram order. The branch is read from the row's n-gram index (`indexes`), fed only the tokens committed
+    since."""
     prior = shape.lookup_prior
     max_ngram = len(prior) if prior else LOOKUP_MAX_NGRAM
     if record is not None:
@@ -517,7 +530,12 @@ def _with_lookup_branch(
     if record is not None and trie:
         record.offer(row, trie, order, len(history))
         prior = record.prior(row, prior, order, shape.lookup)
-    return merge_children(children, trie_children(trie, prior or None, order)) if trie else children
+    return trie, prior or None, order
+
+
+def _merged(children, trie: dict, prior, order: int):
+    """`children` with the trie's nodes merged in ([`continuations.merge_children`]); unchanged without a match."""
+    return merge_children(children, trie_children(trie, prior, order)) if trie else children
 
 
 def _path_conditioned_trees(head, state: RoundState, trees: DraftTrees, marginals: list, shape, budget) -> list:

@@ -10,13 +10,14 @@ is a prompt and the target's own greedy answer. The evaluator replays decoding o
 `generate` would run it (`modeling_jetspec/decode.py`):
 
 - the prompt's features start the head's context and the answer's first token is committed (the prefill);
-- each round calls `steps.draft` itself (the head's block forward, the best-first tree, the model-free branch
-  `_with_lookup_branch` with the call's `LookupRecord`) on the committed tokens; the head reads the stored target
-  features of the context positions, which is what the verify forwards would have handed it;
-- a node is accepted when its token is the stored answer's next token along its path (what greedy verification
-  accepts when the stored answer is the target's greedy continuation); the round commits the accepted path and one
-  bonus token (the stored next token), cut at the row's end, as `generate`'s stopping criteria cut it;
-- the head's context grows by the stored features of the committed positions (what `steps.compact` appends).
+- each round calls the decoder's own steps: `steps.draft` (the head's block forward, the best-first tree, the
+  model-free branch with the call's `LookupRecord` and n-gram indexes, kept across rounds as `generate` keeps them),
+  `steps.accept` (its walk down the tree, the target's choice after a node being the stored answer's next token:
+  what greedy verification accepts when the stored answer is the target's greedy continuation) and `steps.compact`
+  (the head's context grows by the stored features of the accepted nodes, which are the stored answer's positions);
+  the head reads the stored target features, which is what the verify forwards would have handed it;
+- the round commits the accepted path and the bonus token (the stored next token), cut at the row's end, as
+  `generate`'s stopping criteria cut it.
 
 So on rows regenerated greedily in float32, with float32 features, its per-row rounds and tau equal those of real
 `target.generate(..., assistant_model=head)` (`tests/test_evaluate_head.py` checks it). With a bf16 store the head
@@ -58,9 +59,9 @@ import torch
 from transformers import TrainerCallback
 
 from modeling_jetspec import steps
-from modeling_jetspec.continuations import LookupRecord, chain_trie, continuation_trie
+from modeling_jetspec.continuations import LookupRecord, RowIndexes
 from modeling_jetspec.state import RoundState, TreeShape, resolve_tree_shape
-from modeling_jetspec.tree import LOOKUP_MAX_NGRAM, TREE_SCORINGS, lookup_match
+from modeling_jetspec.tree import TREE_SCORINGS
 
 from .rows import row_key
 
@@ -211,41 +212,6 @@ class _RecordingHead:
         return out
 
 
-def _lookup_trie(history: list, shape: TreeShape) -> dict:
-    """The model-free branch `steps._with_lookup_branch` draws from `history` (the same functions, same order)."""
-    max_ngram = len(shape.lookup_prior) if shape.lookup_prior else LOOKUP_MAX_NGRAM
-    if shape.lookup_branches == "trie":
-        return continuation_trie(history, shape.lookup, max_ngram)[0]
-    return chain_trie(lookup_match(history, shape.lookup, max_ngram)[0])
-
-
-def _tree_nodes(tree) -> int:
-    """Nodes of a host tree before `_stack_trees` padded it (the padding repeats the last node)."""
-    n = len(tree.tokens)
-    while n > 1 and (tree.tokens[n - 1], tree.parents[n - 1], tree.depths[n - 1]) == (
-        tree.tokens[n - 2],
-        tree.parents[n - 2],
-        tree.depths[n - 2],
-    ):
-        n -= 1
-    return n
-
-
-def _walk(tree, n: int, following: list) -> list:
-    """Accepted nodes (root 0 first) of a tree whose first `n` nodes are real, against the stored tokens that
-    follow the anchor: at each node the first child holding the next token, as `steps._walk` takes it."""
-    kids = [{} for _ in range(n + 1)]
-    for child in range(1, n + 1):
-        kids[tree.parents[child - 1]].setdefault(tree.tokens[child - 1], child)
-    nodes = [0]
-    while len(nodes) - 1 < len(following):
-        child = kids[nodes[-1]].get(following[len(nodes) - 1])
-        if child is None:
-            break
-        nodes.append(child)
-    return nodes
-
-
 @torch.no_grad()
 def evaluate(
     head,
@@ -270,8 +236,20 @@ def evaluate(
     return tally
 
 
-def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_round: bool, calibration: bool, on_round):
-    device = head.device
+class _NoCache:
+    """The target cache of a replay: there is no target forward, so nothing to keep or select."""
+
+    def batch_select_indices(self, indices):
+        pass
+
+
+def _keep_no_entries(cache, past, nodes):
+    """`steps.compact`'s `keep_entries` for a replay: no target cache."""
+
+
+def _prefill(head, rows: list, device) -> RoundState:
+    """What `steps.prefill` leaves: the prompts' stored features in the head's context (right-padded, holes masked),
+    each row's first answer token committed as its anchor, at position `prompt_length`."""
     a = len(rows)
     width = max(row.prompt_length for row in rows)
     features = torch.zeros(a, width, rows[0].features.shape[-1], dtype=rows[0].features.dtype)
@@ -279,83 +257,107 @@ def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_roun
     for i, row in enumerate(rows):
         features[i, : row.prompt_length] = row.features[: row.prompt_length]
         valid[i, : row.prompt_length] = True
-    positions = torch.arange(width).expand(a, width)
-    # the prefill: the prompts' features, the answer's first token committed (the first anchor)
-    context = head.extend_context(None, features.to(device), positions.to(device), valid.to(device))
+    positions = torch.arange(width).expand(a, width).to(device)
+    valid = valid.to(device)
+    return RoundState(
+        rows=torch.arange(a, device=device),
+        cache=_NoCache(),
+        valid=valid,
+        positions=positions,
+        context=head.extend_context(None, features.to(device), positions, valid),
+        anchors=torch.tensor([row.tokens[row.prompt_length] for row in rows], device=device),
+        anchor_pos=torch.tensor([row.prompt_length for row in rows], device=device),
+    )
+
+
+def _stored_choice(rows: list, histories: dict):
+    """`steps.accept`'s `choose` when the target's choices are the stored answer: after the committed tokens and
+    `path`, the row's next stored token (-1, which no node holds, past the stored answer)."""
+
+    def choose(row, logits, path):
+        tokens, at = rows[row].tokens, len(histories[row]) + len(path)
+        return (tokens[at] if at < len(tokens) else -1), None
+
+    return choose
+
+
+def _node_features(rows: list, active: list, lengths: list, acc, trees, width: int) -> torch.Tensor:
+    """`(A, n + 1, k * H)`: what `steps.verify` hands `steps.compact`, at the accepted nodes (the stored features along
+    the answer: node at depth d holds the features of position anchor + d); zeros elsewhere, which nothing reads."""
+    features = torch.zeros(len(active), trees.tokens.shape[1] + 1, width, dtype=rows[active[0]].features.dtype)
+    for slot, (i, (nodes, _)) in enumerate(zip(active, acc.host)):
+        start = lengths[slot] - 1
+        stored = rows[i].features[start : start + len(nodes)]
+        features[slot, nodes[: stored.shape[0]]] = stored
+    return features
+
+
+def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_round: bool, calibration: bool, on_round):
+    """One batch of rows, round by round through the decoder's own steps: `steps.draft` (with the call's lookup
+    record and n-gram indexes, as `generate` keeps them), `steps.accept` (its walk, the stored answer as the target's
+    choices) and `steps.compact` (the head's context grows by the accepted nodes' stored features)."""
+    device = head.device
+    state = _prefill(head, rows, device)
     histories = {i: row.tokens[: row.prompt_length + 1] for i, row in enumerate(rows)}
-    active = list(range(a))
+    active = list(range(len(rows)))
     record = LookupRecord() if shape.lookup and shape.lookup_record else None
+    indexes = RowIndexes() if shape.lookup else None
     counts = {i: [0, 0, [0] * len(tally.accepted_at_depth)] for i in active}  # rounds, tokens, depths
     recorder = _RecordingHead(head)
+    choose = _stored_choice(rows, histories)
     while active:
         lengths = [len(histories[i]) for i in active]
-        anchors = torch.tensor([histories[i][-1] for i in active], device=device)
-        anchor_pos = torch.tensor([n - 1 for n in lengths], device=device)
-        state = RoundState(
-            rows=torch.tensor(active, device=device),
-            cache=None,
-            valid=None,
-            positions=None,
-            context=context,
-            anchors=anchors,
-            anchor_pos=anchor_pos,
-        )
         recorder.block_logits = None
-        order = {i: histories[i] for i in active}
-        trees = steps.draft(recorder, state, shape, shape.budget, order if shape.lookup else None, record)
+        order = {i: histories[i] for i in active} if shape.lookup else None
+        trees = steps.draft(recorder, state, shape, shape.budget, order, record, indexes)
         if on_round is not None:
             on_round([rows[i].id for i in active], trees)
+        acc = steps.accept(torch.empty(len(active), trees.tokens.shape[1] + 1, 0), trees, active, choose)
         head_sets = _head_candidates(head, recorder.block_logits, shape)
-        keep, commits = [], []
+        keep = []
         for slot, i in enumerate(active):
-            row, m = rows[i], lengths[slot]
-            tree = trees.host[slot]
-            n = _tree_nodes(tree)
-            following = row.tokens[m:]
-            nodes = _walk(tree, n, following)
-            accepted = len(nodes) - 1
-            committed = min(accepted + 1, row.end - m)
-            trie = _lookup_trie(histories[i], shape) if shape.lookup and (accepted or calibration) else {}
-            path = following[:accepted]
-            for d in range(accepted):
-                source = _source(path[:d], path[d], d, head_sets[slot], trie)
-                tally.sources[source] += 1
-            depth_counts = counts[i][2]
-            for d in range(min(accepted, len(depth_counts))):
-                depth_counts[d] += 1
-            if calibration:
-                _calibrate(tally, tree, n, nodes, following, head_sets[slot], trie)
-            if first_round and m == row.prompt_length + 1:
-                tally.first_round.append(_first_round(head, tree, n, row, m, shape))
-            counts[i][0] += 1
+            row, m, (nodes, _) = rows[i], lengths[slot], acc.host[slot]
+            committed = min(len(nodes), row.end - m)  # the accepted path and the bonus, cut at the row's end
+            _tally_round(tally, trees, slot, nodes, row, m, head_sets, shape, counts[i], first_round, calibration, head)
             counts[i][1] += committed
             histories[i] = histories[i] + row.tokens[m : m + committed]
             if m + committed < row.end:
                 keep.append(slot)
-                commits.append(committed)
             else:
-                rounds, tokens, depths = counts[i]
-                tally.rows += 1
-                tally.rounds += rounds
-                tally.tokens += tokens
-                tally.accepted_at_depth = [x + y for x, y in zip(tally.accepted_at_depth, depths)]
-                tally.per_row.append((row.id, rounds, tokens, depths))
+                _row_done(tally, row, counts[i])
         if not keep:
             break
-        if len(keep) < len(active):
-            context = context.select_rows(torch.tensor(keep, device=device))
-        # what `steps.compact` appends: the features of the anchor and the accepted nodes, holes past a row's count
-        k = max(commits)
-        grown = torch.zeros(len(keep), k, features.shape[-1], dtype=features.dtype)
-        kept = torch.zeros(len(keep), k, dtype=torch.bool)
-        for j, (slot, c) in enumerate(zip(keep, commits)):
-            start = lengths[slot] - 1
-            grown[j, :c] = rows[active[slot]].features[start : start + c]
-            kept[j, :c] = True
-        starts = torch.tensor([lengths[slot] - 1 for slot in keep])
-        where = starts[:, None] + torch.arange(k)[None]
-        context = head.extend_context(context, grown.to(device), where.to(device), kept.to(device))
+        features = _node_features(rows, active, lengths, acc, trees, rows[active[0]].features.shape[-1])
+        keep_rows = torch.tensor(keep, dtype=torch.long, device=device)
+        state = steps.compact(head, state, trees, acc, features.to(device), keep_rows, keep_entries=_keep_no_entries)
         active = [active[slot] for slot in keep]
+
+
+def _tally_round(tally, trees, slot, nodes, row, m, head_sets, shape, count, first_round, calibration, head):
+    """One row's round: its rounds, accepted depths and sources, calibration trials and first-round statistics."""
+    tree, n = trees.host[slot], trees.sizes[slot]
+    trie = trees.branches[slot] if trees.branches is not None else {}
+    following = row.tokens[m:]
+    accepted = len(nodes) - 1
+    path = following[:accepted]
+    for d in range(accepted):
+        tally.sources[_source(path[:d], path[d], d, head_sets[slot] if head_sets else None, trie)] += 1
+    for d in range(min(accepted, len(count[2]))):
+        count[2][d] += 1
+    if calibration:
+        _calibrate(tally, tree, n, nodes, following, head_sets[slot] if head_sets else None, trie)
+    if first_round and m == row.prompt_length + 1:
+        tally.first_round.append(_first_round(head, tree, n, row, m, shape))
+    count[0] += 1
+
+
+def _row_done(tally: Tally, row: EvalRow, count: list):
+    rounds, tokens, depths = count
+    tally.rows += 1
+    tally.rounds += rounds
+    tally.tokens += tokens
+    tally.accepted_at_depth = [x + y for x, y in zip(tally.accepted_at_depth, depths)]
+    tally.per_row.append((row.id, rounds, tokens, depths))
 
 
 def _head_candidates(head, block_logits, shape: TreeShape) -> list:
