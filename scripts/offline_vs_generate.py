@@ -1,22 +1,25 @@
 """The offline evaluator (`training.evaluate_head`) against reality: on rows the target answered greedily in float32,
 real `generate(..., assistant_model=head)` in float32 and the offline replay of the same rows should take the same
-rounds. This script runs both on the same rows and reports tau from each, per row and in all:
+rounds. This script runs three figures on the same held-out rows and reports tau from each, per row and in all:
 
 - `generate`: the head decoding the row's prompt for real, float32 target, batch 1, the head's defaults;
 - `offline (fp32 features)`: the replay fed the float32 target's features of the stored rows (one target forward per
-  row): the same numbers as `generate` wherever `generate` reproduces the stored answer;
+  row): the same rounds as `generate` wherever `generate` reproduces the stored answer;
 - `offline (store)`: the replay fed the feature store's bf16 features, as training and `evaluate_head` use them:
-  differs from the above only through the store's bf16 rounding.
+  differs from the above through the store's bf16 rounding.
 
-    python -m scripts.offline_vs_generate --data training/data/smollm2-135m-mix-fp32.npz \
-        --feature_store cache/smollm2-135m --rows 8 --max_new_tokens 128
+    python -m scripts.offline_vs_generate --feature_store cache/smollm2-135m --max_new_tokens 128 \
+        --json results/offline-vs-generate/shipped.json
 
-Rows whose `generate` output leaves the stored answer (a float32 answer regenerated on another host may differ at a
-numerical tie) are reported and left out of the comparison.
+Every held-out row is kept (`--rows` caps them; default all of the two float32 files' held-out rows). A row whose
+`generate` output leaves its stored answer (a float32 answer regenerated on another host may differ at a numerical
+tie) is counted in every figure and also reported apart: the figures over all rows and over the rows equal to their
+stored answer, and the differences between them.
 """
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -27,18 +30,57 @@ from training.evaluate_head import evaluate, forward_features, held_out_rows, pr
 from training.feature_store import FeatureStore
 
 
+FP32_FILES = ["training/data/smollm2-135m-mix-fp32.npz", "training/data/smollm2-135m-mix-fp32-more.npz"]
+
+
+def real_generate(target, head, rows: list, max_new_tokens: int) -> list:
+    """Per row: real float32 `generate` with the head at batch 1, its rounds and tokens, and whether its answer is the
+    stored one."""
+    out = []
+    for row in rows:
+        prompt_length = int(row["prompt_length"])
+        ids = torch.tensor([row["input_ids"][:prompt_length]])
+        result = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            assistant_model=head,
+            return_dict_in_generate=True,
+        )
+        answer = result.sequences[0, prompt_length:].tolist()
+        stored = list(row["input_ids"][prompt_length : prompt_length + len(answer)])
+        stats = result.jetspec_stats
+        out.append(
+            {
+                "id": str(row["id"]),
+                "rounds": stats.row_rounds,
+                "tokens": stats.round_tokens,
+                "same_text": answer == stored,
+            }
+        )
+    return out
+
+
+def tau_of(entries: list, ids: set | None = None) -> dict:
+    """Committed tokens per round over `entries` (those of `ids`, when given)."""
+    chosen = [e for e in entries if ids is None or e["id"] in ids]
+    rounds, tokens = sum(e["rounds"] for e in chosen), sum(e["tokens"] for e in chosen)
+    return {"rows": len(chosen), "rounds": rounds, "tokens": tokens, "tau": tokens / rounds if rounds else None}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--head", default="jetspec/heads/smollm2-135m")
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--data", nargs="+", default=["training/data/smollm2-135m-mix-fp32.npz"])
+    parser.add_argument("--data", nargs="+", default=FP32_FILES)
     parser.add_argument("--feature_store", default=None, help="Also replay with the store's bf16 features.")
-    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=None, help="At most this many held-out rows (default: all).")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--eval_fraction", type=float, default=0.02)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.rows < 1 or args.max_new_tokens < 1:
+    if (args.rows is not None and args.rows < 1) or args.max_new_tokens < 1:
         raise ValueError(f"expected --rows >= 1 and --max_new_tokens >= 1, got {args.rows} and {args.max_new_tokens}")
 
     rows = [dict(r) for r in held_out_rows(args.data, args.eval_fraction, 0, args.rows)]
@@ -47,59 +89,57 @@ def main(argv=None) -> dict:
     head.attach_target(target)
     shape = tree_shape(head)
 
-    real, kept = [], []
-    for row in rows:
-        prompt_length = int(row["prompt_length"])
-        ids = torch.tensor([row["input_ids"][:prompt_length]])
-        out = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=args.max_new_tokens,
-            assistant_model=head,
-            return_dict_in_generate=True,
-        )
-        answer = out.sequences[0, prompt_length:].tolist()
-        stored = list(row["input_ids"][prompt_length : prompt_length + len(answer)])
-        stats = out.jetspec_stats
-        same = answer == stored
-        real.append({"id": row["id"], "rounds": stats.row_rounds, "tokens": stats.round_tokens, "same_text": same})
-        if same:
-            kept.append(row)
-    report = {
-        "host": host_kind().name,
-        "head": args.head,
-        "rows": len(rows),
-        "rows_equal_to_stored": len(kept),
-        "per_row_generate": real,
-    }
-    if not kept:
-        raise SystemExit("no row's generate output equals its stored answer: nothing to compare")
-    same_rows = [r for r in real if r["same_text"]]
-    report["generate_tau"] = sum(r["tokens"] for r in same_rows) / sum(r["rounds"] for r in same_rows)
+    figures = {"generate": real_generate(target, head, rows, args.max_new_tokens)}
+    same = {e["id"] for e in figures["generate"] if e["same_text"]}
     sources = {"offline_fp32_features": forward_features(target, head)}
     if args.feature_store:
         sources["offline_store_features"] = store_features(FeatureStore(args.feature_store))
+    skipped = {}
     for name, fetch in sources.items():
-        prepared, skipped = prepare_rows(kept, fetch, args.max_new_tokens, shape.depth)
-        tally = evaluate(head, prepared, shape, first_round=False)
-        summary = tally.summary()
-        report[name] = {"tau": summary["tau"], "rounds": summary["rounds"], "skipped": len(skipped)}
-    lines = [
-        f"host kind {report['host']}; {len(kept)} of {len(rows)} rows' generate output equals the stored answer",
-        f"generate (float32): tau {report['generate_tau']:.4f} over {sum(r['rounds'] for r in same_rows)} rounds",
-    ]
-    for name in sources:
-        entry = report[name]
-        lines.append(
-            f"{name}: tau {entry['tau']:.4f} over {entry['rounds']} rounds "
-            f"(difference {entry['tau'] - report['generate_tau']:+.4f})"
-        )
-    print("\n".join(lines))
+        prepared, skipped[name] = prepare_rows(rows, fetch, args.max_new_tokens, shape.depth)
+        summary = evaluate(head, prepared, shape, first_round=False).summary()
+        figures[name] = [{"id": e["id"], "rounds": e["rounds"], "tokens": e["tokens"]} for e in summary["per_row"]]
+    report = {
+        "host": host_kind().name,
+        "head": args.head,
+        "data": args.data,
+        "max_new_tokens": args.max_new_tokens,
+        "rows": len(rows),
+        "rows_equal_to_stored": len(same),
+        "rows_leaving_stored": sorted({str(r["id"]) for r in rows} - same),
+        "skipped": skipped,
+        "all_rows": {name: tau_of(entries) for name, entries in figures.items()},
+        "rows_equal_to_stored_only": {name: tau_of(entries, same) for name, entries in figures.items()},
+        "per_row": figures,
+    }
+    print(render(report))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return report
+
+
+def render(report: dict) -> str:
+    lines = [
+        f"host kind {report['host']}; head {report['head']}; {report['rows']} held-out rows x {report['max_new_tokens']} "
+        f"tokens; {report['rows_equal_to_stored']} rows' generate output equals the stored answer",
+        "| figure | tau, all rows | tau, rows equal to stored | difference |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, entry in report["all_rows"].items():
+        kept = report["rows_equal_to_stored_only"][name]
+        lines.append(f"| {name} | {entry['tau']:.4f} | {kept['tau']:.4f} | {kept['tau'] - entry['tau']:+.4f} |")
+    real_all, real_kept = report["all_rows"]["generate"]["tau"], report["rows_equal_to_stored_only"]["generate"]["tau"]
+    for name in report["all_rows"]:
+        if name != "generate":
+            mine_all = report["all_rows"][name]["tau"]
+            mine_kept = report["rows_equal_to_stored_only"][name]["tau"]
+            lines.append(
+                f"{name} - generate: {mine_all - real_all:+.4f} over all rows, "
+                f"{mine_kept - real_kept:+.4f} over the rows equal to stored"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
