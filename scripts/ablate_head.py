@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "training/configs/smollm2-135m.yaml"))
     parser.add_argument("--store", required=True, help="feature store folder (training/feature_store.py)")
-    parser.add_argument("--data", default=None, help="override the config's data (one .npz or folder)")
+    parser.add_argument("--data", nargs="+", default=None, help="override the config's data (.npz files or folders)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--eval_fraction", type=float, default=None, help="override the config's held-out share")
     parser.add_argument(
@@ -386,7 +386,7 @@ def main(argv=None) -> dict:
             str(Path(args.runs) / run),
         ]
         if args.data:
-            common += ["--data", args.data]
+            common += ["--data", *args.data]
         if args.eval_fraction is not None:
             common += ["--eval_fraction", str(args.eval_fraction)]
         return common + variant_flags(name)
@@ -524,7 +524,7 @@ def ablation_tables(summary: dict, store: str, data) -> str:
         )
     kinds = sorted({row.get("host_kind", "not recorded") for row in summary.values()})
     header = (
-        f"Store {store}, data {data or 'of the config'}; each variant trained for its budget "
+        f"Store {store}, data {' '.join(data) if data else 'of the config'}; each variant trained for its budget "
         f"(wall-clock minutes, or steps); host kind {', '.join(kinds)}\n\n"
     )
     scored = {name: row["offline"] for name, row in summary.items() if "offline" in row}

@@ -23,6 +23,7 @@ from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFas
 from jetspec.targets import load_target
 from tiny import tiny_head, tiny_target
 from training import run_trainer
+from training import trainer as trainer_module
 from training.losses import block_loss, chain_accept_length, depth_weights
 from training.feature_store import FeatureStore
 from training.rows import split_train_eval
@@ -1209,20 +1210,22 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
     assert training_args(tmp_path).train_precision == "fp32"  # the dataclass default; the config says auto
     for dtype, expected in (("bfloat16", True), ("float32", False)):
         kind = HostKind(name="test host", dtype=dtype, reason=f"probe says {dtype}", capability="AVX512")
-        monkeypatch.setattr(run_trainer, "host_kind", lambda kind=kind: kind)
+        monkeypatch.setattr(trainer_module, "host_kind", lambda kind=kind: kind)
         args = training_args(tmp_path, train_precision="auto")
         reason = run_trainer.resolve_precision(args)
         assert args.bf16 is expected and "test host" in reason
         # the Trainer's accelerator reads `mixed_precision`, derived from `bf16` when the arguments were made
         assert args.mixed_precision == ("bf16" if expected else "no")
-        if expected:
-            trainer = JetSpecTrainer(
-                model=tiny_head(sharp_target()),
-                args=args,
-                target=sharp_target(),
-                train_dataset=datasets.Dataset.from_list(regenerated_rows(sharp_target())),
-            )
-            assert trainer.accelerator.mixed_precision == "bf16"
+        # a JetSpecTrainer made directly, without run_trainer, honours train_precision itself
+        fresh = training_args(tmp_path, train_precision="auto")
+        trainer = JetSpecTrainer(
+            model=tiny_head(sharp_target()),
+            args=fresh,
+            target=sharp_target(),
+            train_dataset=datasets.Dataset.from_list(regenerated_rows(sharp_target())),
+        )
+        assert "test host" in trainer.precision
+        assert trainer.accelerator.mixed_precision == ("bf16" if expected else "no")
     args = training_args(tmp_path, train_precision="bf16")
     run_trainer.resolve_precision(args)
     assert args.bf16 is True

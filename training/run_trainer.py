@@ -43,7 +43,6 @@ import yaml  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
 from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
 
-from jetspec.host import host_kind  # noqa: E402
 from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from modeling_jetspec.configuration_jetspec import BLOCK_ATTENTIONS  # noqa: E402
@@ -62,6 +61,7 @@ from training.rows import (  # noqa: E402
 )
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import (  # noqa: E402
+    resolve_precision,
     CHECKPOINT_MARKER,
     JetSpecTrainer,
     JetSpecTrainingArguments,
@@ -522,29 +522,6 @@ def write_learning_curve(log_history: list, path: Path) -> Path | None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     return path
-
-
-def resolve_precision(args: JetSpecTrainingArguments) -> str:
-    """Sets `args.bf16` from `args.train_precision` and says why: `auto` takes bf16 autocast where the host probe
-    (jetspec.host) finds bf16 matmuls faster than float32 (or on a CUDA device), float32 elsewhere. An explicit
-    `bf16=True` is kept. Called before the Trainer is built, which reads `bf16` for its autocast."""
-    if args.bf16:
-        reason = "bf16 autocast (bf16=True given)"
-    elif args.train_precision == "bf16":
-        args.bf16, reason = True, "bf16 autocast (train_precision=bf16)"
-    elif args.train_precision == "fp32":
-        reason = "float32 (train_precision=fp32)"
-    elif torch.cuda.is_available() and not args.use_cpu:
-        args.bf16, reason = True, "bf16 autocast (auto: a CUDA device)"
-    else:
-        host = host_kind()
-        args.bf16 = host.torch_dtype == torch.bfloat16
-        reason = f"{'bf16 autocast' if args.bf16 else 'float32'} (auto: {host.reason}; host kind {host.name})"
-    if args.bf16:
-        # `TrainingArguments.__post_init__` derived `mixed_precision` from `bf16` already; the Trainer's accelerator
-        # reads `mixed_precision`, so it must follow
-        args.mixed_precision = "bf16"
-    return reason
 
 
 def check_store_coverage(store: FeatureStore, sources: list, max_length: int) -> dict:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from jetspec.host import host_kind
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 
 from .losses import (
@@ -598,6 +599,30 @@ def rotate_complete_checkpoints(output_dir, limit: int | None, keep: list) -> li
     return deleted
 
 
+def resolve_precision(args: JetSpecTrainingArguments) -> str:
+    """Sets `args.bf16` from `args.train_precision` and says why: `auto` takes bf16 autocast where the host probe
+    (jetspec.host) finds bf16 matmuls faster than float32 (or on a CUDA device), float32 elsewhere. An explicit
+    `bf16=True` is kept. [`JetSpecTrainer`] calls it before `Trainer.__init__`, which builds the accelerator from `mixed_precision`;
+    calling it again changes nothing."""
+    if args.bf16:
+        reason = "bf16 autocast (bf16=True given)"
+    elif args.train_precision == "bf16":
+        args.bf16, reason = True, "bf16 autocast (train_precision=bf16)"
+    elif args.train_precision == "fp32":
+        reason = "float32 (train_precision=fp32)"
+    elif torch.cuda.is_available() and not args.use_cpu:
+        args.bf16, reason = True, "bf16 autocast (auto: a CUDA device)"
+    else:
+        host = host_kind()
+        args.bf16 = host.torch_dtype == torch.bfloat16
+        reason = f"{'bf16 autocast' if args.bf16 else 'float32'} (auto: {host.reason}; host kind {host.name})"
+    if args.bf16:
+        # `TrainingArguments.__post_init__` derived `mixed_precision` from `bf16` already; the Trainer's accelerator
+        # reads `mixed_precision`, so it must follow
+        args.mixed_precision = "bf16"
+    return reason
+
+
 class JetSpecTrainer(Trainer):
     """`Trainer` that distills `target` into a JetSpec head (`model`). See the module docstring.
 
@@ -653,6 +678,7 @@ class JetSpecTrainer(Trainer):
         self.eval_collator = dataclasses.replace(collator, reveal_prob=0.0, epoch=None)
         if kwargs.get("compute_metrics") is None:
             kwargs["compute_metrics"] = self._agreement_metrics
+        self.precision = resolve_precision(args)  # `train_precision` decides the autocast, however the trainer is made
         super().__init__(model=model, args=args, data_collator=collator, **kwargs)
         # the head's forward takes no loss arguments, but `compute_loss` divides by `num_items_in_batch`: the Trainer
         # counts it from the collator's `labels` only for a model that says it accepts them
