@@ -59,6 +59,7 @@ import torch
 from transformers import TrainerCallback
 
 from modeling_jetspec import steps
+from modeling_jetspec.calibration import node_source
 from modeling_jetspec.continuations import LookupRecord, RowIndexes
 from modeling_jetspec.state import RoundState, TreeShape, resolve_tree_shape
 from modeling_jetspec.tree import TREE_SCORINGS
@@ -341,7 +342,7 @@ def _tally_round(tally, trees, slot, nodes, row, m, head_sets, shape, count, fir
     accepted = len(nodes) - 1
     path = following[:accepted]
     for d in range(accepted):
-        tally.sources[_source(path[:d], path[d], d, head_sets[slot] if head_sets else None, trie)] += 1
+        tally.sources[node_source(tuple(path[:d]), path[d], head_sets[slot] if head_sets else None, trie)] += 1
     for d in range(min(accepted, len(count[2]))):
         count[2][d] += 1
     if calibration:
@@ -369,16 +370,6 @@ def _head_candidates(head, block_logits, shape: TreeShape) -> list:
     return [[set(tokens) for tokens in toks] for _, toks, _ in steps._top_candidates(head, logits, shape)]
 
 
-def _source(prefix: list, token: int, d: int, head_sets, trie: dict) -> str:
-    """Who proposed `token` after `prefix` at depth `d + 1`: "head", "lookup" (the model-free branch) or "both"."""
-    by_head = head_sets is not None and d < len(head_sets) and token in head_sets[d]
-    counts = trie.get(tuple(prefix))
-    by_lookup = bool(counts) and token in counts
-    if by_head and by_lookup:
-        return "both"
-    return "lookup" if by_lookup else "head"
-
-
 def _calibrate(tally: Tally, tree, n: int, nodes: list, following: list, head_sets, trie: dict):
     """Trials of every node whose parent is on the accepted path and whose next stored token is known."""
     on_path = {node: depth for depth, node in enumerate(nodes)}
@@ -393,7 +384,7 @@ def _calibrate(tally: Tally, tree, n: int, nodes: list, following: list, head_se
         token = tree.tokens[child - 1]
         parent_key = tree.scores[parent - 1] if parent else 0.0
         prob = math.exp(min(tree.scores[child - 1] - parent_key, 0.0))
-        source = _source(prefix, token, d, head_sets, trie)
+        source = node_source(tuple(prefix), token, head_sets, trie)
         bucket = min(int(prob * CALIBRATION_BINS), CALIBRATION_BINS - 1)
         entry = tally.calibration[(d + 1, source, bucket)]
         entry[0] += 1

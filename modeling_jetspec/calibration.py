@@ -1,0 +1,111 @@
+"""Calibrated node scores: what a draft node's conditional probability says about its acceptance.
+
+The tree ranks nodes best-first by their cumulative log-prob (`tree.build_tree`). A node's conditional log-prob
+comes from the head's block (`tree.marginal_children`), from the model-free branch (`continuations.trie_children`:
+the lookup prior, or 0 for the first continuation), or from both when they propose the same token
+(`continuations.merge_children` keeps the higher). The two scales are not the same thing: a head probability of 0.6
+at depth 3 and a trie count share of 0.6 are accepted at different rates, and neither is accepted at 0.6.
+
+A calibration maps, per depth and per source ("head", "lookup", "both"), a node's conditional draft probability
+(binned into 10 bins of width 0.1) to the acceptance rate measured offline on held-out rows
+(`python -m training.evaluate_head --fit_calibration`): a monotone (isotonic) fit per (depth, source). The tree then
+ranks nodes by the log of their calibrated acceptance instead of their raw score. Scores choose which nodes enter
+the tree, never which tokens are committed: decoding stays lossless whatever the map says.
+
+In a head's config the map is `tree_calibration`: `{"<depth>:<source>": [10 acceptance rates]}`; a (depth, source)
+the map does not name keeps its raw score.
+"""
+
+import math
+
+SOURCES = ("head", "lookup", "both")
+BINS = 10
+FLOOR = 1e-6  # the smallest calibrated probability (a measured acceptance of 0 still ranks, last)
+
+
+def check_calibration(table) -> dict | None:
+    """A config's `tree_calibration` as `{(depth, source): [BINS floats]}`, or None for none; a `ValueError`
+    (expected, got) for anything else."""
+    if table is None or table == {}:
+        return None
+    if not isinstance(table, dict):
+        raise ValueError(f"expected tree_calibration as a dict {{'<depth>:<source>': [{BINS} rates]}}, got {table!r}")
+    out = {}
+    for key, rates in table.items():
+        depth, _, source = str(key).partition(":")
+        if not depth.isdigit() or int(depth) < 1 or source not in SOURCES:
+            raise ValueError(f"expected tree_calibration keys '<depth >= 1>:<one of {SOURCES}>', got {key!r}")
+        if (
+            not isinstance(rates, (list, tuple))
+            or len(rates) != BINS
+            or not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates)
+        ):
+            raise ValueError(f"expected {BINS} acceptance rates in [0, 1] for tree_calibration[{key!r}], got {rates!r}")
+        out[(int(depth), source)] = [float(r) for r in rates]
+    return out
+
+
+def node_source(path: tuple, token: int, head_tokens, trie: dict | None) -> str:
+    """Who proposed `token` after `path`: "head" (among the head's candidates at that depth, `head_tokens[len(path)]`),
+    "lookup" (a child of `path` in the model-free branch's `trie`) or "both"."""
+    depth = len(path)
+    by_head = head_tokens is not None and depth < len(head_tokens) and token in head_tokens[depth]
+    counts = trie.get(tuple(path)) if trie else None
+    by_lookup = bool(counts) and token in counts
+    if by_head and by_lookup:
+        return "both"
+    return "lookup" if by_lookup else "head"
+
+
+def probability_bin(probability: float) -> int:
+    """The bin of a conditional draft probability: [0, 0.1) -> 0, ..., [0.9, 1] -> 9."""
+    return min(max(int(probability * BINS), 0), BINS - 1)
+
+
+def calibrated_logprob(table: dict, depth: int, source: str, logprob: float) -> float:
+    """A node's score under `table` (from [`check_calibration`]): the log of the measured acceptance of its bin, or
+    its own `logprob` where the table has no entry for (depth, source)."""
+    rates = table.get((depth, source))
+    if rates is None:
+        return logprob
+    return math.log(max(rates[probability_bin(math.exp(min(logprob, 0.0)))], FLOOR))
+
+
+def calibrated_children(children, table: dict, source_of):
+    """`children` (a tree's children function) with every child's log-prob calibrated and the list sorted again
+    (best-first expansion reads it in order; a stable sort keeps ties in their order).
+
+    Args:
+        source_of (`Callable`): `(path, token) -> source` for a child of `path`.
+    """
+
+    def calibrated(path):
+        found = children(path)
+        if found is None:
+            return None
+        lps, tokens, entropy = found
+        depth = len(path) + 1
+        scored = [
+            (calibrated_logprob(table, depth, source_of(path, int(t)), float(lp)), int(t)) for lp, t in zip(lps, tokens)
+        ]
+        scored.sort(key=lambda item: -item[0])
+        return [lp for lp, _ in scored], [t for _, t in scored], entropy
+
+    return calibrated
+
+
+def to_config(fitted: list, min_trials: int = 0) -> dict:
+    """A config's `tree_calibration` from the evaluator's calibration table (rows with `depth`, `source`, `bin`,
+    `trials`, `fitted`): per (depth, source), the fitted rate of each bin; a bin with fewer than `min_trials` trials,
+    or none, takes its middle probability (its raw score, near enough), and the rates are made non-decreasing."""
+    groups: dict = {}
+    for row in fitted:
+        key = f"{row['depth']}:{row['source']}"
+        rates = groups.setdefault(key, [None] * BINS)
+        if row["trials"] >= min_trials:
+            rates[probability_bin(row["bin"][0] + 0.5 / BINS)] = float(row["fitted"])
+    table = {}
+    for key, rates in sorted(groups.items()):
+        filled = [rate if rate is not None else (b + 0.5) / BINS for b, rate in enumerate(rates)]
+        table[key] = [max(filled[: b + 1]) for b in range(BINS)]  # non-decreasing: a higher score never ranks lower
+    return table
