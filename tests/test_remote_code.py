@@ -163,3 +163,39 @@ def test_push_to_hub_uploads_the_jetspec_layout(tmp_path, monkeypatch):
     assert json.loads(api.uploaded["config.json"])["auto_map"]["AutoModel"] == "modeling_jetspec.JetSpecDraftModel"
     for name in local:  # the uploaded bytes are the saved ones
         assert api.uploaded[name] == (tmp_path / "head" / name).read_bytes(), name
+
+
+LOCAL_LOAD = """
+import json, sys
+import modeling_jetspec  # the installed package registers the head's config and model with the Auto classes
+from transformers import AutoModel
+heads = [AutoModel.from_pretrained(folder, trust_remote_code=True) for folder in sys.argv[1:]]
+print(json.dumps([[type(head).__module__, head.config.num_hidden_layers] for head in heads]))
+"""
+
+
+def test_committed_head_folders_load_as_their_docs_say():
+    """The shipped head and every kept head hold no code files, so their configs name none (`auto_map` would send
+    `trust_remote_code` looking for them); in a fresh process, after `import modeling_jetspec`, `AutoModel` loads each
+    from the installed package, with `trust_remote_code=True` as a Hub user would pass it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folders = [os.path.join(root, "jetspec", "heads", "smollm2-135m")]
+    kept = os.path.join(root, "training", "checkpoints")
+    folders += sorted(os.path.join(kept, name) for name in os.listdir(kept) if os.path.isdir(os.path.join(kept, name)))
+    layers = []
+    for folder in folders:
+        config = json.loads(open(os.path.join(folder, "config.json")).read())
+        for target in config.get("auto_map", {}).values():
+            module = target.split(".")[0] + ".py"
+            assert os.path.isfile(os.path.join(folder, module)), f"{folder}: config names {module}, folder lacks it"
+        layers.append(config["num_hidden_layers"])
+    result = subprocess.run(
+        [sys.executable, "-c", LOCAL_LOAD, *folders],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded == [["modeling_jetspec.modeling_jetspec", n] for n in layers]

@@ -580,6 +580,9 @@ def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
     if config_path.is_file():  # the config says what the weights now are
         config = json.loads(config_path.read_text())
         config["dtype"] = "bfloat16"
+        # no code files here: a config naming them (`auto_map`) would send `trust_remote_code` looking for them; the
+        # installed package loads the folder (`import modeling_jetspec`, then `AutoModel.from_pretrained`)
+        config.pop("auto_map", None)
         config_path.write_text(json.dumps(config, indent=2) + "\n")
     (staging / "training_args.json").write_text(json.dumps(run_config, indent=1, default=str) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
