@@ -97,7 +97,8 @@ def calibrated_children(children, table: dict, source_of):
 def to_config(fitted: list, min_trials: int = 0) -> dict:
     """A config's `tree_calibration` from the evaluator's calibration table (rows with `depth`, `source`, `bin`,
     `trials`, `fitted`): per (depth, source), the fitted rate of each bin; a bin with fewer than `min_trials` trials,
-    or none, takes its middle probability (its raw score, near enough), and the rates are made non-decreasing."""
+    or none, takes the rate of the nearest measured bin (below it first), and the rates are made non-decreasing. A
+    (depth, source) without a measured bin is left out (its nodes keep their raw scores)."""
     groups: dict = {}
     for row in fitted:
         key = f"{row['depth']}:{row['source']}"
@@ -106,6 +107,10 @@ def to_config(fitted: list, min_trials: int = 0) -> dict:
             rates[probability_bin(row["bin"][0] + 0.5 / BINS)] = float(row["fitted"])
     table = {}
     for key, rates in sorted(groups.items()):
-        filled = [rate if rate is not None else (b + 0.5) / BINS for b, rate in enumerate(rates)]
+        measured = [b for b, rate in enumerate(rates) if rate is not None]
+        if not measured:
+            continue
+        # a bin without enough trials takes its nearest measured neighbour's rate (below first)
+        filled = [rates[max([m for m in measured if m <= b] or [min(measured)])] for b in range(BINS)]
         table[key] = [max(filled[: b + 1]) for b in range(BINS)]  # non-decreasing: a higher score never ranks lower
     return table
