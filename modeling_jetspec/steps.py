@@ -147,6 +147,32 @@ def draft(
     return _stack_trees(trees, budget, device)
 
 
+def draft_trees(
+    head,
+    logits: torch.Tensor,
+    shape: TreeShape,
+    budget: int,
+    histories: dict | None = None,
+    record: LookupRecord | None = None,
+    indexes: RowIndexes | None = None,
+) -> list:
+    """The active rows' best-first trees (`tree.Tree`, on the host) from the head's block `logits` `(A, N, V_draft)`:
+    the top-W candidates of every depth (`tree.marginal_children`), each row's model-free branch where `shape.lookup`
+    asks for one, then `tree.build_tree` of `budget` nodes. The part of [`draft`] between the head's forward and the
+    trees' tensors (without path conditioning); the arguments are [`draft`]'s."""
+    if shape.lookup and histories is None:
+        raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
+    children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
+    if shape.lookup:
+        indexes = RowIndexes() if indexes is None else indexes
+        children = [
+            _with_lookup_branch(fn, history, shape, record, row, indexes)
+            for fn, (row, history) in zip(children, histories.items())
+        ]
+    deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
+    return [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
+
+
 def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
     """Per row, the top-W candidates of every slot of the head's `logits` `(A, T, V_draft)` as host lists:
     `(log-probs (T, W), target tokens (T, W), entropies (T,))`, zeros for the entropies unless the scoring reads
