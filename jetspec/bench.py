@@ -64,6 +64,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from modeling_jetspec import JetSpecDraftModel, JetSpecGenerateOutput, JetSpecStats, resolve_tree_shape
 from modeling_jetspec.compat import attn_implementation
+from modeling_jetspec.configuration_jetspec import TREE_FIELDS
 from modeling_jetspec.steps import draft, logits_to_keep
 from modeling_jetspec.verifiers import verifier_for, verify_seconds
 from modeling_jetspec.timing import clock, median_seconds, timed_rounds
@@ -716,15 +717,7 @@ RECORDED_HEAD_CONFIG = (
     "block_size",
     "block_attention",
     "target_layer_ids",
-    "tree_depth",
-    "tree_width",
-    "tree_budget",
-    "tree_scoring",
-    "path_conditioning",
-    "tree_lookup",
-    "tree_lookup_prior",
-    "tree_lookup_branches",
-    "tree_lookup_record",
+    *TREE_FIELDS,
     "draft_vocab_size",
     "last_context_input",
 )

@@ -20,23 +20,13 @@ from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList
 
 from .budget import DEFAULT_CANDIDATES
 from .compat import attn_implementation
+from .configuration_jetspec import TREE_FIELDS
 from .decode import _decode
 from .state import TreeShape, resolve_tree_shape
 from .static import resolve_static, static_decode, static_verifier
 from .tree import max_tree_nodes
 from .verifiers import TreeVerifier, verifier_for
 
-TREE_ARGUMENTS = (
-    "tree_depth",
-    "tree_width",
-    "tree_budget",
-    "tree_scoring",
-    "path_conditioning",
-    "tree_lookup",
-    "tree_lookup_prior",
-    "tree_lookup_branches",
-    "tree_lookup_record",
-)
 MASKABLE_ATTENTION = ("eager", "sdpa")  # take an additive 4D float mask as is
 # model kwargs the tree loop reads; any other model kwarg (pixel_values, token_type_ids, past_key_values, ...) raises
 SUPPORTED_MODEL_KWARGS = ("input_ids", "inputs", "attention_mask")
@@ -102,7 +92,7 @@ def check_generate_kwargs(kwargs: dict):
 def tree_generate(head, target, *args, **kwargs):
     """Route `target.generate(..., assistant_model=head)` to tree decoding; see `JetSpecDraftModel.tree_generate`."""
     kwargs.pop("assistant_model", None)
-    given = {name: _as_int(kwargs.pop(name, None)) for name in TREE_ARGUMENTS}  # numpy integers are integers
+    given = {name: _as_int(kwargs.pop(name, None)) for name in TREE_FIELDS}  # numpy integers are integers
     shape = resolve_tree_shape(head.config, **given)
     streamer = kwargs.pop("streamer", None)
     tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"

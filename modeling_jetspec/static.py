@@ -42,15 +42,14 @@ from .layers import JetSpecContext
 from .state import Acceptance, DraftTrees, TreeShape
 from .steps import (
     _gather_nodes,
-    _top_candidates,
-    _with_lookup_branch,
     draft_block,
+    draft_trees,
     feature_layers,
     float_dtype,
     logits_to_keep,
     prefill,
 )
-from .tree import ancestor_mask, build_tree, marginal_children, max_tree_nodes
+from .tree import ancestor_mask, max_tree_nodes
 from .verifiers import TreeVerifier, verify_windows
 
 STATIC_MODES = ("eager", "compile")
@@ -316,10 +315,8 @@ class StaticVerifier:
         record=None,
         indexes: RowIndexes | None = None,
     ) -> DraftTrees:
-        """`steps.draft` over the buffers (one head forward for every row, finished rows included), each active
-        row's tree padded to [`nodes`]."""
-        if shape.lookup and histories is None:
-            raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
+        """`steps.draft` over the buffers: one head forward for every row, finished rows included, then the active
+        rows' trees as `steps.draft` builds them (`steps.draft_trees`), each padded to [`nodes`]."""
         ctx = state.context
         self._step()
         logits = self._draft(
@@ -327,15 +324,10 @@ class StaticVerifier:
         )  # (B, depth, V_draft)
         if state.rows.shape[0] < self.batch:
             logits = logits[state.rows]
-        children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
-        if shape.lookup:
-            indexes = RowIndexes() if indexes is None else indexes
-            children = [
-                _with_lookup_branch(fn, history, shape, record, row, indexes)
-                for fn, (row, history) in zip(children, histories.items())
-            ]
-        deepest = max(shape.depth, shape.lookup)
-        return self._padded([build_tree(fn, budget, deepest, shape.scoring) for fn in children], state.anchors.device)
+        trees, _, branches = draft_trees(head, logits, shape, budget, histories, record, indexes)
+        padded = self._padded(trees, state.anchors.device)
+        padded.branches = branches
+        return padded
 
     def _padded(self, trees: list, device) -> DraftTrees:
         """The trees as tensors of [`nodes`] nodes each: padded nodes hang from the root, token -1."""
@@ -355,6 +347,7 @@ class StaticVerifier:
             ancestors=ancestor_mask(parents),
             budget=self.shape.budget,
             host=trees,
+            sizes=[len(t.tokens) for t in trees],
         )
 
     def verify(self, state: StaticState, trees: DraftTrees):

@@ -129,24 +129,45 @@ def draft(
     The trees are built on the host from one read of every row's top-W candidates per depth (two with path
     conditioning); the returned [`DraftTrees`] keep them (`host`), so the round reads them back nowhere.
     """
-    if shape.lookup and histories is None:
-        raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     device = state.anchors.device
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
+    trees, children, branches = draft_trees(head, logits, shape, budget, histories, record, indexes)
+    if shape.path_conditioning:
+        trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
+    stacked = _stack_trees(trees, budget, device)
+    stacked.branches = branches
+    return stacked
+
+
+def draft_trees(
+    head,
+    logits: torch.Tensor,
+    shape: TreeShape,
+    budget: int,
+    histories: dict | None = None,
+    record: LookupRecord | None = None,
+    indexes: RowIndexes | None = None,
+) -> tuple[list, list, list | None]:
+    """The active rows' best-first trees from the head's block `logits` `(A, N, V_draft)`: the top-W candidates of
+    every depth (`tree.marginal_children`), each row's model-free branch where `shape.lookup` asks for one, then
+    `tree.build_tree` of `budget` nodes. The part of [`draft`] between the head's forward and the trees' tensors
+    (the static path's draft calls it too); the arguments are [`draft`]'s.
+
+    Returns:
+        `(trees, children, branches)`: the host trees (`tree.Tree`), the children functions they were built from, and
+        each row's model-free branch as a trie (`{}`: no match; None without `shape.lookup`).
+    """
+    if shape.lookup and histories is None:
+        raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
     branches = None
     if shape.lookup:
         indexes = RowIndexes() if indexes is None else indexes
-        branches = [_lookup_branch(history, shape, record, row, indexes) for row, history in histories.items()]
-        children = [_merged(fn, *branch) for fn, branch in zip(children, branches)]
+        found = [_lookup_branch(history, shape, record, row, indexes) for row, history in histories.items()]
+        children = [_merged(fn, *branch) for fn, branch in zip(children, found)]
+        branches = [trie for trie, _, _ in found]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
-    trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
-    if shape.path_conditioning:
-        trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
-    stacked = _stack_trees(trees, budget, device)
-    if branches is not None:
-        stacked.branches = [trie for trie, _, _ in branches]
-    return stacked
+    return [build_tree(fn, budget, deepest, shape.scoring) for fn in children], children, branches
 
 
 def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
@@ -495,18 +516,6 @@ def _stack_trees(trees: list, budget: int, device) -> DraftTrees:
         host=trees,
         sizes=sizes,
     )
-
-
-def _with_lookup_branch(
-    children,
-    history: list,
-    shape: TreeShape,
-    record: LookupRecord | None = None,
-    row: int = 0,
-    indexes: RowIndexes | None = None,
-):
-    """A row's children with its model-free branch ([`_lookup_branch`]) merged in."""
-    return _merged(children, *_lookup_branch(history, shape, record, row, indexes))
 
 
 def _lookup_branch(

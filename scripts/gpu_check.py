@@ -6,9 +6,10 @@
 
 For each target it prints one JSON line:
 
-- `verify_ratio`: t(B) / t(1), the target's verify forward over B tokens (root + B - 1 tree nodes, the round's own
-  `draft` trees and verifier, `verifiers.measure_verify_seconds`) after a 128-token context, batch 1, against the
-  plain one-token decoding step (t(1), `plain_step_seconds`);
+- `verify_ratio`: t(B) / t(1), the target's verify forward over B tokens (root + B - 1 tree nodes of the round's
+  own `draft`, the root alone at B = 1, through the round's verifier) after a 128-token context, batch 1, against
+  the plain one-token decoding step (t(1), `plain_step_seconds`); both sides are measured, so the ratio at B = 1
+  is what the verify path (its tree mask, its features) costs over a plain step of as many tokens;
 - `host_reads_per_round`: per batch size, the host reads of a `generate` call divided by its rounds, with their
   kinds (`.item()`, `.tolist()`, `bool` / `int` / `float` of a tensor, `.cpu()`, `nonzero`, boolean-mask indexing,
   explicit synchronizes), counted by a `TorchFunctionMode` (every read stalls the launch queue on a GPU);
@@ -30,6 +31,7 @@ import collections
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,7 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from any folder: the repository's packages first
 
 from modeling_jetspec import JetSpecDraftModel, resolve_tree_shape  # noqa: E402
-from modeling_jetspec.verifiers import measure_verify_seconds  # noqa: E402
+from modeling_jetspec.state import DraftTrees  # noqa: E402
+from modeling_jetspec.steps import draft  # noqa: E402
+from modeling_jetspec.tree import ancestor_mask  # noqa: E402
+from modeling_jetspec.verifiers import verifier_for, verify_seconds  # noqa: E402
 
 NO_CUDA_EXIT = 2
 TARGETS = ("tiny-qwen3", "smollm2-135m")
@@ -164,26 +169,49 @@ def build(name: str, device: str, dtype: torch.dtype):
 
 
 def verify_ratios(target, head, sizes, context_length: int = 128, repeats: int = 5) -> dict:
-    """t(B) / t(1), batch 1, after `context_length` tokens: t(B) for B >= 2 is the verify forward over B tokens (the
-    root and B - 1 tree nodes); t(1) is the plain decoding step (one token, no tree), which a tree of no node would
-    be and what the ratios are against."""
+    """t(B) / t(1), batch 1, after `context_length` tokens: t(B) is the verify forward over B tokens (the root and
+    B - 1 tree nodes, [`verify_seconds_by_size`]); t(1) is the plain decoding step (one token, no tree), what the
+    ratios are against. Both sides are measured: at B = 1 the ratio is the verify of the root alone against the plain
+    step, the cost of the verify path itself."""
     if 1 not in sizes or min(sizes) < 1:
         raise ValueError(f"expected verify sizes >= 1 including 1 (the ratios' base), got {sizes}")
-    shape = resolve_tree_shape(head.config)
-    trees = [size - 1 for size in sizes if size > 1]
-    seconds = (
-        measure_verify_seconds(target, head, shape, trees, context_length=context_length, repeats=repeats)
-        if trees
-        else {}
-    )
+    seconds = verify_seconds_by_size(target, head, sizes, context_length, repeats)
     one = plain_step_seconds(target, context_length, repeats)
-    return {size: 1.0 if size == 1 else round(seconds[size - 1] / one, 3) for size in sizes}
+    return {size: round(seconds[size] / one, 3) for size in sizes}
+
+
+@torch.no_grad()
+def verify_seconds_by_size(target, head, sizes, context_length: int = 128, repeats: int = 5) -> dict:
+    """`{B: seconds}`: median wall time of the round's verify forward over B tokens, batch 1, after a prefilled
+    random context of `context_length` tokens (the prompt `plain_step_seconds` draws). B >= 2: the root and the
+    B - 1 nodes of the head's own tree (`steps.draft` without path conditioning or lookup branch, as
+    `verifiers.measure_verify_seconds` drafts); B = 1: the root alone, under the same tree mask."""
+    vocab = target.config.get_text_config(decoder=True).vocab_size
+    prompt = torch.randint(0, vocab, (1, context_length), generator=torch.Generator().manual_seed(0))
+    verifier = verifier_for(target, head)
+    state, _ = verifier.prefill(prompt.to(target.device), None)
+    alone = replace(resolve_tree_shape(head.config), path_conditioning=False, lookup=0)
+    trees = {size: draft(head, state, alone, size - 1) if size > 1 else root_only(state) for size in sizes}
+    return {size: verify_seconds(verifier, state, trees[size], repeats) for size in sizes}
+
+
+def root_only(state) -> DraftTrees:
+    """Trees of no node: each active row's verify reads its anchor alone."""
+    rows, device = state.anchors.shape[0], state.anchors.device
+    parents = torch.zeros(rows, 0, dtype=torch.long, device=device)  # (A, 0)
+    return DraftTrees(
+        tokens=parents.clone(),
+        parents=parents,
+        depths=torch.zeros(rows, 1, dtype=torch.long, device=device),  # (A, 1)
+        ancestors=ancestor_mask(parents),  # (A, 1, 1)
+        budget=0,
+    )
 
 
 @torch.no_grad()
 def plain_step_seconds(target, context_length: int = 128, repeats: int = 5) -> float:
     """Median wall time of one plain greedy decoding step (one token after a cache of `context_length` random
-    tokens, the prompt `measure_verify_seconds` draws), the cache cropped back after every step."""
+    tokens, the prompt `verify_seconds_by_size` draws), the cache cropped back after every step."""
     from transformers import DynamicCache
 
     from modeling_jetspec.timing import median_seconds

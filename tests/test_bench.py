@@ -26,6 +26,7 @@ from jetspec.bench import (
 from jetspec.equality import LosslessError, Verdict
 from jetspec.prompts import SUITES
 from modeling_jetspec import JetSpecDraftModel, JetSpecStats
+from modeling_jetspec.configuration_jetspec import TREE_FIELDS
 from tiny import tiny_head, tiny_target
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
@@ -52,15 +53,6 @@ METHODS = [
     "tree-4-lookup-gap",
     "tree-12-lookup-gap",
 ]
-TREE_ARGUMENTS = (
-    "tree_budget",
-    "tree_width",
-    "tree_depth",
-    "tree_lookup",
-    "tree_lookup_prior",
-    "path_conditioning",
-    "tree_scoring",
-)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -106,7 +98,7 @@ def spy_generate(monkeypatch, target):
         out = original(*args, **kwargs)
         if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
             ids = kwargs["input_ids"]
-            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", *TREE_ARGUMENTS) if k in kwargs}
+            key = {k: kwargs[k] for k in ("prompt_lookup_num_tokens", *TREE_FIELDS) if k in kwargs}
             calls.append(
                 {
                     "prompt": tuple(ids[0].tolist()),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import modeling_jetspec.decode as decode
+from modeling_jetspec import JetSpecDraftModel
 from test_training import VOCAB, save_target_folder, sharp_target
 from tiny import oracle_head, tiny_head
 from training import evaluate_head
@@ -67,6 +68,32 @@ def real_decode(target, head, row, budget, monkeypatch, **tree):
     return out.jetspec_stats, trees
 
 
+def real_tau(target, head, rows, budget: int, new_tokens: int | None = None, **tree) -> float:
+    """tau counted from real `generate` with the head, one row at a time: the tokens each call wrote after its
+    prefill's, over its target forwards after the prefill (one verify per round on an attention target). Each call
+    must write the row's own answer again (capped at `new_tokens`), or the count is of something else."""
+    tokens = rounds = 0
+    for row in rows:
+        prompt = torch.tensor([row["input_ids"][: row["prompt_length"]]])
+        answer = len(row["input_ids"]) - row["prompt_length"]
+        out = target.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            pad_token_id=0,
+            max_new_tokens=min(answer, new_tokens or answer),
+            assistant_model=head,
+            return_dict_in_generate=True,
+            tree_budget=budget,
+            **tree,
+        )
+        written = out.sequences[0, prompt.shape[1] :].tolist()
+        assert written == row["input_ids"][row["prompt_length"] :][: len(written)]
+        tokens += len(written) - 1
+        rounds += out.jetspec_stats.target_forwards - 1
+    return tokens / rounds
+
+
 def nodes_of(drafted):
     """A drafted tree's own nodes (the round's padding dropped): tokens, parents, scores."""
     tree, n = drafted
@@ -81,7 +108,7 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
     lookup = setting == "trie"
     tree = {} if lookup else {"tree_lookup": 0}
     fetch = forward_features(target, tiny_head(target))  # float32 features of the whole rows
-    real_totals = []
+    forwards = {}  # row id -> verify forwards of real `generate` on it
     for i, row in enumerate(rows if setting != "oracle" else rows[:3]):
         if setting == "oracle":  # a head that knows the answer, ranking it first, second or third by position
             head = oracle_head(
@@ -111,7 +138,7 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
             )
             by_id = {entry[0]: entry for entry in tally.per_row}
         stats, real_trees = real_decode(target, head, row, budget, monkeypatch, **tree)
-        real_totals.append((stats.row_rounds, stats.round_tokens))
+        forwards[row["id"]] = stats.target_forwards - 1  # after the prefill: one verify per round
         _, rounds, tokens, depths = by_id[row["id"]]
         assert (rounds, tokens, depths) == (stats.row_rounds, stats.round_tokens, stats.accepted_at_depth)
         assert len(offline_trees[row["id"]]) == len(real_trees) == rounds
@@ -122,7 +149,10 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
             assert scores_mine == pytest.approx(scores_real, abs=1e-4)
     if setting != "oracle":  # the batched replay of all rows: the same rounds and tokens as the real calls together
         assert tally.rows == len(rows)
-        assert (tally.rounds, tally.tokens) == tuple(map(sum, zip(*real_totals)))
+    # tau from an independent count: each row's answer (NEW_TOKENS, real `generate` wrote it again) less the prefill's
+    # token, over the verify forwards real `generate` ran on the same rows
+    verifies = [forwards[row_id] for row_id, *_ in tally.per_row]
+    assert tally.tau == pytest.approx((NEW_TOKENS - 1) * len(verifies) / sum(verifies))
     accepted = sum(tally.sources.values())
     assert accepted == sum(tally.accepted_at_depth)
     if setting == "oracle":  # every accepted token came from the head
@@ -238,10 +268,13 @@ def test_cli_scores_the_trainers_held_out_rows(cli_setup):
     result = json.loads(out.read_text())
     _, held = split_train_eval(load_rows([str(data)]), 0.3, 0)
     by_budget = result["heads"][str(tmp_path / "head")]
+    head = JetSpecDraftModel.from_pretrained(tmp_path / "head").eval()
     for budget in ("4", "8"):
         scored = sorted(entry["id"] for entry in by_budget[budget]["per_row"])
         assert scored == sorted(held["id"])
-        assert by_budget[budget]["tau"] >= 1.0
+        # the score is what real decoding with the head reaches on those rows
+        held_rows = [row for row in rows if row["id"] in set(held["id"])]
+        assert by_budget[budget]["tau"] == pytest.approx(real_tau(sharp_target(), head, held_rows, int(budget)))
         assert "calibration" in by_budget[budget]
 
 
@@ -302,7 +335,9 @@ def test_offline_tau_reaches_the_trainers_evaluation(tmp_path):
     head.train()
     expected = evaluate_head.offline_tau(head, rows[:3], fetch=fetch, max_new_tokens=16)
     assert head.training  # evaluated in eval mode, handed back as it came
-    assert metrics["eval_offline_tau"] == expected["tau"] >= 1.0
+    assert metrics["eval_offline_tau"] == expected["tau"]
+    # the value is what real decoding with the head at its defaults reaches on those rows, capped alike
+    assert expected["tau"] == pytest.approx(real_tau(target, head.eval(), rows[:3], head.config.tree_budget, 16))
     assert "eval_acc_depth_1" in metrics
     assert trainer.state.log_history[-1]["eval_offline_tau"] == expected["tau"]
     with pytest.raises(ValueError, match="exactly one of a feature store or a features function"):

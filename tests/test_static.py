@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+import modeling_jetspec.decode as decode
 import modeling_jetspec.integration as integration
 import modeling_jetspec.static as static
 from test_hybrid import hybrid_target
@@ -131,6 +132,37 @@ def test_lookup_branch_and_processors(branches):
     assert torch.equal(greedy(target, ids, mask, assistant_model=head, jetspec_static="eager", **kwargs), plain)
     tree = greedy(target, ids, mask, assistant_model=head, jetspec_static="eager", max_new_tokens=24)
     assert torch.equal(tree, greedy(target, ids, mask, max_new_tokens=24))
+
+
+@pytest.mark.parametrize("branches", ["chain", "trie"])
+def test_the_static_path_drafts_the_default_paths_trees(branches, monkeypatch):
+    # the static draft is the default draft over other buffers (`steps.draft_trees`): round by round, the same trees
+    # (batch 1, so that no tree is padded on either path), node scores equal up to the head's float32 rounding over
+    # contexts laid out in other columns
+    target = tiny_target("llama")
+    ids, mask = prompts(1)
+    head = tiny_head(target, tree_lookup=5, tree_lookup_branches=branches, tree_budget=10)
+    drafted = {"default": [], "static": []}
+
+    def spy(original, path):
+        def recording(*args, **kwargs):
+            trees = original(*args, **kwargs)
+            drafted[path].append(trees.host[0])
+            return trees
+
+        return recording
+
+    monkeypatch.setattr(decode, "draft", spy(decode.draft, "default"))
+    monkeypatch.setattr(static.StaticVerifier, "draft", spy(static.StaticVerifier.draft, "static"))
+    outputs = [
+        greedy(target, ids, mask, max_new_tokens=24, assistant_model=head, jetspec_static=mode)
+        for mode in (None, "eager")
+    ]
+    assert torch.equal(outputs[0], outputs[1])
+    assert len(drafted["default"]) == len(drafted["static"]) > 1
+    for ours, theirs in zip(drafted["static"], drafted["default"]):
+        assert (ours.tokens, ours.parents, ours.depths) == (theirs.tokens, theirs.parents, theirs.depths)
+        assert ours.scores == pytest.approx(theirs.scores, abs=1e-4)
 
 
 def test_scores_and_logits_as_plain_generate():

@@ -1185,12 +1185,29 @@ def test_a_store_missing_rows_is_refused_by_file_and_a_covered_run_keeps_its_hea
     args = json.loads((kept / "training_args.json").read_text())
     assert args["training"]["train_precision"] == "fp32" and args["training"]["bf16"] is False
     assert (kept / "metrics.json").is_file() and not list(kept.parent.glob("*.partial"))
-    # the offline tau of the held-out rows rides on the log beside the agreement (the store holds their features)
+    # the offline tau of the held-out rows rides on the log beside the agreement (the store holds their features):
+    # the last one is the final head's (saved in float32 to the output folder), scored again here on the same rows
     log = json.loads((kept / "training_log.json").read_text())
     offline = [entry["eval_offline_tau"] for entry in log if "eval_offline_tau" in entry]
-    assert offline and all(tau >= 1.0 for tau in offline)
     assert not list(kept.glob("*.py"))  # the package's code is not copied into a kept head
+    from jetspec.targets import load_target, resolve_dtype
     from modeling_jetspec import JetSpecDraftModel as Head
+    from training.evaluate_head import offline_tau
+    from training.feature_store import FeatureStore
+    from training.rows import load_rows, split_train_eval
+
+    final = Head.from_pretrained(tmp_path / "out").eval()
+    final.attach_target(load_target(str(target_dir), dtype=resolve_dtype(args["head"]["target_dtype"])[0])[0])
+    _, held = split_train_eval(load_rows([str(first), str(second)]), 0.2, args["training"]["seed"])
+    limit = args["training"]["offline_tau_rows"]
+    again = offline_tau(
+        final,
+        held.select(range(min(limit, len(held)))),
+        FeatureStore(tmp_path / "store"),
+        max_new_tokens=args["training"]["offline_tau_new_tokens"],
+        max_rows=limit,
+    )
+    assert again["rows"] >= 1 and offline[-1] == again["tau"]
 
     reloaded = Head.from_pretrained(kept).eval()
     prompt = torch.tensor([rows[0]["input_ids"][:6]])

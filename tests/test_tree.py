@@ -353,3 +353,38 @@ def test_the_lookup_prior_comes_from_the_head_unless_the_call_sets_it():
     assert resolve_tree_shape(config, tree_lookup_prior=False).lookup_prior is None  # the chain first, this call
     assert resolve_tree_shape(config, tree_lookup_prior=[[0.1]]).lookup_prior == [[0.1]]
     assert JetSpecConfig.from_dict(config.to_dict()).tree_lookup_prior == prior  # saved with the head
+
+
+def test_each_tree_setting_is_a_head_default_and_a_per_call_override():
+    """`TREE_FIELDS` names the tree settings once (the config stores them, `generate` takes them per call, the bench
+    records them): a value of each, as the head's default or as the call's, reaches the call's tree shape and changes
+    nothing else in it. A setting some lookups need is given with its companions (`companions`) on both sides."""
+    from dataclasses import asdict
+
+    from modeling_jetspec import JetSpecConfig
+    from modeling_jetspec.configuration_jetspec import TREE_FIELDS
+    from modeling_jetspec.state import resolve_tree_shape
+
+    other = {
+        "tree_depth": 3,
+        "tree_width": 2,
+        "tree_budget": 5,
+        "tree_scoring": "entropy",
+        "path_conditioning": True,
+        "tree_lookup": 6,
+        "tree_lookup_prior": [[0.5, 0.4], [0.9]],
+        "tree_lookup_branches": "trie",
+        "tree_lookup_record": True,
+    }
+    companions = {"tree_lookup_record": {"tree_lookup": 4, "tree_lookup_prior": [[0.3]]}}
+    assert sorted(other) == sorted(TREE_FIELDS)
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, target_num_hidden_layers=4)
+    for name, value in other.items():
+        given = companions.get(name, {})
+        before = asdict(resolve_tree_shape(JetSpecConfig(block_size=8, **sizes, **given)))
+        for shape in (
+            resolve_tree_shape(JetSpecConfig(block_size=8, **sizes, **given, **{name: value})),  # the head's default
+            resolve_tree_shape(JetSpecConfig(block_size=8, **sizes, **given), **{name: value}),  # the call's
+        ):
+            changed = {field: v for field, v in asdict(shape).items() if v != before[field]}
+            assert list(changed.values()) == [value], (name, changed)
