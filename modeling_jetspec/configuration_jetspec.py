@@ -3,6 +3,7 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
 
+from .calibration import check_calibration
 from .tree import check_lookup_prior, check_tree_shape
 
 BLOCK_ATTENTIONS = ("causal", "bidirectional")
@@ -106,6 +107,7 @@ TREE_FIELDS = (
     "tree_lookup_prior",
     "tree_lookup_branches",
     "tree_lookup_record",
+    "tree_calibration",
 )
 
 
@@ -201,6 +203,12 @@ class JetSpecConfig(PretrainedConfig):
             Mix `tree_lookup_prior` with the branch's record in the call: per row and match order, how often the
             target continued along the branch at each depth in recent rounds (`continuations.LookupRecord`).
             Needs a `tree_lookup_prior`.
+        tree_calibration (`dict`, *optional*):
+            Per depth and source of a draft node ("head", "lookup", "both"), the acceptance rate measured offline
+            for each tenth of its conditional draft probability: `{"<depth>:<source>": [10 rates]}`
+            (`calibration.py`, fitted by `python -m training.evaluate_head --fit_calibration`). The tree ranks
+            nodes by the log of their calibrated rate instead of their raw score; scores decide which nodes are
+            drafted, never which tokens are committed. `None`: raw scores.
         draft_vocab_size (`int`, *optional*):
             Number of target tokens the head drafts from, defaults to `vocab_size` (the full vocabulary). A smaller
             value drafts only inside a fixed subset (FR-Spec / EAGLE-3 `d2t`): the head's LM head is the target's
@@ -249,6 +257,7 @@ class JetSpecConfig(PretrainedConfig):
         tree_lookup_prior: list | None = None,
         tree_lookup_branches: str = "chain",
         tree_lookup_record: bool = False,
+        tree_calibration: dict | None = None,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         layer_types: list[str] | None = None,
@@ -350,6 +359,7 @@ class JetSpecConfig(PretrainedConfig):
             self.tree_lookup_record,
         )
         check_lookup_prior(self.tree_lookup_prior, self.tree_lookup_record and bool(self.tree_lookup))
+        check_calibration(self.tree_calibration)
         if not isinstance(self.draft_vocab_size, int) or not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"expected draft_vocab_size in [1, {self.vocab_size}] (the target's vocabulary size), got "

@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .continuations import LookupRecord, RowIndexes
+from .calibration import check_calibration
 from .tree import check_lookup_prior, check_tree_shape
 
 
@@ -32,6 +33,7 @@ class TreeShape:
     lookup_prior: list | None = None  # acceptance odds of lookup chains per match order; None: the chain goes first
     lookup_branches: str = "chain"  # "chain": the most recent match's continuation; "trie": every earlier one
     lookup_record: bool = False  # mix the prior with the branch's record in this call (`continuations.LookupRecord`)
+    calibration: dict | None = None  # the head's `tree_calibration` (`calibration.py`); None: raw node scores
 
 
 @dataclass
@@ -123,7 +125,12 @@ def resolve_tree_shape(config, **given) -> TreeShape:
         else pick("tree_lookup_prior", getattr(config, "tree_lookup_prior", None)),
         lookup_branches=pick("tree_lookup_branches", getattr(config, "tree_lookup_branches", "chain")),
         lookup_record=pick("tree_lookup_record", getattr(config, "tree_lookup_record", False)),
+        # False switches the head's calibration off for this call (raw scores)
+        calibration=None
+        if given.get("tree_calibration") is False
+        else pick("tree_calibration", getattr(config, "tree_calibration", None)) or None,
     )
+    check_calibration(shape.calibration)
     check_lookup_prior(shape.lookup_prior, shape.lookup_record and bool(shape.lookup))
     check_tree_shape(
         shape.depth,

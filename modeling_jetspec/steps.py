@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
+from .calibration import calibrated_children, check_calibration, node_source
 from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
 from .linear_forms import LinearForms, linear_forms
@@ -159,15 +160,33 @@ def draft_trees(
     """
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
-    children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
+    candidates = _top_candidates(head, logits, shape)
+    children = [marginal_children(*found) for found in candidates]
     branches = None
     if shape.lookup:
         indexes = RowIndexes() if indexes is None else indexes
         found = [_lookup_branch(history, shape, record, row, indexes) for row, history in histories.items()]
         children = [_merged(fn, *branch) for fn, branch in zip(children, found)]
         branches = [trie for trie, _, _ in found]
+    if shape.calibration:
+        children = _calibrated(children, candidates, branches, check_calibration(shape.calibration))
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     return [build_tree(fn, budget, deepest, shape.scoring) for fn in children], children, branches
+
+
+def _calibrated(children: list, candidates: list, branches: list | None, table: dict) -> list:
+    """Each row's children scored by the calibration `table` (`calibration.py`): a node's source is who proposed it,
+    the head (among its top-W at that depth) or the row's model-free branch, or both."""
+    out = []
+    for i, fn in enumerate(children):
+        head_tokens = [set(tokens) for tokens in candidates[i][1]]
+        trie = branches[i] if branches is not None else None
+        out.append(calibrated_children(fn, table, functools.partial(_source_in, head_tokens, trie)))
+    return out
+
+
+def _source_in(head_tokens: list, trie: dict | None, path: tuple, token: int) -> str:
+    return node_source(path, token, head_tokens, trie)
 
 
 def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:

@@ -87,3 +87,46 @@ def test_a_map_from_the_fitted_table_is_monotone_and_filled():
     assert all(a <= b for a, b in zip(head, head[1:]))
     assert table["2:lookup"] == [0.4] * BINS
     assert check_calibration(table) is not None  # what it writes, a config reads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_calibrated_head_decodes_exactly_as_plain_generate(arch):
+    """A map changes which nodes the tree holds, never which tokens are committed: even a map that reverses the head's
+    order and puts the model-free branch last writes plain greedy's tokens, in a padded batch, with the trie on; and it
+    does change the trees (a call with the map switched off per call drafts others)."""
+    import torch
+
+    import modeling_jetspec.decode as decode
+    from tiny import prompts, tiny_head, tiny_target
+
+    target = tiny_target(arch, vocab_size=16)  # a small vocabulary: earlier continuations abound
+    reversed_map = {f"{d}:{s}": [0.9 - 0.08 * b for b in range(BINS)] for d in range(1, 5) for s in ("head", "both")}
+    reversed_map.update({f"{d}:lookup": [0.02] * BINS for d in range(1, 9)})
+    head = tiny_head(target, tree_lookup=6, tree_lookup_branches="trie", tree_calibration=reversed_map)
+    ids, mask = prompts(2, vocab_size=16)
+    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    drafted = {}
+    original = decode.draft
+    for label, extra in (("calibrated", {}), ("raw", {"tree_calibration": False})):
+        trees = drafted.setdefault(label, [])
+
+        def spy(*args, trees=trees, **kwargs):
+            out = original(*args, **kwargs)
+            trees.append([tuple(t.tokens) for t in out.host])
+            return out
+
+        decode.draft = spy
+        try:
+            ours = target.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=24,
+                pad_token_id=0,
+                assistant_model=head,
+                **extra,
+            )
+        finally:
+            decode.draft = original
+        assert torch.equal(ours, plain), label
+    assert drafted["calibrated"][0] != drafted["raw"][0]  # the same first round, other trees

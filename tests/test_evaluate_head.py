@@ -100,12 +100,20 @@ def nodes_of(drafted):
     return tree.tokens[:n], tree.parents[:n], tree.scores[:n]
 
 
-@pytest.mark.parametrize("setting", ["trie", "no_lookup", "oracle"])
+# a calibration that reverses the head's order at depth 1 and puts the branch's nodes last: trees unlike raw ones
+CALIBRATION = {
+    "1:head": [0.9 - 0.05 * b for b in range(10)],
+    "1:lookup": [0.01] * 10,
+    "2:both": [0.2 + 0.05 * b for b in range(10)],
+}
+
+
+@pytest.mark.parametrize("setting", ["trie", "trie_calibrated", "no_lookup", "oracle"])
 def test_offline_rounds_equal_real_generate(setting, monkeypatch):
     target = sharp_target()
     rows = greedy_rows(target)
-    budget = {"trie": 6, "no_lookup": 12, "oracle": 10}[setting]
-    lookup = setting == "trie"
+    budget = {"trie": 6, "trie_calibrated": 6, "no_lookup": 12, "oracle": 10}[setting]
+    lookup = setting.startswith("trie")
     tree = {} if lookup else {"tree_lookup": 0}
     fetch = forward_features(target, tiny_head(target))  # float32 features of the whole rows
     forwards = {}  # row id -> verify forwards of real `generate` on it
@@ -120,7 +128,8 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
                 tree_depth=4,
             )
         elif i == 0:
-            head = tiny_head(target, tree_width=4, **LOOKUP)  # one head for all rows (batched below)
+            calibrated = {"tree_calibration": CALIBRATION} if setting == "trie_calibrated" else {}
+            head = tiny_head(target, tree_width=4, **LOOKUP, **calibrated)  # one head for all rows (batched below)
         if setting == "oracle" or i == 0:
             head.attach_target(target)
             shape = tree_shape(head, budget, lookup)

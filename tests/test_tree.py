@@ -375,6 +375,7 @@ def test_each_tree_setting_is_a_head_default_and_a_per_call_override():
         "tree_lookup_prior": [[0.5, 0.4], [0.9]],
         "tree_lookup_branches": "trie",
         "tree_lookup_record": True,
+        "tree_calibration": {"1:head": [0.1 * b for b in range(10)]},
     }
     companions = {"tree_lookup_record": {"tree_lookup": 4, "tree_lookup_prior": [[0.3]]}}
     assert sorted(other) == sorted(TREE_FIELDS)
