@@ -335,10 +335,15 @@ def _server_shard(
     vocab = len(tokenizer)
 
     def check(completion: Completion) -> Optional[str]:
-        """What makes an answer unusable besides its form (which the client checks): ids the tokenizer lacks."""
+        """What makes an answer unusable besides its form (which the client checks): ids the tokenizer lacks, or a
+        text answer cut by `max_tokens` (`"length"`) short of it, counted here where the server did not count it."""
         ids = answer_token_ids(completion, tokenizer, max_new_tokens)
         bad = [token for token in ids if token >= vocab]
-        return f"token ids {bad[:3]} outside the tokenizer's {vocab}" if bad else None
+        if bad:
+            return f"token ids {bad[:3]} outside the tokenizer's {vocab}"
+        if completion.finish_reason == "length" and completion.generated is None and len(ids) < max_new_tokens:
+            return f"cut off (finish_reason 'length' after {len(ids)} of {max_new_tokens} tokens, retokenized)"
+        return None
 
     answers = server.complete_all([record["prompt_ids"] for record in shard], texts, max_new_tokens, check=check)
     for record, completion in zip(shard, answers):
