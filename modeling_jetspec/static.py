@@ -42,8 +42,9 @@ from .layers import JetSpecContext
 from .state import Acceptance, DraftTrees, TreeShape
 from .steps import (
     _gather_nodes,
+    build_trees,
     draft_block,
-    draft_trees,
+    draft_children,
     feature_layers,
     float_dtype,
     logits_to_keep,
@@ -316,7 +317,8 @@ class StaticVerifier:
         indexes: RowIndexes | None = None,
     ) -> DraftTrees:
         """`steps.draft` over the buffers: one head forward for every row, finished rows included, then the active
-        rows' trees as `steps.draft` builds them (`steps.draft_trees`), each padded to [`nodes`]."""
+        rows' trees as `steps.draft` builds them (`steps.draft_children`, `steps.build_trees`), each padded to
+        [`nodes`]."""
         ctx = state.context
         self._step()
         logits = self._draft(
@@ -324,8 +326,8 @@ class StaticVerifier:
         )  # (B, depth, V_draft)
         if state.rows.shape[0] < self.batch:
             logits = logits[state.rows]
-        trees = draft_trees(head, logits, shape, budget, histories, record, indexes)
-        return self._padded(trees, state.anchors.device)
+        children = draft_children(head, logits, shape, histories, record, indexes)
+        return self._padded(build_trees(children, shape, budget), state.anchors.device)
 
     def _padded(self, trees: list, device) -> DraftTrees:
         """The trees as tensors of [`nodes`] nodes each: padded nodes hang from the root, token -1."""

@@ -147,19 +147,18 @@ def draft(
     return _stack_trees(trees, budget, device)
 
 
-def draft_trees(
+def draft_children(
     head,
     logits: torch.Tensor,
     shape: TreeShape,
-    budget: int,
     histories: dict | None = None,
     record: LookupRecord | None = None,
     indexes: RowIndexes | None = None,
 ) -> list:
-    """The active rows' best-first trees (`tree.Tree`, on the host) from the head's block `logits` `(A, N, V_draft)`:
-    the top-W candidates of every depth (`tree.marginal_children`), each row's model-free branch where `shape.lookup`
-    asks for one, then `tree.build_tree` of `budget` nodes. The part of [`draft`] between the head's forward and the
-    trees' tensors (without path conditioning); the arguments are [`draft`]'s."""
+    """Per active row, the children of every branch its tree is built from (a `tree.ChildrenFn`), from the head's
+    block `logits` `(A, N, V_draft)`: the top-W candidates of every depth (`tree.marginal_children`), with the row's
+    model-free branch where `shape.lookup` asks for one. The part of [`draft`] between the head's forward and
+    [`build_trees`]; the arguments are [`draft`]'s."""
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     children = [marginal_children(*found) for found in _top_candidates(head, logits, shape)]
@@ -169,6 +168,11 @@ def draft_trees(
             _with_lookup_branch(fn, history, shape, record, row, indexes)
             for fn, (row, history) in zip(children, histories.items())
         ]
+    return children
+
+
+def build_trees(children: list, shape: TreeShape, budget: int) -> list:
+    """Each row's best-first tree of `budget` nodes (`tree.Tree`, on the host) from its [`draft_children`]."""
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     return [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
 

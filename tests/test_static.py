@@ -136,7 +136,7 @@ def test_lookup_branch_and_processors(branches):
 
 @pytest.mark.parametrize("branches", ["chain", "trie"])
 def test_the_static_path_drafts_the_default_paths_trees(branches, monkeypatch):
-    # the static draft is the default draft over other buffers (`steps.draft_trees`): round by round, the same trees
+    # the static draft is the default draft over other buffers (`steps.draft_children`, `steps.build_trees`): round by round, the same trees
     # (batch 1, so that no tree is padded on either path), node scores equal up to the head's float32 rounding over
     # contexts laid out in other columns
     target = tiny_target("llama")
