@@ -276,11 +276,9 @@ class JetSpecConfig(PretrainedConfig):
         ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(target_num_hidden_layers)
         self.target_num_hidden_layers, self.target_layer_ids = target_num_hidden_layers, list(ids)
         self.block_size, self.mask_source, self.dflash_mask_token_id = block_size, mask_source, dflash_mask_token_id
-        given = locals()
-        tree = {name: given[name] for name in TREE_FIELDS}  # stored as given, the depth derived when not given
-        tree["tree_depth"] = tree_depth if tree_depth is not None else min(7, block_size - 1)
-        for name, value in tree.items():
-            setattr(self, name, value)
+        given = {**locals(), "tree_depth": tree_depth if tree_depth is not None else min(7, block_size - 1)}
+        for name in TREE_FIELDS:  # stored as given, the depth derived from the block when not given
+            setattr(self, name, given[name])
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
         self.last_context_input, self.initializer_range = last_context_input, initializer_range
         self._set_layers(block_attention, layer_types, sliding_window, layer_block_attention)

@@ -316,7 +316,8 @@ class StaticVerifier:
         indexes: RowIndexes | None = None,
     ) -> DraftTrees:
         """`steps.draft` over the buffers: one head forward for every row, finished rows included, then the active
-        rows' trees as `steps.draft` builds them (`steps.draft_trees`), each padded to [`nodes`]."""
+        rows' trees as `steps.draft` builds them (`steps.draft_trees`), each padded to
+        [`nodes`]."""
         ctx = state.context
         self._step()
         logits = self._draft(

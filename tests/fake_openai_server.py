@@ -1,8 +1,10 @@
 """A scriptable fake OpenAI-compatible completions server for the fault tests (not collected by pytest).
 
 Loopback only (127.0.0.1, an ephemeral port), served from a daemon thread. It answers `GET /v1/models` and
-`POST /v1/completions` in vLLM's dialect (token-id prompts, `token_ids` in the answer). Each prompt has a script: the
-list of what its successive requests get, after which every request is answered. What a request can get:
+`POST /v1/completions` in vLLM's dialect (token-id prompts, `token_ids` in the answer), or, given `decode` (ids to
+text), as a server that returns text only (llama.cpp's): the answer's text, no `token_ids`, and its count in
+`usage.completion_tokens`. Each prompt has a script: the list of what its successive requests get, after which every
+request is answered. What a request can get:
 
 - `"ok"`: the answer of `answer(prompt_ids, max_tokens) -> (token_ids, finish_reason)`;
 - an int: that HTTP status with a JSON error body (500, 503, 429, 401, 404, ...);
@@ -12,7 +14,12 @@ list of what its successive requests get, after which every request is answered.
 - `"truncated"`: 200 with the first half of the answer's JSON (its length announced: the body reads whole);
 - `"short"`: 200 announcing the whole answer's length, sending half of it, then closing;
 - `"malformed"`: 200 with JSON that has no choice;
-- `"cut"`: 200 with half the answer's tokens and `finish_reason` `"length"`;
+- `"cut"`: 200 with half the answer's tokens and `finish_reason` `"length"` (as text with `decode`, counted in
+  `usage`);
+- `"cut_uncounted"`: with `decode` only: 200 with the text of half the answer's tokens, `finish_reason` `"length"`
+  and no `usage` (a text server that does not count: only the client's retokenization can tell);
+- `"trickle"`: the whole answer, status line and headers included, in `trickle_pieces` pieces `trickle` seconds
+  apart: every read gets bytes within the client's timeout, the whole takes `trickle * trickle_pieces` seconds;
 - `"no_finish"`: 200 with the answer but no `finish_reason`;
 - `"bad_ids"`: 200 with token ids no tokenizer of the tests has.
 
@@ -29,7 +36,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional, Union
 
 Fault = Union[str, int]
-FAULTS = ("ok", "stall", "close", "empty", "truncated", "short", "malformed", "cut", "no_finish", "bad_ids")
+FAULTS = (
+    "ok",
+    "stall",
+    "close",
+    "empty",
+    "truncated",
+    "short",
+    "malformed",
+    "cut",
+    "cut_uncounted",
+    "trickle",
+    "no_finish",
+    "bad_ids",
+)
 
 
 def hashed_answer(eos: int = 2, low: int = 5, high: int = 125) -> Callable[[list[int], int], tuple[list[int], str]]:
@@ -58,12 +78,15 @@ class FakeOpenAIServer:
         script: Optional[Callable[[tuple[int, ...]], list[Fault]]] = None,
         *,
         model: str = "fake",
+        decode: Optional[Callable[[list[int]], str]] = None,
         stall: float = 2.5,
+        trickle: float = 0.2,
+        trickle_pieces: int = 15,
         max_requests: int = 500,
         lifetime: float = 900.0,
     ):
-        self.answer, self.script, self.model = answer, script or (lambda ids: []), model
-        self.stall, self.max_requests = stall, max_requests
+        self.answer, self.script, self.model, self.decode = answer, script or (lambda ids: []), model, decode
+        self.stall, self.trickle, self.trickle_pieces, self.max_requests = stall, trickle, trickle_pieces, max_requests
         self.lock = threading.Lock()
         self.scripts: dict[tuple[int, ...], list[Fault]] = {}
         self.log: list[tuple[tuple[int, ...], Fault]] = []
@@ -159,14 +182,11 @@ class FakeOpenAIServer:
                 if isinstance(fault, int):
                     return self.send(fault, json.dumps({"error": {"message": f"fake fault {fault}"}}).encode())
                 ids, finish = server.answer(list(prompt), body["max_tokens"])
-                choice = {"text": "", "token_ids": ids, "finish_reason": finish}
-                if fault == "cut":
-                    choice.update(token_ids=ids[: len(ids) // 2], finish_reason="length")
-                elif fault == "no_finish":
-                    choice["finish_reason"] = None
+                if fault in ("cut", "cut_uncounted"):
+                    ids, finish = ids[: len(ids) // 2], "length"
                 elif fault == "bad_ids":
-                    choice["token_ids"] = [10**6] * len(ids)
-                answer = {"object": "text_completion", "model": server.model, "choices": [choice]}
+                    ids = [10**6] * len(ids)
+                answer = server.body(ids, None if fault == "no_finish" else finish, counted=fault != "cut_uncounted")
                 if fault == "malformed":
                     answer = {"object": "text_completion", "model": server.model, "choices": []}
                 data = json.dumps(answer).encode()
@@ -176,7 +196,40 @@ class FakeOpenAIServer:
                     return self.send(200, data[: len(data) // 2])
                 if fault == "short":
                     return self.send(200, data[: len(data) // 2], length=len(data))
-                assert fault in ("ok", "cut", "no_finish", "bad_ids", "malformed"), f"unknown fault {fault!r}"
+                if fault == "trickle":
+                    return self.trickle(data)
+                assert fault in FAULTS, f"unknown fault {fault!r}"
                 self.send(200, data)
 
+            def trickle(self, data: bytes):
+                head = (
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+                ).encode()
+                whole, pieces = head + data, server.trickle_pieces
+                size = -(-len(whole) // pieces)
+                for start in range(0, len(whole), size):
+                    if server.stopped.wait(server.trickle if start else 0.0):
+                        return
+                    try:
+                        self.wfile.write(whole[start : start + size])
+                        self.wfile.flush()
+                    except OSError:  # the client gave up
+                        return
+
         return Handler
+
+    def body(self, ids: list[int], finish: Optional[str], counted: bool = True) -> dict:
+        """An answer of `ids`: vLLM's (`token_ids`, the text left empty), or, with `decode`, a text server's (the text,
+        and, when `counted`, `usage.completion_tokens`)."""
+        if self.decode is None:
+            choice = {"text": "", "token_ids": ids, "finish_reason": finish}
+            return {"object": "text_completion", "model": self.model, "choices": [choice]}
+        answer = {
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [{"text": self.decode(ids), "finish_reason": finish}],
+        }
+        if counted:
+            answer["usage"] = {"completion_tokens": len(ids)}
+        return answer

@@ -4,6 +4,7 @@ retried and then answered with the fault-free rows; a prompt that keeps failing 
 row or an exported one, and is asked again by the next run; a refusal no retry heals stops the run, naming the address
 and the status."""
 
+import functools
 import json
 
 import pytest
@@ -28,6 +29,7 @@ FAULT_KINDS = {
     "short": "connection dropped (IncompleteRead)",
     "malformed": "malformed body (expected one choice)",
     "cut": "cut off (finish_reason 'length' after",
+    "trickle": "no whole answer within 2 s",  # the deadline, twice the timeout: each piece came within the timeout
     "no_finish": "cut off (finish_reason None)",
     "bad_ids": "token ids [1000000, 1000000, 1000000] outside the tokenizer's 125",
 }
@@ -196,12 +198,65 @@ def test_the_client_bounds_its_attempts_and_backs_off(tokenizer):
         assert len(server.faults_of(key)) == 5
 
 
+def test_a_text_answer_cut_short_is_retried_then_recorded_failed_never_exported(tokenizer, prompts, tmp_path):
+    """A server that returns text only (llama.cpp's) cuts answers to half their tokens with `finish_reason`
+    "length", short of `max_tokens`: counted by the server (`usage`), or, where it counts nothing, by retokenizing
+    the text. Either is retried; a prompt cut at every attempt is recorded as failed, in no shard and not exported;
+    the rows written are the fault-free text server's (p3's runs to `max_tokens`, p2's stops before)."""
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+    keys = prompt_keys(tokenizer, prompts)
+    script = {keys[2]: ["cut"], keys[3]: ["cut_uncounted"], keys[6]: ["cut_uncounted"] * 3}
+    with FakeOpenAIServer(hashed_answer(), lambda key: script.get(key, []), decode=decode) as server:
+        stats = regenerate(
+            None, tokenizer, prompts, tmp_path / "cut", server=CompletionsServer(server.url, **FAST), **RUN
+        )
+        for key, faults in script.items():
+            assert server.faults_of(key) == (faults if len(faults) == 3 else [*faults, "ok"])
+    assert manifest(tmp_path / "cut")["settings"]["answer_ids"] == "retokenized"
+    assert stats["failed"] == {"p6": "3 attempts: cut off (finish_reason 'length' after 2 of 6 tokens, retokenized) x3"}
+    with FakeOpenAIServer(hashed_answer(), decode=decode) as server:
+        regenerate(None, tokenizer, prompts, tmp_path / "clean", server=CompletionsServer(server.url, **FAST), **RUN)
+    clean = {row["id"]: row for row in load_regenerated(tmp_path / "clean").to_list()}
+    written = load_regenerated(tmp_path / "cut").to_list()
+    assert [row["id"] for row in written] == [p["id"] for p in prompts if p["id"] != "p6"]
+    assert written == [clean[row["id"]] for row in written]
+    save_compact(tmp_path / "cut", tmp_path / "rows.npz")
+    assert sorted(load_compact(tmp_path / "rows.npz")["id"]) == sorted(row["id"] for row in written)  # p6 is not
+
+
+def test_one_deadline_bounds_a_whole_request_however_steadily_bytes_come(tokenizer):
+    """A server that trickles its answer (headers included), every piece well within the per-read timeout, holds a
+    request no longer than the deadline: the attempt is cut there and retried, and a request that trickles at every
+    attempt fails, naming the deadline."""
+    import time
+
+    key = (3, 7, 4)
+    pieces, every, deadline = 40, 0.2, 0.8  # 7.8 s of trickle per attempt, a piece every 0.2 s
+    slack = 2.0  # seconds an attempt may run past its deadline on a loaded host (the timer, the retry's backoff)
+    trickling = FakeOpenAIServer(hashed_answer(), lambda k: ["trickle"] * 3, trickle=every, trickle_pieces=pieces)
+    with trickling as server:
+        client = CompletionsServer(server.url, timeout=1.0, deadline=deadline, retry_delay=0.01, max_attempts=2)
+        start = time.perf_counter()
+        with pytest.raises(CompletionFailed, match=rf"2 attempts: no whole answer within {deadline:g} s x2"):
+            client.complete(list(key), 4)
+        assert 2 * deadline <= time.perf_counter() - start < 2 * (deadline + slack)  # cut at the deadline, twice
+        start = time.perf_counter()
+        assert client.complete(list(key), 4).token_ids == hashed_answer()(list(key), 4)[0]  # the 3rd trickles, 4th ok
+        assert deadline <= time.perf_counter() - start < deadline + slack
+        assert server.faults_of(key) == ["trickle", "trickle", "trickle", "ok"]
+    # a server that sends the same answer at once is answered well within the deadline
+    with FakeOpenAIServer(hashed_answer()) as server:
+        client = CompletionsServer(server.url, timeout=1.0, deadline=0.8)
+        assert client.complete(list(key), 4).token_ids == hashed_answer()(list(key), 4)[0]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         ({"max_attempts": 0}, "expected max_attempts to be an int >= 1"),
         ({"retry_delay": -1}, r"expected retry_delay in \[0, 60\] seconds"),
         ({"timeout": 0}, "expected timeout > 0 seconds"),
+        ({"deadline": 0}, "expected deadline > 0 seconds"),
     ],
 )
 def test_bad_retry_settings_raise(kwargs, match):

@@ -335,10 +335,15 @@ def _server_shard(
     vocab = len(tokenizer)
 
     def check(completion: Completion) -> Optional[str]:
-        """What makes an answer unusable besides its form (which the client checks): ids the tokenizer lacks."""
+        """What makes an answer unusable besides its form (which the client checks): ids the tokenizer lacks, or a
+        text answer cut by `max_tokens` (`"length"`) short of it, counted here where the server did not count it."""
         ids = answer_token_ids(completion, tokenizer, max_new_tokens)
         bad = [token for token in ids if token >= vocab]
-        return f"token ids {bad[:3]} outside the tokenizer's {vocab}" if bad else None
+        if bad:
+            return f"token ids {bad[:3]} outside the tokenizer's {vocab}"
+        if completion.finish_reason == "length" and completion.generated is None and len(ids) < max_new_tokens:
+            return f"cut off (finish_reason 'length' after {len(ids)} of {max_new_tokens} tokens, retokenized)"
+        return None
 
     answers = server.complete_all([record["prompt_ids"] for record in shard], texts, max_new_tokens, check=check)
     for record, completion in zip(shard, answers):
@@ -466,49 +471,27 @@ def regenerate(
     prompts = shard_prompts(prompts, num_shards, shard_index)
     if not prompts:  # more processes than prompts left: this one has nothing to answer
         return {"rows": 0, "new_rows": 0, "new_tokens": 0, "seconds": 0.0, "failed": {}}
-    if server is None:
-        if model is None:
-            raise ValueError("expected a model to answer with, or a server, got neither")
-        settings = _settings(
-            model,
-            target=target,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            seed=seed,
-            sample_temperature=sample_temperature,
-            shard_size=shard_size,
-            continuous=continuous,
-            sort_pool=sort_pool,
-            cache_implementation=cache_implementation,
-        )
-    else:
-        _check_server_run(model, feature_store, continuous, sample_temperature, cache_implementation)
-        probes = [(prompt_ids(record), apply_chat_template(tokenizer, record["prompt"])) for record in prompts[:3]]
-        settings = _server_settings(
-            server,
-            probes,
-            target=target,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            shard_size=shard_size,
-            sort_pool=sort_pool,
-        )
-    if continuous and feature_store is not None:
-        raise ValueError(
-            "expected either continuous=True or a feature_store, got both: continuous batching returns "
-            "no hidden states (build the store afterwards with training/feature_store.py)"
-        )
-    if num_shards > 1 and feature_store is not None:
-        raise ValueError(
-            f"expected no feature_store with num_shards={num_shards} (one store has one writer), got "
-            "one; build the store from the exported rows afterwards (training/feature_store.py)"
-        )
+    settings = _run_settings(
+        model,
+        server,
+        prompts[:3],
+        tokenizer,
+        prompt_ids,
+        feature_store=feature_store,
+        target=target,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+        sample_temperature=sample_temperature,
+        shard_size=shard_size,
+        continuous=continuous,
+        sort_pool=sort_pool,
+        cache_implementation=cache_implementation,
+    )
+    _check_feature_store(feature_store, continuous, num_shards)
     pad_token_id = _pad_token_id(tokenizer)
     folder = _part_folder(Path(out_dir), num_shards, shard_index)
-    shards, done_ids, failed = _resume(folder, settings)
-    # the prompts recorded as failed are not done: they are asked again, in their place in the order
-    pending = [record for record in _sort_pools(prompts, sort_pool, prompt_ids) if record["id"] not in done_ids]
-    _write_manifest(folder, settings, shards, failed)
+    shards, failed, pending = _resume_pending(folder, settings, prompts, sort_pool, prompt_ids)
     progress_bar = _Progress(len(pending), enabled=progress)
     try:
         written = _write_shards(
@@ -534,6 +517,66 @@ def regenerate(
         "seconds": time.perf_counter() - progress_bar.start,
         "failed": dict(failed),
     }
+
+
+def _run_settings(
+    model: Optional[PreTrainedModel],
+    server: Optional[CompletionsServer],
+    probe_records: list[dict[str, str]],
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: "_PromptIds",
+    *,
+    feature_store: Optional[StoreWriter],
+    batch_size: int,
+    continuous: bool,
+    sample_temperature: float,
+    cache_implementation: Optional[str],
+    **common: Any,
+) -> dict[str, Any]:
+    """The run's settings, checked, as `progress.json` records them: of `generate` in this process ([`_settings`]),
+    or, once nothing of `generate` was asked for ([`_check_server_run`]), of the server's run, which asks the server
+    with the `probe_records` whether it returns token ids ([`_server_settings`]). `common`: `target`,
+    `max_new_tokens`, `seed`, `shard_size`, `sort_pool`."""
+    if server is None:
+        if model is None:
+            raise ValueError("expected a model to answer with, or a server, got neither")
+        return _settings(
+            model,
+            batch_size=batch_size,
+            sample_temperature=sample_temperature,
+            continuous=continuous,
+            cache_implementation=cache_implementation,
+            **common,
+        )
+    _check_server_run(model, feature_store, continuous, sample_temperature, cache_implementation)
+    probes = [(prompt_ids(record), apply_chat_template(tokenizer, record["prompt"])) for record in probe_records]
+    return _server_settings(server, probes, **common)
+
+
+def _check_feature_store(feature_store: Optional[StoreWriter], continuous: bool, num_shards: int) -> None:
+    """A feature store takes the hidden states of padded `generate` batches, from one writer."""
+    if continuous and feature_store is not None:
+        raise ValueError(
+            "expected either continuous=True or a feature_store, got both: continuous batching returns "
+            "no hidden states (build the store afterwards with training/feature_store.py)"
+        )
+    if num_shards > 1 and feature_store is not None:
+        raise ValueError(
+            f"expected no feature_store with num_shards={num_shards} (one store has one writer), got "
+            "one; build the store from the exported rows afterwards (training/feature_store.py)"
+        )
+
+
+def _resume_pending(
+    folder: Path, settings: dict[str, Any], prompts: list[dict[str, str]], sort_pool: int, prompt_ids: "_PromptIds"
+) -> tuple[list[dict[str, Any]], dict[str, str], list[dict[str, str]]]:
+    """`(shards, failed, pending)` of a run resuming in `folder` ([`_resume`]), the manifest written with the
+    run's `settings`: `pending` holds the prompts no shard holds yet, in the order [`_sort_pools`] gives them; the
+    prompts recorded as failed are not done, so they are asked again, in their place."""
+    shards, done_ids, failed = _resume(folder, settings)
+    pending = [record for record in _sort_pools(prompts, sort_pool, prompt_ids) if record["id"] not in done_ids]
+    _write_manifest(folder, settings, shards, failed)
+    return shards, failed, pending
 
 
 def _settings(

@@ -14,21 +14,27 @@ read.
 
 Requests run concurrently on a thread pool (the server batches them); only the standard library's `urllib` is used.
 
-Faults. A serving engine under load answers 5xx, stalls, drops connections, or returns an empty, cut or malformed
-body. Each of these is retried, at most `max_attempts` times per request with exponential backoff (`retry_delay`,
-doubled per attempt, at most `MAX_RETRY_DELAY` seconds): an HTTP 5xx, 408 or 429; no byte within `timeout` seconds;
-a connection refused, reset or closed before the whole answer; an empty body; a body that is not JSON (e.g. cut
-short); JSON without one choice holding text, a valid `token_ids` list and a `finish_reason`; an answer that ends
-without a reason that explains its length (`"length"` before `max_tokens` ids, no reason, or another reason than
-`"stop"` / `"length"`). After the last attempt [`CompletionsServer.complete`] raises [`CompletionFailed`] with the
+Faults. A serving engine under load answers 5xx, stalls, drops connections, trickles its bytes, or returns an empty,
+cut or malformed body. Each of these is retried, at most `max_attempts` times per request with exponential backoff
+(`retry_delay`, doubled per attempt, at most `MAX_RETRY_DELAY` seconds): an HTTP 5xx, 408 or 429; no byte within
+`timeout` seconds; no whole answer within `deadline` seconds of the request's start (the connection is shut down
+then, however steadily bytes arrive); a connection refused, reset or closed before the whole answer; an empty body; a
+body that is not JSON (e.g. cut short); JSON without one choice holding text, a valid `token_ids` list and a
+`finish_reason`; an answer that ends without a reason that explains its length (`"length"` before `max_tokens`
+tokens as the server counts them, in its `token_ids` or its `usage.completion_tokens`; no reason, or another reason
+than `"stop"` / `"length"`). A text answer the server does not count is counted by the caller, whose `check` sees it
+(`training/answers.py` retokenizes it). After the last attempt [`CompletionsServer.complete`] raises
+[`CompletionFailed`] with the
 reasons, and [`CompletionsServer.complete_all`] yields a [`Failure`] in that prompt's place: the caller records the
 prompt as failed and goes on. A refusal that no retry heals (any other 4xx: a bad request, a wrong model or path,
 missing credentials) raises [`ServerRefused`] at once, naming the address and the status: the run stops.
 """
 
+import functools
 import http.client
 import json
 import logging
+import socket
 import threading
 import urllib.error
 import urllib.parse
@@ -57,6 +63,7 @@ FINISH_REASONS = ("stop", "length")  # an end-of-generation token; max_tokens re
 RETRIED_STATUSES = frozenset({408, 429})  # request timeout, too many requests; and every 5xx
 MAX_RETRY_DELAY = 60.0  # seconds: the longest wait between two attempts, however many there are
 DEFAULT_ATTEMPTS, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT = 5, 1.0, 600.0
+DEADLINE_PER_TIMEOUT = 2.0  # the default deadline of a whole request, in per-read timeouts
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -68,6 +75,8 @@ class Completion:
     text: str
     token_ids: Optional[list[int]]  # the answer's token ids, when the server returns them; None otherwise
     finish_reason: Optional[str]  # "stop" (an end-of-generation token), "length" (max_tokens reached), ...
+    generated: Optional[int] = None  # tokens the server says it wrote (its `token_ids`, or `usage.completion_tokens`);
+    # None when it says neither
 
 
 @dataclass
@@ -110,6 +119,98 @@ def _int_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
+def _count(value: Any) -> Optional[int]:
+    """`value` when it is a count (an int >= 0), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class _Deadline:
+    """The end of one request, `seconds` after its start: the sockets it opened are then shut down, so that a read
+    blocked in one returns at once, however steadily a server trickles bytes (each read's own `timeout` never
+    expires then). `passed` tells whether that happened before the request ended ([`end`])."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.passed, self._ended = seconds, False, False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._pass)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+
+    def end(self) -> bool:
+        """The request is over (answered or failed); whether the deadline had passed before."""
+        with self._lock:
+            self._ended = True
+        self._timer.cancel()
+        return self.passed
+
+    def watch(self, sock: socket.socket) -> None:
+        """A socket the request opened (shut down at once when the deadline has passed already)."""
+        with self._lock:
+            self._sockets.append(sock)
+            if self.passed:
+                _shut_down(sock)
+
+    def _pass(self) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self.passed = True
+            for sock in self._sockets:
+                _shut_down(sock)
+
+
+def _shut_down(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+
+
+class _Watched:
+    """A connection that hands its socket to `watch` once connected (mixed into http.client's two)."""
+
+    def __init__(self, *args, watch: Callable[[socket.socket], None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.watch = watch
+
+    def connect(self):
+        super().connect()
+        self.watch(self.sock)
+
+
+class _HTTPConnection(_Watched, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Watched, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(functools.partial(_HTTPConnection, watch=self.deadline.watch), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):  # no context given: http.client's default, as urlopen's
+        return self.do_open(functools.partial(_HTTPSConnection, watch=self.deadline.watch), req)
+
+
 class CompletionsServer:
     """
     A client of one OpenAI-compatible `/v1/completions` endpoint that decodes greedily from token-id prompts.
@@ -124,6 +225,9 @@ class CompletionsServer:
         timeout (`float`, *optional*, defaults to 600):
             Seconds a request may wait for the server's next bytes (to connect, for the answer's head, for each read
             of its body); past it the attempt fails and is retried.
+        deadline (`float`, *optional*):
+            Seconds a whole request may take, from its start to its answer's last byte, however steadily the bytes
+            come; past it the connection is shut down and the attempt is retried. Defaults to twice `timeout`.
         prompt_format (`str`, *optional*, defaults to `"token_ids"`):
             `"token_ids"` sends each prompt as its token ids; `"text"` sends the formatted text, after checking
             that the server tokenizes it to the same ids (for servers whose `prompt` takes text only).
@@ -140,6 +244,7 @@ class CompletionsServer:
         concurrency: int = 8,
         model: Optional[str] = None,
         timeout: float = DEFAULT_TIMEOUT,
+        deadline: Optional[float] = None,
         prompt_format: str = "token_ids",
         max_attempts: int = DEFAULT_ATTEMPTS,
         retry_delay: float = DEFAULT_RETRY_DELAY,
@@ -151,6 +256,8 @@ class CompletionsServer:
             raise ValueError(f"expected concurrency to be a positive int, got {concurrency!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"expected timeout > 0 seconds, got {timeout!r}")
+        if deadline is not None and (not isinstance(deadline, (int, float)) or not deadline > 0):
+            raise ValueError(f"expected deadline > 0 seconds (or None: twice the timeout), got {deadline!r}")
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"expected prompt_format in {PROMPT_FORMATS}, got {prompt_format!r}")
         if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
@@ -161,6 +268,7 @@ class CompletionsServer:
         self.base = self.root + "/v1"
         self.concurrency = concurrency
         self.timeout = timeout
+        self.deadline = float(deadline) if deadline is not None else DEADLINE_PER_TIMEOUT * timeout
         self.prompt_format = prompt_format
         self.max_attempts = max_attempts
         self.retry_delay = float(retry_delay)
@@ -169,13 +277,36 @@ class CompletionsServer:
 
     # ------------------------------------------------------------------------------------------------ one attempt
     def _attempt(self, address: str, body: Optional[dict]) -> dict[str, Any]:
-        """`GET` (no body) or `POST` (a JSON body) `address` once: the decoded JSON object, `_Retry` for a fault a
-        retry may heal, `ServerRefused` for one it will not."""
+        """`GET` (no body) or `POST` (a JSON body) `address` once, within `deadline` seconds: the decoded JSON
+        object, `_Retry` for a fault a retry may heal, `ServerRefused` for one it will not."""
         data = None if body is None else json.dumps(body).encode("utf-8")
         request = urllib.request.Request(address, data=data, headers={"Content-Type": "application/json"})
+        late = f"no whole answer within {self.deadline:g} s"
+        with _Deadline(self.deadline) as deadline:
+            try:
+                raw = self._exchange(address, request, deadline)
+            except _Retry:
+                if deadline.end():
+                    raise _Retry(late) from None
+                raise
+            if deadline.end():  # what came before the shutdown may parse, but it is not the whole answer
+                raise _Retry(late)
+        if not raw.strip():
+            raise _Retry("empty body")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                raw = response.read()
+            answer = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise _Retry("body is not JSON (truncated?)") from None
+        if not isinstance(answer, dict):
+            raise _Retry(f"malformed body (a JSON {type(answer).__name__}, not an object)")
+        return answer
+
+    def _exchange(self, address: str, request: urllib.request.Request, deadline: _Deadline) -> bytes:
+        """The body of the answer to `request`, its sockets watched by `deadline`; `_Retry` / `ServerRefused`."""
+        opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
+        try:
+            with opener.open(request, timeout=min(self.timeout, self.deadline)) as response:
+                return response.read()
         except urllib.error.HTTPError as error:
             try:
                 detail = " ".join(error.read().decode("utf-8", "replace").split())[:500]
@@ -197,15 +328,6 @@ class CompletionsServer:
             raise _Retry(f"no answer within {self.timeout:g} s") from None
         except (OSError, http.client.HTTPException) as error:  # closed, reset, or fewer bytes than announced
             raise _Retry(f"connection dropped ({type(error).__name__})") from None
-        if not raw.strip():
-            raise _Retry("empty body")
-        try:
-            answer = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _Retry("body is not JSON (truncated?)") from None
-        if not isinstance(answer, dict):
-            raise _Retry(f"malformed body (a JSON {type(answer).__name__}, not an object)")
-        return answer
 
     def _with_retries(self, address: str, attempt: Callable[[], T], first_contact: bool = False) -> T:
         """`attempt()`, retried with backoff on `_Retry` up to `max_attempts` times; then `CompletionFailed`. At
@@ -283,9 +405,13 @@ class CompletionsServer:
             raise _Retry(f"malformed body (`token_ids` is not a list of at most {max_new_tokens} ids)")
         if finish not in FINISH_REASONS:
             raise _Retry(f"cut off (finish_reason {finish!r})")
-        if finish == "length" and token_ids is not None and len(token_ids) < max_new_tokens:
-            raise _Retry(f"cut off (finish_reason 'length' after {len(token_ids)} of {max_new_tokens} tokens)")
-        return Completion(text=text or "", token_ids=token_ids, finish_reason=finish)
+        usage = answer.get("usage")
+        generated = len(token_ids) if token_ids is not None else None
+        if generated is None and isinstance(usage, dict):
+            generated = _count(usage.get("completion_tokens"))
+        if finish == "length" and generated is not None and generated < max_new_tokens:
+            raise _Retry(f"cut off (finish_reason 'length' after {generated} of {max_new_tokens} tokens)")
+        return Completion(text=text or "", token_ids=token_ids, finish_reason=finish, generated=generated)
 
     def complete(
         self,

@@ -18,8 +18,8 @@ python -m training.regenerate --target smollm2-135m --prompts training/prompts/s
     --out data/regen-server --server http://127.0.0.1:8000 --concurrency 32 --max_new_tokens 192
 ```
 
-A server's faults (5xx, stalls past `--server_timeout`, dropped connections, empty, cut or malformed answers) are
-retried `--server_attempts` times per prompt with exponential backoff from `--server_retry_delay`; a prompt still
+A server's faults (5xx, stalls past `--server_timeout`, requests past `--server_deadline` however steadily bytes
+come, dropped connections, empty, cut or malformed answers) are retried `--server_attempts` times per prompt with exponential backoff from `--server_retry_delay`; a prompt still
 without an answer is recorded as failed in `progress.json` (no row is written for it, `--export` never packs it) and
 listed at the end. A refusal no retry heals (401, 403, 404, 422: wrong address, model or credentials) stops the run.
 
@@ -44,6 +44,7 @@ from modeling_jetspec.configuration_jetspec import default_target_layer_ids  # n
 
 from training.answers import read_prompts, regenerate, save_compact  # noqa: E402
 from training.completions import (  # noqa: E402
+    DEADLINE_PER_TIMEOUT,
     DEFAULT_ATTEMPTS,
     DEFAULT_RETRY_DELAY,
     DEFAULT_TIMEOUT,
@@ -137,7 +138,7 @@ class RegenerateArguments:
         default=DEFAULT_ATTEMPTS,
         metadata={
             "help": "With --server: attempts per prompt (1 retries nothing) before it is recorded as failed "
-            "(5xx, 408, 429, timeouts, dropped connections, empty, cut or malformed answers)."
+            "(5xx, 408, 429, timeouts, deadlines, dropped connections, empty, cut or malformed answers)."
         },
     )
     server_retry_delay: float = field(
@@ -152,6 +153,13 @@ class RegenerateArguments:
         metadata={
             "help": "With --server: seconds a request may wait for the server's next bytes before the attempt "
             "fails (the whole answer comes at once: allow for the longest one under load)."
+        },
+    )
+    server_deadline: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "With --server: seconds a whole request may take, however steadily the server sends bytes, "
+            f"before the attempt fails; defaults to {DEADLINE_PER_TIMEOUT:g} times --server_timeout."
         },
     )
     num_shards: Optional[int] = field(
@@ -233,6 +241,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             model=args.server_model,
             prompt_format=args.server_prompt,
             timeout=args.server_timeout,
+            deadline=args.server_deadline,
             max_attempts=args.server_attempts,
             retry_delay=args.server_retry_delay,
         )
