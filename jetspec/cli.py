@@ -84,15 +84,15 @@ def parse_suites(text: str) -> list[str]:
     return check_suites(parse_list(text))
 
 
-def check_target_name(target: str):
-    """Raise a `ValueError` for a `--target` that names a local folder which does not exist: an absolute or relative
-    path (`/x`, `./x`, `~/x`, `a/b/c`) cannot be an alias or a Hub id (`org/name`)."""
+def check_target_name(target: str, option: str = "--target"):
+    """Raise a `ValueError` for a `--target` (or `option`) that names a local folder which does not exist: an absolute
+    or relative path (`/x`, `./x`, `~/x`, `a/b/c`) cannot be an alias or a Hub id (`org/name`)."""
     if target in DEFAULT_HEADS or Path(target).expanduser().is_dir():
         return
     if target.startswith(("/", ".", "~")) or target.count("/") > 1 or os.sep != "/" and os.sep in target:
         found = "a file, not a folder" if Path(target).expanduser().exists() else "no such folder"
         raise ValueError(
-            f"expected --target to be the alias {DEFAULT_TARGET}, a saved model folder or a Hub id (org/name), got "
+            f"expected {option} to be the alias {DEFAULT_TARGET}, a saved model folder or a Hub id (org/name), got "
             f"{target!r}: {found}"
         )
 
@@ -296,7 +296,7 @@ def _check_inputs(args):
     from .targets import resolve_dtype
 
     dtype, dtype_reason = resolve_dtype(args.dtype)
-    check_target_name(args.target)
+    check_target_name(args.target, "--model" if args.command == "serve" else "--target")
     if args.command == "bench":
         suites, budgets = parse_suites(args.suite), parse_budgets(args.budgets)
     head_path = resolve_head_path(args.head, args.target)

@@ -448,3 +448,43 @@ def test_serves_smollm2_with_the_committed_head_as_plain_generate(tmp_path):
             assert answer["jetspec"]["tokens_by_source"]["head"] + answer["jetspec"]["tokens_by_source"]["lookup"] > 0
     finally:
         served.stop()
+
+
+def test_serve_bench_drives_both_servers_on_one_prompt(server, transformers_server):
+    """scripts/serve_bench.py, smoke-checked at tiny size (one prompt, 4 tokens): both servers answer, each record
+    holds its time to first token and its tokens, the tree's statistics come from jetspec serve only."""
+    from test_scripts import load_script
+
+    bench = load_script("serve_bench")
+    servers = {
+        bench.JETSPEC: (server.url, NAME),
+        bench.TRANSFORMERS: (transformers_server.url, transformers_server.name),
+    }
+    prompts = [{"suite": "gsm8k", "id": "p0", "prompt": PROMPTS[0]}]
+    results = bench.run_bench(servers, prompts, max_tokens=4, clients=[1], warmup=False)
+    records = results["runs"][0]["requests"]
+    assert [r["tokens"] for name in servers for r in records[name]] == [4, 4]
+    assert all(0 < r["ttft"] <= r["seconds"] for name in servers for r in records[name])
+    rows = bench.summary_rows(results)
+    assert [(r["server"], r["requests"], r["same_text"], r["tau"] is None) for r in rows] == [
+        (bench.JETSPEC, 1, "1/1", False),
+        (bench.TRANSFORMERS, 1, "1/1", True),
+    ]
+    assert rows[1]["ratio"] == 1.0 and "| jetspec serve | 1 | 1 |" in bench.markdown(rows)
+
+
+def test_serve_reports_bad_arguments_on_one_line_before_loading(capsys, tmp_path):
+    from jetspec import cli
+
+    for argv, words in [
+        (["serve", "--port", "70000"], "expected a port in [1, 65535], got 70000"),
+        (["serve", "--port", "http"], "expected a port in [1, 65535], got 'http'"),
+        (["serve", "--model", str(tmp_path / "none")], "expected --model to be the alias smollm2-135m"),
+        (["serve", "--head", str(tmp_path)], "expected a trained JetSpec head"),
+        (["serve", "--dtype", "float16"], "expected --dtype in auto, float32, bfloat16"),
+    ]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and words in err and "\n" not in err, (argv, err)
