@@ -271,7 +271,10 @@ async def with_report(chunks, job: Job):
 
 
 def with_field(chunk: str, job: Job) -> str:
-    payload = json.loads(chunk.removeprefix("data: "))
+    try:
+        payload = json.loads(chunk.removeprefix("data: "))
+    except ValueError:  # several events in one piece: the stream ended with an error event
+        return chunk
     if "choices" not in payload or job.report is None:  # an error event
         return chunk
     payload["jetspec"] = jetspec_field(job)
@@ -312,6 +315,8 @@ def add_error_handlers(app):
         found = "; ".join(
             f"{e.get('msg')}{': ' + str(e['ctx'].get('error')) if e.get('ctx') else ''}" for e in error.errors()
         )
+        if "json" not in request.headers.get("content-type", ""):
+            found += f" (the body came as {request.headers.get('content-type')!r}, not application/json)"
         return answer(f"expected a JSON object as the request body, got {found}", 400, code="invalid_json")
 
     @app.exception_handler(HTTPException)

@@ -128,7 +128,7 @@ def _check_messages(messages):
             raise RequestError(
                 f"expected {where} to be an object with a role in {', '.join(ROLES)}, got {role!r}"[:300], param=where
             )
-        extra = sorted(set(message) - {"role", "content", "name"})
+        extra = sorted(set(message) - {"role", "content"})  # a `name` or tool calls would not reach the template
         if extra:
             raise RequestError(f"expected {where} to hold role and content only, got also {', '.join(extra)}", where)
         content = message.get("content")

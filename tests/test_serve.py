@@ -316,8 +316,8 @@ def test_concurrent_clients_each_get_their_own_answer(server, local, clients):
         assert max(a["jetspec"]["queued_seconds"] for a in answers) > min(a["jetspec"]["seconds"] for a in answers)
 
 
-def post(url: str, data: bytes, method: str = "POST") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+def post(url: str, data: bytes, method: str = "POST", kind: str = "application/json") -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": kind})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -349,6 +349,13 @@ BAD = [  # (path, body: a dict, or raw bytes; status; words of the message; the 
         "text only",
         "messages[0].content",
     ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "x", "name": "b"}]},
+        400,
+        "also name",
+        "messages[0]",
+    ),
     ("/v1/completions", {"model": NAME, "prompt": [1, 2, 3]}, 400, "non-empty string", "prompt"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 5000}, 400, "the model's context of 4096", "max_tokens"),
     ("/v1/completions", {"model": NAME, "prompt": "x" * 5000}, 400, "shorter than the model's context", "prompt"),
@@ -368,6 +375,10 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving(
         assert error["type"] == "invalid_request_error" and "Traceback" not in json.dumps(answer)
     got, answer = post(server.url + "/v1/completions", b"", method="GET")
     assert got == 405 and "Method Not Allowed" in answer["error"]["message"]
+    got, answer = post(
+        server.url + "/v1/completions", json.dumps(CHAT).encode(), kind="application/x-www-form-urlencoded"
+    )
+    assert got == 400 and "not application/json" in answer["error"]["message"]
     with pytest.raises(openai.NotFoundError, match="expected model 'tiny-served'"):  # what the client raises
         server.client.completions.create(model="other", prompt="a", max_tokens=2)
     assert ask(server.client, "completions", "still here", max_tokens=3)["usage"].completion_tokens == 3
