@@ -5,6 +5,7 @@
     jetspec bench --suite gsm8k,humaneval,mtbench --budgets 8,16,32,64 --max-new-tokens 256 --limit 10 \
         --out results/ [--head DIR] [--target smollm2-135m]
     jetspec convert SRC DST [--to jetspec|dflash] [--mask-token-id N]
+    jetspec serve [--model smollm2-135m] [--head DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto]
 
 Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
 exit with status 2 and a one-line message.
@@ -47,6 +48,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {value}")
+    return value
+
+
 def _budget(text: str):
     return "auto" if text == "auto" else _positive_int(text)
 
@@ -73,15 +84,15 @@ def parse_suites(text: str) -> list[str]:
     return check_suites(parse_list(text))
 
 
-def check_target_name(target: str):
-    """Raise a `ValueError` for a `--target` that names a local folder which does not exist: an absolute or relative
-    path (`/x`, `./x`, `~/x`, `a/b/c`) cannot be an alias or a Hub id (`org/name`)."""
+def check_target_name(target: str, option: str = "--target"):
+    """Raise a `ValueError` for a `--target` (or `option`) that names a local folder which does not exist: an absolute
+    or relative path (`/x`, `./x`, `~/x`, `a/b/c`) cannot be an alias or a Hub id (`org/name`)."""
     if target in DEFAULT_HEADS or Path(target).expanduser().is_dir():
         return
     if target.startswith(("/", ".", "~")) or target.count("/") > 1 or os.sep != "/" and os.sep in target:
         found = "a file, not a folder" if Path(target).expanduser().exists() else "no such folder"
         raise ValueError(
-            f"expected --target to be the alias {DEFAULT_TARGET}, a saved model folder or a Hub id (org/name), got "
+            f"expected {option} to be the alias {DEFAULT_TARGET}, a saved model folder or a Hub id (org/name), got "
             f"{target!r}: {found}"
         )
 
@@ -115,6 +126,21 @@ def load_head(path: Path, target):
     head = JetSpecDraftModel.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
     head.attach_target(target)
     return head
+
+
+SERVING_PACKAGES = ("fastapi", "uvicorn", "starlette", "openai")
+
+
+def check_serving_extras():
+    """Raise a `ValueError` naming the serving packages (`pip install "jetspec[serve]"`) that are not installed."""
+    import importlib.util
+
+    missing = [name for name in SERVING_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"expected the serving extras for `jetspec serve`, got {', '.join(missing)} missing: "
+            f'pip install -e ".[serve]" (transformers[serving] and the openai client)'
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a second saved head for the same target: every head method runs once more with it (`<name>@baseline`)",
     )
-    for sub in (gen, bench):
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible server (chat, completions, streaming) that decodes with the head's tree"
+    )
+    serve.add_argument("--model", dest="target", default=DEFAULT_TARGET, help=TARGET_HELP.replace("target", "model"))
+    serve.add_argument("--head", default=None, help="saved head folder (default: the committed head of --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name requests give as `model` and /v1/models lists (default: --model as given)",
+    )
+    for sub in (gen, bench, serve):
         sub.add_argument(
             "--dtype",
             default="auto",
@@ -235,6 +273,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 loaded.restrict_draft_vocab(args.draft_vocab_size)
     except (ValueError, OSError) as error:
         parser.error(" ".join(str(error).split()))
+    if args.command == "serve":
+        from .serve import serve
+
+        serve(target, tokenizer, head, args.served_model_name or args.target, args.host, args.port)
+        return 0
     # float32 is held to bitwise equality; a half precision's ties are judged against float32 logits, from the
     # checkpoint reloaded in float32 only if an output ever diverges
     float32_logits = None
@@ -253,10 +296,12 @@ def _check_inputs(args):
     from .targets import resolve_dtype
 
     dtype, dtype_reason = resolve_dtype(args.dtype)
-    check_target_name(args.target)
+    check_target_name(args.target, "--model" if args.command == "serve" else "--target")
     if args.command == "bench":
         suites, budgets = parse_suites(args.suite), parse_budgets(args.budgets)
     head_path = resolve_head_path(args.head, args.target)
+    if args.command == "serve":
+        check_serving_extras()
     if args.draft_vocab_size is not None:
         from modeling_jetspec import JetSpecConfig
 

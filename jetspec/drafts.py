@@ -5,13 +5,14 @@ token also is the target's (its prefill). `JetSpecStats.accepted` holds, per rou
 accepted, so the answer splits into rounds after the fact. A draft token is attributed to the prompt-lookup branch
 when it lies on that round's lookup continuation (the tokens after the most recent earlier occurrence of the row's
 last 3, 2 or 1 tokens, `tree.lookup_match`; with `tree_lookup_branches="trie"`, on any earlier continuation,
-`continuations.continuation_trie`), and to the head otherwise; a token both proposed counts as lookup.
+`continuations.continuation_trie`), and to the head otherwise; a token both proposed counts as lookup. Both are read
+from one `continuations.NgramIndex` grown round by round (what the rounds themselves do), so attributing a call's
+tokens costs what its rounds read, not a scan of the history per round (`jetspec serve` does it for every answer).
 """
 
 from __future__ import annotations
 
-from modeling_jetspec.continuations import continuation_trie
-from modeling_jetspec.tree import lookup_match
+from modeling_jetspec.continuations import NgramIndex
 
 SOURCES = ("head", "lookup", "target")
 _COLOURS = {"head": "\033[32m", "lookup": "\033[36m", "target": ""}  # green, cyan, the terminal's own
@@ -33,14 +34,17 @@ def token_sources(prompt_ids: list, new_tokens: list, accepted: list, lookup: in
         raise ValueError(f"expected the statistics of a batch-1 call (one row per round), got {accepted[:3]}...")
     sources = ["target"] if new_tokens else []  # the prefill's token
     start = 1
+    index = NgramIndex()  # grown round by round: the same tries and chains as a scan of each round's history
     for (count,) in accepted:
         drafted = new_tokens[start : start + count]
-        history = prompt_ids + new_tokens[:start]
-        if branches == "trie":
-            trie = continuation_trie(history, lookup)[0] if lookup else {}
-        else:  # the single chain as a trie of one branch
-            chain = lookup_match(history, lookup)[0] if lookup else []
-            trie = {tuple(chain[:k]): {token: 1} for k, token in enumerate(chain)}
+        trie = {}
+        if lookup and count:  # a round that accepted no draft token needs no branch
+            index.update(prompt_ids + new_tokens[:start])
+            if branches == "trie":
+                trie = index.trie(lookup)[0]
+            else:  # the single chain as a trie of one branch
+                chain = index.chain(lookup)[0]
+                trie = {tuple(chain[:k]): {token: 1} for k, token in enumerate(chain)}
         on_branch = True
         for k, token in enumerate(drafted):
             on_branch = on_branch and token in trie.get(tuple(drafted[:k]), {})

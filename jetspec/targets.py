@@ -104,6 +104,25 @@ def _build_smollm2_cache(cache: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def smollm2_folder(cache_dir: Optional[Union[str, os.PathLike]] = None) -> Path:
+    """
+    The folder, in transformers' format, that the alias `"smollm2-135m"` loads: the GGUF de-quantized to float32 and
+    written with `save_pretrained` (model, tokenizer, chat template), on first use. A server that loads a model
+    folder (`transformers serve`) serves it as is.
+
+    Args:
+        cache_dir (`str` or `os.PathLike`, *optional*):
+            The root folder of the jetspec cache, as in [`load_target`].
+
+    Returns:
+        `Path`: `<cache root>/smollm2-135m-instruct-fp32`.
+    """
+    folder = _cache_root(cache_dir) / SMOLLM2_CACHE_NAME
+    if not (folder / "config.json").is_file():
+        _build_smollm2_cache(folder)
+    return folder
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 
@@ -167,9 +186,7 @@ def load_target(
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"expected a non-empty model alias, folder or Hub id, got {name_or_path!r}")
     if name_or_path == SMOLLM2_ALIAS:
-        source = _cache_root(cache_dir) / SMOLLM2_CACHE_NAME
-        if not (source / "config.json").is_file():
-            _build_smollm2_cache(source)
+        source = smollm2_folder(cache_dir)
         hub_kwargs = {}
     else:
         source = name_or_path

@@ -263,3 +263,16 @@ def compile_all_devices(compile_config) -> bool:
 def mark_static_address(tensor) -> None:
     """Tells `torch.compile` a buffer keeps its address across calls (CUDA graphs then read it in place)."""
     torch._dynamo.mark_static_address(tensor)
+
+
+# ------------------------------------------------------------------------------------------------ serving
+def stream_error(message: str):
+    """The item that ends a stream of transformers' serving handlers with an error event (`jetspec serve`).
+
+    A streamed request's handler reads text from a queue and shows an item of the private class `_StreamError`
+    (`transformers.cli.serving.utils`) as `data: {"error": ...}`; its own generation manager puts one there when
+    `generate` raises. Imported here, on first use: the serving extras need not be installed for the rest.
+    """
+    from transformers.cli.serving.utils import _StreamError
+
+    return _StreamError(message)

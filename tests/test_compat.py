@@ -266,3 +266,12 @@ def test_private_transformers_names_are_touched_only_in_compat():
                 used |= _private_attributes(path)
     unknown = used - _own_names() - EXTENSION_POINTS - TORCH_PRIVATE
     assert not unknown, f"private names used outside modeling_jetspec/compat.py: {sorted(unknown)}"
+
+
+def test_stream_error_is_what_the_serving_handlers_show_as_an_error_event():
+    from transformers.cli.serving import chat_completion, completion
+
+    error = compat.stream_error("boom")
+    # both streamed handlers test their queue's items against the class they import; `msg` is what they print
+    assert isinstance(error, chat_completion._StreamError) and isinstance(error, completion._StreamError)
+    assert error.msg == "boom"

@@ -5,6 +5,11 @@ a) A loopback server in front of the tiny random target, speaking the two dialec
    must be the in-process rows, token for token: the server decodes greedily with the same fp32 model.
 b) The real llama-cpp-python server on the SmolLM2 GGUF (marked `llama_server`; skipped, by name, where the package is
    not installed), started and stopped by the test on a free loopback port.
+c) The real `transformers serve` (the extras `transformers[serving]`, installed by .ci/run), on the tiny target saved to
+   a folder and on SmolLM2 written out by the project (marked `real_model`): it takes the OpenAI API's fields only and
+   answers text, so prompts go as text (`text_openai`, checked by the prompt tokens it reports) and answers are
+   retokenized; its rows must be the in-process rows of the same float32 model, token for token. Its `/v1/models`
+   answers 500 offline: the client says to name the model.
 """
 
 import json
@@ -21,6 +26,7 @@ import pytest
 import torch
 
 from test_regenerate import RUN, tiny_model, tiny_tokenizer, write_prompts
+from test_serve import Server
 from training.answers import read_prompts, regenerate
 from training.completions import CompletionsServer
 from training.rows import load_regenerated
@@ -334,3 +340,101 @@ def test_llama_cpp_server_regenerates_greedy_rows_of_the_real_target(llama_serve
         )["new_rows"]
         == 0
     )
+
+
+# ------------------------------------------------------------------------------------- the real transformers serve
+def transformers_serve(folder, log) -> Server:
+    """`transformers serve` on a model folder, float32 on the CPU, offline (the folder is its model's name)."""
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder), "--dtype", "float32"]
+    return Server([*command, "--device", "cpu"], log, str(folder))
+
+
+def assert_same_rows(served, local, tokenizer, replaced_characters: bool = False) -> int:
+    """The served rows hold the in-process rows' text; their ids are the same, token for token, except (with
+    `replaced_characters`) in a row whose text holds U+FFFD: an answer that max_new_tokens cut inside a character
+    written as several byte-level tokens decodes to the replacement character, and no retokenizing gets the bytes
+    back. Returns how many rows are the same token for token; a difference names the row and where its ids part."""
+    assert served["id"] == local["id"]
+    same = 0
+    for ours, theirs in zip(local, served):
+        assert (theirs["answer"], theirs["prompt_length"]) == (ours["answer"], ours["prompt_length"])
+        a, b = ours["input_ids"], theirs["input_ids"]
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        explained = replaced_characters and "\ufffd" in ours["answer"]
+        assert a == b or explained, (
+            f"row {ours['id']}: the served row leaves the in-process one at token {at} of {len(a)}/{len(b)}: "
+            f"{tokenizer.convert_ids_to_tokens(a[at : at + 4])} vs {tokenizer.convert_ids_to_tokens(b[at : at + 4])}"
+        )
+        same += a == b
+    return same
+
+
+def test_transformers_serve_rows_are_the_in_process_rows(model, tokenizer, prompts, tmp_path):
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    regenerate(model, tokenizer, prompts, tmp_path / "local", **RUN)
+    served = transformers_serve(tmp_path / "model", tmp_path / "serve.log").wait()
+    try:
+        with pytest.raises(
+            ValueError, match=r"/v1/models to list the served model, got none: .*HTTP 500.*--server_model"
+        ):
+            CompletionsServer(served.url, max_attempts=1)
+        client = CompletionsServer(served.url, model=served.name, concurrency=3, prompt_format="text_openai")
+        stats = regenerate(None, tokenizer, prompts, tmp_path / "server", server=client, **SERVER_RUN)
+    finally:
+        served.stop()
+    assert stats["new_rows"] == 11
+    assert (
+        assert_same_rows(load_regenerated(tmp_path / "server"), load_regenerated(tmp_path / "local"), tokenizer) == 11
+    )
+    settings = settings_of(tmp_path / "server")
+    assert (settings["prompt_format"], settings["answer_ids"]) == ("text_openai", "retokenized")
+
+
+class CountingServer(TinyServer):
+    """The llama.cpp dialect, reporting how many prompt tokens it read (`usage.prompt_tokens`), as transformers' does."""
+
+    def answer(self, body: dict) -> tuple[int, dict]:
+        status, payload = super().answer(body)
+        payload["usage"] = {"prompt_tokens": len(self.tokens(body["prompt"]))}
+        return status, payload
+
+
+def test_a_text_openai_prompt_read_as_other_tokens_is_refused(model, tokenizer, prompts, tmp_path):
+    with CountingServer(model, tokenizer, "llama_cpp", bos=0) as server:  # it reads one token more than we sent
+        client = CompletionsServer(server.url, prompt_format="text_openai")
+        with pytest.raises(RuntimeError, match=r"to read the prompt as our (\d+) tokens \(usage.prompt_tokens\), got"):
+            regenerate(None, tokenizer, prompts, tmp_path / "out", server=client, **SERVER_RUN)
+    with CountingServer(model, tokenizer, "llama_cpp") as server:  # the same server reading our tokens: accepted
+        client = CompletionsServer(server.url, prompt_format="text_openai")
+        assert regenerate(None, tokenizer, prompts, tmp_path / "ok", server=client, **SERVER_RUN)["new_rows"] == 11
+
+
+@pytest.mark.real_model
+def test_transformers_serve_regenerates_the_in_process_rows_of_the_real_target(tmp_path):
+    """SmolLM2 written out by the project (`jetspec.targets.smollm2_folder`, the GGUF de-quantized and saved with
+    `save_pretrained`, here into a fresh folder) served by `transformers serve` in float32: greedy rows through it are
+    the in-process rows of the same folder in float32 (batch 1, so that no padding enters either side)."""
+    from jetspec.targets import load_target, smollm2_folder
+
+    folder = smollm2_folder(tmp_path / "cache")
+    model, tokenizer = load_target(str(folder), dtype=torch.float32)
+    prompts = [
+        {"id": f"q{i}", "prompt": text}
+        for i, text in enumerate(
+            ["What is 2 + 3?", "Name the capital of France.", "Say hello in Spanish.", "Write a haiku about rain."]
+        )
+    ]
+    run = {"max_new_tokens": 24, "shard_size": 2, "target": "smollm2-135m", "progress": False}
+    regenerate(model, tokenizer, prompts, tmp_path / "local", batch_size=1, **run)
+    served = transformers_serve(folder, tmp_path / "serve.log").wait()
+    try:
+        client = CompletionsServer(served.url, model=str(folder), concurrency=2, prompt_format="text_openai")
+        stats = regenerate(None, tokenizer, prompts, tmp_path / "server", server=client, **run)
+    finally:
+        served.stop()
+    assert stats["new_rows"] == 4
+    served, local = load_regenerated(tmp_path / "server"), load_regenerated(tmp_path / "local")
+    # q2's answer ends at max_new_tokens inside an emoji (byte-level tokens 'ðŁ', 'Į' of its four bytes): its text
+    # holds U+FFFD where they were, which retokenizes to other ids; every other row is the same, token for token
+    assert assert_same_rows(served, local, tokenizer, replaced_characters=True) >= 3

@@ -10,7 +10,9 @@ which the caller retokenizes (and records that it did).
 A server that takes text prompts only (llama-cpp-python's, whose `prompt` is a string) is sent the formatted text
 instead (`prompt_format="text"`), and each prompt is first tokenized by the server (its `/extras/tokenize`): a
 prompt the server would read as other tokens than ours is refused, so a row's prompt ids are still what the server
-read.
+read. A server that takes only the OpenAI API's own fields and has no tokenize endpoint (`transformers serve`, which
+answers any other field with a 422) is sent the formatted text in such a request (`prompt_format="text_openai"`); the
+prompt's tokens are checked by the count the server reports reading (`usage.prompt_tokens`).
 
 Requests run concurrently on a thread pool (the server batches them); only the standard library's `urllib` is used.
 
@@ -47,7 +49,8 @@ from typing import Any, Optional, TypeVar, Union
 COMPLETIONS_PATH = "/completions"
 MODELS_PATH = "/models"
 TOKENIZE_PATH = "/extras/tokenize"  # llama-cpp-python's, at the root (not under /v1)
-PROMPT_FORMATS = ("token_ids", "text")
+PROMPT_FORMATS = ("token_ids", "text", "text_openai")
+OPENAI_GREEDY = ("temperature", "top_p", "n", "frequency_penalty", "presence_penalty")  # GREEDY's OpenAI API fields
 # what each engine calls "no repetition penalty": llama.cpp's servers default `repeat_penalty` to 1.1 (greedy
 # decoding with it is not the target's greedy decoding), vLLM / SGLang / TGI name it `repetition_penalty`
 GREEDY = {
@@ -230,7 +233,9 @@ class CompletionsServer:
             come; past it the connection is shut down and the attempt is retried. Defaults to twice `timeout`.
         prompt_format (`str`, *optional*, defaults to `"token_ids"`):
             `"token_ids"` sends each prompt as its token ids; `"text"` sends the formatted text, after checking
-            that the server tokenizes it to the same ids (for servers whose `prompt` takes text only).
+            that the server tokenizes it to the same ids (for servers whose `prompt` takes text only);
+            `"text_openai"` sends the text with the OpenAI API's fields only, checked by the count of prompt tokens
+            the server reports (`transformers serve`).
         max_attempts (`int`, *optional*, defaults to 5):
             Attempts per request (1: no retry) before it counts as failed.
         retry_delay (`float`, *optional*, defaults to 1.0):
@@ -362,10 +367,16 @@ class CompletionsServer:
 
     # --------------------------------------------------------------------------------------------------- requests
     def _served_model(self) -> str:
-        listed = self._request(MODELS_PATH, first_contact=True).get("data", [])
+        hint = "name the served model instead (--server_model NAME, or model=NAME)"
+        try:
+            listed = self._request(MODELS_PATH, first_contact=True).get("data", [])
+        except (CompletionFailed, ServerRefused) as error:  # transformers serve answers it with a 500 offline
+            raise ValueError(
+                f"expected {self.base}{MODELS_PATH} to list the served model, got none: {error}; {hint}"
+            ) from None
         names = [entry.get("id") for entry in listed if isinstance(entry, dict)] if isinstance(listed, list) else []
         if len(names) != 1:
-            raise ValueError(f"expected {self.base} to serve one model (or a model name to ask for), got {names}")
+            raise ValueError(f"expected {self.base} to serve one model, got {names}; {hint}")
         return names[0]
 
     def _text_prompt(self, prompt_ids: list[int], text: Optional[str]) -> str:
@@ -423,19 +434,14 @@ class CompletionsServer:
         """The greedy answer to one prompt of token ids (its `text` too with `prompt_format="text"`), at most
         `max_new_tokens` tokens long, retried on faults; `check(completion)` may name what else makes an answer
         unusable (retried too). `CompletionFailed` when every attempt failed; `ServerRefused` when refused."""
-        prompt = list(prompt_ids) if self.prompt_format == "token_ids" else self._text_prompt(prompt_ids, text)
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_new_tokens,
-            "stream": False,
-            "return_token_ids": True,
-            **GREEDY,
-        }
+        body = self._body(prompt_ids, text, max_new_tokens)
         address = self.base + COMPLETIONS_PATH
 
         def attempt() -> Completion:
-            completion = self._completion(self._attempt(address, body), max_new_tokens)
+            answer = self._attempt(address, body)
+            if self.prompt_format == "text_openai":
+                self._check_prompt_count(answer, prompt_ids)
+            completion = self._completion(answer, max_new_tokens)
             problem = check(completion) if check is not None else None
             if problem is not None:
                 raise _Retry(problem)
@@ -446,6 +452,28 @@ class CompletionsServer:
         except ServerRefused:
             self._stop.set()
             raise
+
+    def _body(self, prompt_ids: list[int], text: Optional[str], max_new_tokens: int) -> dict[str, Any]:
+        """A greedy request; for `"text_openai"`, with the OpenAI API's fields only."""
+        if self.prompt_format == "text_openai":
+            if text is None:
+                raise ValueError("expected the prompt's text with prompt_format='text_openai', got none")
+            greedy = {name: GREEDY[name] for name in OPENAI_GREEDY}
+            return {"model": self.model, "prompt": text, "max_tokens": max_new_tokens, "stream": False, **greedy}
+        prompt = list(prompt_ids) if self.prompt_format == "token_ids" else self._text_prompt(prompt_ids, text)
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_new_tokens, "stream": False}
+        return {**body, "return_token_ids": True, **GREEDY}
+
+    def _check_prompt_count(self, answer: dict[str, Any], prompt_ids: list[int]):
+        """A `RuntimeError` (no retry heals it) when the server read the text prompt as another number of tokens than
+        our ids (e.g. with a BOS of its own), or does not say how many."""
+        usage = answer.get("usage")
+        read = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if read != len(prompt_ids):
+            raise RuntimeError(
+                f"expected {self.base} to read the prompt as our {len(prompt_ids)} tokens (usage.prompt_tokens), got "
+                f"{read!r}: its rows would not hold the prompt it answered"
+            )
 
     def _complete_or_failure(
         self,

@@ -128,11 +128,17 @@ class RegenerateArguments:
         default="token_ids",
         metadata={
             "help": "With --server: send prompts as `token_ids`, or as `text` for a server whose prompt takes "
-            "text only (llama-cpp-python's), each checked to tokenize to our ids on the server first."
+            "text only (llama-cpp-python's), each checked to tokenize to our ids on the server first, or as "
+            "`text_openai` for a server that takes the OpenAI API's fields only (`transformers serve`), checked by "
+            "the count of prompt tokens it reports."
         },
     )
     server_model: Optional[str] = field(
-        default=None, metadata={"help": "With --server: the served model's name; defaults to the one it lists."}
+        default=None,
+        metadata={
+            "help": "With --server: the served model's name; defaults to the one GET /v1/models lists (transformers "
+            "serve answers that with a 500 offline: name its model, the path or id it was started with)."
+        },
     )
     server_attempts: int = field(
         default=DEFAULT_ATTEMPTS,

@@ -1,0 +1,246 @@
+"""What `jetspec serve` checks in a request before any work, and what it does with its answer afterwards.
+
+[`check_request`] refuses, with the HTTP status and an OpenAI-shaped error naming the field, every request the
+server cannot answer exactly as asked (`RequestError`); it returns the request's [`Job`], which holds the fields that
+transformers' serving handlers do not carry to the inference thread (the seed, the stop strings to cut the text at,
+whether to return token ids) and, once decoded, the call's tokens and tree statistics. [`StopTrimmer`] cuts an
+answer's text before the first stop string, streamed or not, as the OpenAI API returns it. [`tree_report`] is the
+`jetspec` field of a response: the tree's statistics of the call that answered it.
+
+This module imports neither torch nor the serving packages: its checks run before either matters.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+# The request fields each endpoint honours, beyond which everything is refused by name (transformers' own handlers
+# log and ignore fields they do not implement, such as `n`, `logprobs` or `presence_penalty`: an answer that
+# silently ignores a field is not the answer asked for). `return_token_ids` (vLLM's name) adds the prompt's and the
+# answer's token ids to the response's `jetspec` field.
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "return_token_ids")
+ENDPOINT_FIELDS = {
+    "chat": (*COMMON_FIELDS, "messages", "max_completion_tokens"),
+    "completions": (*COMMON_FIELDS, "prompt"),
+}
+ROLES = ("system", "user", "assistant")
+MAX_STOPS = 4  # as the OpenAI API
+MAX_TEMPERATURE = 2.0  # as the OpenAI API
+MAX_SEED = 2**64  # torch.manual_seed takes [0, 2**64)
+
+
+class RequestError(ValueError):
+    """A request the server refuses: the HTTP `status`, the message, and the offending field (`param`) and `code` of
+    the OpenAI error body."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, code: Optional[str] = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code or "invalid_request"
+
+
+def error_body(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    """The OpenAI API's error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Job:
+    """One request's settings that transformers' handlers do not carry, and what its decoding returned."""
+
+    endpoint: str  # "chat" or "completions"
+    seed: Optional[int] = None  # torch's seed, set on the inference thread right before this request's generate
+    temperature: Optional[float] = None  # > 0 samples; 0 is greedy; None keeps the model's generation config
+    max_tokens: Optional[int] = None  # None: as many as transformers' default allows within the context
+    stops: tuple = ()  # the answer's text ends before the first of them
+    return_token_ids: bool = False
+    started: float = field(default_factory=time.monotonic)
+    prompt_ids: Optional[list] = None  # (P,) set on the inference thread
+    new_ids: Optional[list] = None  # (N,) the committed tokens, set once decoded
+    report: Optional[dict] = None  # the response's `jetspec` field, set once decoded
+
+
+def check_request(body: dict, endpoint: str, served: str) -> Job:
+    """Refuse a request the server cannot answer as asked; else its [`Job`], with `seed` and `return_token_ids`
+    taken out of `body` (transformers' handlers would seed on the event loop, or refuse the field)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"expected a JSON object as the request body, got a {type(body).__name__}")
+    allowed = ENDPOINT_FIELDS[endpoint]
+    unknown = sorted(name for name in body if name not in allowed)
+    if unknown:
+        raise RequestError(
+            f"expected only the fields {', '.join(allowed)} on this endpoint (jetspec serve refuses what it does "
+            f"not honour), got also {', '.join(unknown)}",
+            param=unknown[0],
+            code="unsupported_field",
+        )
+    _check_model(body.get("model"), served)
+    if endpoint == "chat":
+        _check_messages(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+    max_tokens = _check_max_tokens(body)
+    temperature = _number(body, "temperature", 0.0, MAX_TEMPERATURE, low_open=False)
+    _number(body, "top_p", 0.0, 1.0, low_open=True)
+    for name in ("stream", "return_token_ids"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise RequestError(f"expected {name} to be true or false, got {body[name]!r}", param=name)
+    if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
+        raise RequestError(
+            f"expected n == 1 (jetspec serve answers one choice per request), got {body['n']!r}", param="n"
+        )
+    seed = body.pop("seed", None)
+    if seed is not None and not (_is_int(seed) and 0 <= seed < MAX_SEED):
+        raise RequestError(f"expected seed to be an integer in [0, 2**64), got {seed!r}", param="seed")
+    return Job(
+        endpoint=endpoint,
+        seed=seed,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        stops=_check_stop(body.get("stop")),
+        return_token_ids=bool(body.pop("return_token_ids", False)),
+    )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_model(model, served: str):
+    if not isinstance(model, str):
+        raise RequestError(f"expected model to be the served model's name {served!r}, got {model!r}", param="model")
+    if model != served:
+        raise RequestError(
+            f"expected model {served!r} (the one model this server serves, GET /v1/models), got {model!r}",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
+
+
+def _check_messages(messages):
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"expected messages to be a non-empty list, got {messages!r}"[:300], param="messages")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise RequestError(
+                f"expected {where} to be an object with a role in {', '.join(ROLES)}, got {role!r}"[:300], param=where
+            )
+        extra = sorted(set(message) - {"role", "content"})  # a `name` or tool calls would not reach the template
+        if extra:
+            raise RequestError(f"expected {where} to hold role and content only, got also {', '.join(extra)}", where)
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+            raise RequestError(
+                f"expected {where}.content to be a string or a list of text parts (jetspec serve takes text only), "
+                f"got {content!r}"[:300],
+                param=f"{where}.content",
+            )
+
+
+def _check_prompt(prompt):
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError(
+            f"expected prompt to be a non-empty string (token-id and batched prompts are not supported), got "
+            f"{prompt!r}"[:300],
+            param="prompt",
+        )
+
+
+def _check_max_tokens(body: dict) -> Optional[int]:
+    given = [name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
+    if len(given) > 1:
+        raise RequestError("expected one of max_tokens and max_completion_tokens, got both", param=given[0])
+    if not given:
+        return None
+    value = body[given[0]]
+    if not _is_int(value) or value < 1:
+        raise RequestError(f"expected {given[0]} to be an integer >= 1, got {value!r}", param=given[0])
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float, low_open: bool) -> Optional[float]:
+    value = body.get(name)
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (low < value if low_open else low <= value) and value <= high):  # NaN fails every comparison
+        bracket = "(" if low_open else "["
+        raise RequestError(f"expected {name} in {bracket}{low:g}, {high:g}], got {value!r}", param=name)
+    return float(value)
+
+
+def _check_stop(stop) -> tuple:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or not 1 <= len(stops) <= MAX_STOPS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise RequestError(
+            f"expected stop to be a non-empty string or a list of 1 to {MAX_STOPS} of them, got {stop!r}"[:300],
+            param="stop",
+        )
+    return tuple(stops)
+
+
+class StopTrimmer:
+    """Cuts a text, fed in pieces, before the first occurrence of any stop string, as the OpenAI API returns it.
+
+    A piece is let through as soon as no stop string can begin in it; the tail that could still be the start of one
+    is held back until the next piece decides it (`feed`) or the text ends (`finish`).
+    """
+
+    def __init__(self, stops: tuple):
+        self.stops, self.pending, self.stopped = tuple(stops), "", False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        self.pending += text
+        found = [i for i in (self.pending.find(stop) for stop in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self.pending = self.pending[: min(found)], ""
+            return out
+        held = max(
+            (k for stop in self.stops for k in range(1, len(stop)) if self.pending.endswith(stop[:k])), default=0
+        )
+        out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
+        return out
+
+    def finish(self) -> str:
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+    def trim(self, text: str) -> str:
+        """The whole text at once."""
+        return self.feed(text) + self.finish()
+
+
+def tree_report(stats, prompt_ids: list, new_ids: list, lookup: int, branches: str, seconds: float) -> dict:
+    """The response's `jetspec` field: the tree statistics of the call (`JetSpecStats`) that decoded `new_ids`.
+
+    `tau` is the project's (committed tokens per verify round, bonus included, as `jetspec generate` prints);
+    `tokens_per_target_forward` counts the prefill too. `tokens_by_source` splits the answer by who proposed each
+    token (`jetspec.drafts.token_sources`): the head's draft, the prompt-lookup branch, the target (its prefill token
+    and each round's bonus token).
+    """
+    from .drafts import SOURCES, token_sources
+
+    sources = token_sources(prompt_ids, new_ids, stats.accepted, lookup, branches)
+    return {
+        "tau": stats.tau,
+        "target_forwards": stats.target_forwards,
+        "rounds": stats.rounds,
+        "new_tokens": len(new_ids),
+        "tokens_per_target_forward": len(new_ids) / max(stats.target_forwards, 1),
+        "acceptance_per_depth": stats.acceptance_per_depth,
+        "tokens_by_source": {name: sources.count(name) for name in SOURCES},
+        "seconds": seconds,
+    }

@@ -1,0 +1,242 @@
+"""Tokens/s and time to first token through `jetspec serve` and through `transformers serve` (its `generate` path, no
+continuous batching), the same model in the same dtype, both driven through the `openai` client.
+
+    python -m scripts.serve_bench --suite gsm8k,humaneval,mtbench --limit 10 --max-new-tokens 256 --clients 1,4 \\
+        --dtype bfloat16 --out results/serve-bench
+
+The script starts both servers on free loopback ports (`--threads` torch threads each, through OMP_NUM_THREADS), or
+uses running ones (`--jetspec-url`, `--transformers-url`, `--transformers-model`). Both stay up together, and the
+requests alternate between them: each prompt (with k clients, each group of k prompts, sent at once) goes to one
+server, then to the other, which one first alternating, so that both see the same host load. Every request is a
+streamed chat completion, greedy (temperature 0): time to first token is the wait for the first chunk with text,
+tokens are what the last chunk's usage counts, and a server's tokens/s is its tokens over the wall time of its
+requests (with k clients, a group's wall time runs from the first send to the last answer). The two servers' texts
+are compared per prompt: in float32 they must be equal; in bf16 they may leave each other at a numerical tie.
+Writes `results.json` (every request) and `results.md` (the table), and prints the table. Run nothing else meanwhile.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JETSPEC, TRANSFORMERS = "jetspec serve", "transformers serve"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="target alias, folder or Hub id (as jetspec serve)")
+    parser.add_argument("--head", default=None, help="head folder (default: the committed head of --model)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16, resolved once for both servers")
+    parser.add_argument("--suite", default="gsm8k,humaneval,mtbench", help="comma-separated prompt suites")
+    parser.add_argument("--limit", type=int, default=10, help="first N prompts of each suite")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="max_tokens of every request")
+    parser.add_argument("--clients", default="1,4", help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of each server (default: torch's)")
+    parser.add_argument("--out", default="results/serve-bench", help="output folder")
+    parser.add_argument("--jetspec-url", default=None, help="a running jetspec serve (its served name: --model)")
+    parser.add_argument("--transformers-url", default=None, help="a running transformers serve")
+    parser.add_argument(
+        "--transformers-model", default=None, help="the model name the running transformers serve takes"
+    )
+    return parser.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(command: list, log: Path, threads, seconds: float = 600) -> tuple:
+    """`(process, url)`: a server started on a free loopback port, once its /health answers."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    with open(log, "w") as err:
+        process = subprocess.Popen(
+            [*command, "--host", "127.0.0.1", "--port", str(port)], cwd=REPO, env=env, stdout=err, stderr=err
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"expected {command[:4]} to start, it exited with {process.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return process, url
+        except OSError:
+            time.sleep(0.5)
+    process.terminate()
+    raise RuntimeError(f"expected {command[:4]} to answer at {url} within {seconds} s; see {log}")
+
+
+def timed_request(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy chat completion: time to first token, seconds, tokens, text (and the tree's statistics)."""
+    started = time.perf_counter()
+    first, parts, usage, report = None, [], None, None
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True
+    )
+    for chunk in stream:
+        text = chunk.choices[0].delta.content if chunk.choices else None
+        if text:
+            first = first if first is not None else time.perf_counter() - started
+            parts.append(text)
+        usage = chunk.usage or usage
+        report = (chunk.model_extra or {}).get("jetspec", report)
+    seconds = time.perf_counter() - started
+    tokens = usage.completion_tokens if usage is not None else None
+    return {"ttft": first, "seconds": seconds, "tokens": tokens, "text": "".join(parts), "jetspec": report}
+
+
+def run_group(client, model: str, prompts: list, max_tokens: int) -> tuple[list, float]:
+    """The prompts sent at once, one client each: their records and the group's wall time."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        records = list(pool.map(lambda p: timed_request(client, model, p["prompt"], max_tokens), prompts))
+    return records, time.perf_counter() - started
+
+
+def run_bench(servers: dict, prompts: list, max_tokens: int, clients: list, warmup: bool = True) -> dict:
+    """`servers`: `{name: (url, model name)}`, two of them; `prompts`: `{"suite", "id", "prompt"}` records. Every
+    group alternates between the servers; returns the records and the wall time per (server, clients)."""
+    import openai
+
+    made = {
+        name: (openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600), model)
+        for name, (url, model) in servers.items()
+    }
+    if warmup:
+        for client, model in made.values():
+            timed_request(client, model, prompts[0]["prompt"], 8)
+    runs = []
+    for k in clients:
+        groups = [prompts[i : i + k] for i in range(0, len(prompts), k)]
+        walls, records = {name: 0.0 for name in made}, {name: [] for name in made}
+        for index, group in enumerate(groups):
+            order = list(made) if index % 2 == 0 else list(made)[::-1]
+            for name in order:
+                got, wall = run_group(*made[name], group, max_tokens)
+                walls[name] += wall
+                records[name] += [{**record, "suite": p["suite"], "id": p["id"]} for record, p in zip(got, group)]
+        runs.append({"clients": k, "wall_seconds": walls, "requests": records})
+    return {"runs": runs}
+
+
+def summary_rows(results: dict) -> list[dict]:
+    """One row per (clients, server): tokens/s, its ratio to transformers serve, time to first token, equal texts."""
+    rows = []
+    for run in results["runs"]:
+        names = list(run["requests"])
+        texts = {name: [r["text"] for r in run["requests"][name]] for name in names}
+        same = sum(a == b for a, b in zip(*texts.values()))
+        speed = {
+            name: sum(r["tokens"] or 0 for r in run["requests"][name]) / run["wall_seconds"][name] for name in names
+        }
+        for name in names:
+            ttfts = sorted(r["ttft"] for r in run["requests"][name] if r["ttft"] is not None)
+            taus = [r["jetspec"]["tau"] for r in run["requests"][name] if r["jetspec"]]
+            rows.append(
+                {
+                    "server": name,
+                    "clients": run["clients"],
+                    "requests": len(run["requests"][name]),
+                    "tokens_per_second": speed[name],
+                    "ratio": speed[name] / speed[TRANSFORMERS] if speed.get(TRANSFORMERS) else None,
+                    "ttft_median": statistics.median(ttfts) if ttfts else None,
+                    "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+                    "tau": statistics.mean(taus) if taus else None,
+                    "same_text": f"{same}/{len(texts[name])}",
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    def number(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [
+        "| server | clients | requests | tok/s | vs transformers serve | TTFT median (s) | TTFT p90 (s) | tau | same text |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['server']} | {row['clients']} | {row['requests']} | {number(row['tokens_per_second'], 1)} | "
+            f"{number(row['ratio'], 2)}x | {number(row['ttft_median'], 3)} | {number(row['ttft_p90'], 3)} | "
+            f"{number(row['tau'], 2)} | {row['same_text']} |"
+        )
+    return "\n".join(lines)
+
+
+def servers_for(args, dtype_name: str, out: Path) -> tuple[dict, list]:
+    """`({name: (url, model)}, processes started)`: the given servers, else both started here."""
+    from jetspec.targets import SMOLLM2_ALIAS, smollm2_folder
+
+    started, servers = [], {}
+    threads = [] if args.threads is None else ["--threads", str(args.threads)]
+    if args.jetspec_url is None:
+        command = [sys.executable, "-m", "jetspec", "serve", "--model", args.model, "--dtype", dtype_name, *threads]
+        command += [] if args.head is None else ["--head", args.head]
+        process, args.jetspec_url = start(command, out / "jetspec-serve.log", args.threads)
+        started.append(process)
+    servers[JETSPEC] = (args.jetspec_url, args.model)
+    if args.transformers_url is None:
+        folder = str(smollm2_folder()) if args.model == SMOLLM2_ALIAS else args.model  # it loads a folder or an id
+        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--dtype", dtype_name]
+        process, args.transformers_url = start(
+            [*command, "--device", "cpu"], out / "transformers-serve.log", args.threads
+        )
+        started.append(process)
+        args.transformers_model = folder
+    servers[TRANSFORMERS] = (args.transformers_url, args.transformers_model)
+    return servers, started
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from jetspec.host import host_kind
+    from jetspec.prompts import check_suites, load_prompts
+    from jetspec.targets import resolve_dtype
+
+    dtype, reason = resolve_dtype(args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    clients = [int(k) for k in args.clients.split(",")]
+    prompts = [
+        {"suite": suite, "id": record["id"], "prompt": record["prompt"]}
+        for suite in check_suites(args.suite.split(","))
+        for record in load_prompts(suite, args.limit)
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    servers, started = servers_for(args, dtype_name, out)
+    try:
+        results = run_bench(servers, prompts, args.max_new_tokens, clients)
+    finally:
+        for process in started:
+            process.terminate()
+            process.wait(timeout=60)
+    rows = summary_rows(results)
+    config = {"command": " ".join(["python -m scripts.serve_bench", *sys.argv[1:]]), "dtype": dtype_name}
+    config.update({"dtype_reason": reason, "host_kind": host_kind().name, "model": args.model, "clients": clients})
+    (out / "results.json").write_text(json.dumps({"config": config, "rows": rows, **results}, indent=1))
+    table = markdown(rows)
+    (out / "results.md").write_text(
+        f"`{config['command']}` ({dtype_name}, host kind {config['host_kind']})\n\n{table}\n"
+    )
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
