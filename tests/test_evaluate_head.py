@@ -287,6 +287,31 @@ def test_cli_scores_the_trainers_held_out_rows(cli_setup):
         assert "calibration" in by_budget[budget]
 
 
+def test_a_fitted_calibration_is_written_applied_and_equal_to_real_decoding(cli_setup):
+    """Fit on the held-out rows after the first (`--skip_rows 1`), write the map, score the rows with it: the
+    calibrated replay equals real `generate` with the same map in the head's config; `none` scores raw."""
+    tmp_path, rows, data = cli_setup
+    fitted = tmp_path / "map.json"
+    evaluate_head.main(
+        cli(tmp_path, data, "--budgets", "6", "--fit_calibration", "--skip_rows", "1", "--min_trials", "1")
+        + ["--calibration_out", str(fitted)]
+    )
+    table = json.loads(fitted.read_text())
+    assert table and all(len(rates) == 10 for rates in table.values())
+    held = set(evaluate_head.held_out_rows([str(data)], 0.3, 0)["id"])
+    held_rows = [row for row in rows if row["id"] in held]
+    scores = {}
+    for label, value in (("fitted", str(fitted)), ("raw", "none")):
+        out = tmp_path / f"{label}.json"
+        evaluate_head.main(cli(tmp_path, data, "--budgets", "6", "--calibration", value, "--json", str(out)))
+        scores[label] = json.loads(out.read_text())["heads"][str(tmp_path / "head")]["6"]
+    assert scores["fitted"]["shape"]["calibrated"] and not scores["raw"]["shape"]["calibrated"]
+    calibrated = JetSpecDraftModel.from_pretrained(tmp_path / "head", tree_calibration=table).eval()
+    assert scores["fitted"]["tau"] == pytest.approx(real_tau(sharp_target(), calibrated, held_rows, 6))
+    raw = JetSpecDraftModel.from_pretrained(tmp_path / "head").eval()
+    assert scores["raw"]["tau"] == pytest.approx(real_tau(sharp_target(), raw, held_rows, 6))
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -296,6 +321,9 @@ def test_cli_scores_the_trainers_held_out_rows(cli_setup):
         (["--max_new_tokens", "0"], "expected --max_new_tokens"),
         (["--tree_key", "depth"], "expected --tree_key"),
         (["--eval_fraction", "0"], "expected --eval_fraction"),
+        (["--skip_rows", "-1"], "expected --skip_rows"),
+        (["--calibration_out", "map.json"], "expected --fit_calibration and one --head"),
+        (["--calibration", "no-such-map.json"], "expected --calibration"),
     ],
 )
 def test_cli_refuses_bad_arguments_before_work(cli_setup, bad, message, monkeypatch):

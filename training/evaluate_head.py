@@ -59,7 +59,7 @@ import torch
 from transformers import TrainerCallback
 
 from modeling_jetspec import steps
-from modeling_jetspec.calibration import node_source
+from modeling_jetspec.calibration import check_calibration, node_source, to_config
 from modeling_jetspec.continuations import LookupRecord, RowIndexes
 from modeling_jetspec.state import RoundState, TreeShape, resolve_tree_shape
 from modeling_jetspec.tree import TREE_SCORINGS
@@ -493,11 +493,17 @@ def _isotonic(values: list, weights: list) -> list:
 
 # ------------------------------------------------------------------------------------------------ the trainer's hook
 def tree_shape(
-    head, budget: int | None = None, lookup: bool = True, tree_key: str | None = None, lookup_settings=None
+    head,
+    budget: int | None = None,
+    lookup: bool = True,
+    tree_key: str | None = None,
+    lookup_settings=None,
+    calibration=None,
 ) -> TreeShape:
     """The tree a head drafts at its defaults, with `budget`, the model-free branch on or off, and `tree_key`;
-    `lookup_settings` (a head config) lends its model-free branch settings (a head that has none of its own)."""
-    given = {"tree_budget": budget, "tree_scoring": tree_key}
+    `lookup_settings` (a head config) lends its model-free branch settings (a head that has none of its own);
+    `calibration` replaces the head's `tree_calibration` (a map, or False for raw scores)."""
+    given = {"tree_budget": budget, "tree_scoring": tree_key, "tree_calibration": calibration}
     if not lookup:
         given["tree_lookup"] = 0
     elif lookup_settings is not None:
@@ -632,7 +638,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fit_calibration",
         action="store_true",
-        help="Measure acceptance against the node's draft probability, per depth and source.",
+        help="Measure acceptance against the node's draft probability, per depth and source (raw scores).",
+    )
+    parser.add_argument(
+        "--calibration_out",
+        default=None,
+        help="With --fit_calibration and one head: write its fitted map (a config's tree_calibration) to this JSON.",
+    )
+    parser.add_argument(
+        "--min_trials", type=int, default=30, help="Trials a bin needs for its own rate in --calibration_out."
+    )
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="A JSON map (tree_calibration) to score every head with, or 'none' for raw scores (default: each "
+        "head's own).",
+    )
+    parser.add_argument(
+        "--skip_rows",
+        type=int,
+        default=0,
+        help="Leave out the first N held-out rows (e.g. the rows that decide shipping, when fitting a calibration).",
     )
     parser.add_argument("--json", default=None, help="Write every number to this file.")
     return parser
@@ -659,11 +685,27 @@ def check_args(args) -> dict:
         raise ValueError(f"expected --eval_fraction in (0, 1) (held-out rows to score), got {args.eval_fraction}")
     if args.batch_size < 1:
         raise ValueError(f"expected --batch_size >= 1, got {args.batch_size}")
+    if args.skip_rows < 0 or args.min_trials < 1:
+        raise ValueError(f"expected --skip_rows >= 0 and --min_trials >= 1, got {args.skip_rows} and {args.min_trials}")
+    if args.calibration_out is not None and (not args.fit_calibration or len(args.head) != 1):
+        raise ValueError(
+            f"expected --fit_calibration and one --head with --calibration_out, got fit_calibration="
+            f"{args.fit_calibration} and {len(args.head)} heads"
+        )
+    calibration_map = None
+    if args.calibration is not None:
+        if args.calibration == "none":
+            calibration_map = False
+        elif not Path(args.calibration).is_file():
+            raise ValueError(f"expected --calibration to be a JSON map file or 'none', got {args.calibration}")
+        else:
+            calibration_map = json.loads(Path(args.calibration).read_text())
+            check_calibration(calibration_map)
     if args.lookup_settings is not None and not (Path(args.lookup_settings) / "config.json").is_file():
         raise ValueError(
             f"expected --lookup_settings to be a head folder holding config.json, got {args.lookup_settings}"
         )
-    return {"budgets": budgets}
+    return {"budgets": budgets, "calibration_map": calibration_map}
 
 
 def run(
@@ -675,14 +717,17 @@ def run(
     batch_size: int = 32,
     calibration: bool = False,
     lookup_settings=None,
+    calibration_map=None,
 ) -> dict:
     """Score every head of `heads` (`{name: head with its target attached}`) on the same prepared `rows` at every
-    budget: `{name: {budget: summary}}`."""
+    budget: `{name: {budget: summary}}`. `calibration_map` replaces every head's `tree_calibration` (False: raw
+    scores); fitting (`calibration`) always scores raw, since the fit maps raw scores to acceptance."""
     results = {}
+    override = False if calibration else calibration_map
     for name, head in heads.items():
         results[name] = {}
         for budget in budgets:
-            shape = tree_shape(head, budget, lookup, tree_key, lookup_settings)
+            shape = tree_shape(head, budget, lookup, tree_key, lookup_settings, override)
             started = time.perf_counter()
             tally = evaluate(head, rows, shape, batch_size, first_round=True, calibration=calibration)
             summary = tally.summary()
@@ -696,6 +741,7 @@ def run(
                 "lookup_branches": shape.lookup_branches,
                 "lookup_record": shape.lookup_record,
                 "lookup_prior": shape.lookup_prior is not None,
+                "calibrated": shape.calibration is not None,
             }
             results[name][budget] = summary
     return results
@@ -764,7 +810,11 @@ def main(argv=None) -> dict:
     for folder, config in configs.items():
         store.check(config.target_layer_ids, config.target_hidden_size)
     lookup_settings = JetSpecConfig.from_pretrained(args.lookup_settings) if args.lookup_settings else None
-    held = held_out_rows(args.data, args.eval_fraction, args.seed, args.rows)
+    held = held_out_rows(args.data, args.eval_fraction, args.seed)
+    last = len(held) if args.rows is None else min(len(held), args.skip_rows + args.rows)
+    if args.skip_rows >= last:
+        raise ValueError(f"expected held-out rows after the first {args.skip_rows}, got {len(held)} in all")
+    held = held.select(range(args.skip_rows, last))
     keys = [row_key(i) for i in held["id"]]
     found = store._lookup(keys)[0]
     missing = [str(i) for i, f in zip(held["id"], found) if not f]
@@ -794,6 +844,7 @@ def main(argv=None) -> dict:
         args.batch_size,
         args.fit_calibration,
         lookup_settings,
+        checked["calibration_map"],
     )
     print(
         f"{len(rows)} held-out rows ({sum(r.end - r.prompt_length for r in rows)} answer tokens), "
@@ -808,6 +859,12 @@ def main(argv=None) -> dict:
             "heads": {name: {str(b): s for b, s in by.items()} for name, by in results.items()},
         }
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.calibration_out:
+        first = checked["budgets"][0]
+        (by,) = results.values()
+        fitted = to_config(by[first].get("calibration", []), args.min_trials)
+        Path(args.calibration_out).write_text(json.dumps(fitted, indent=1) + "\n")
+        print(f"fitted calibration maps (budget {first}) written to {args.calibration_out}")
     return results
 
 
