@@ -429,23 +429,22 @@ def verify_attention_mask(
             convolution and cacheless layers).
         flex (`bool`, *optional*): a flex_attention target: `BlockMask`s ([`verification_block_mask`]) instead of
             additive masks (attention targets only: no `causal_past`).
-        past (`PastMask`, *optional*): the mask of the layers without a window kept across rounds (`past_valid`
-            must be the newest view of its columns); without it, or with `causal_past` or `flex`, every mask is
-            built whole, at a cost that grows with S.
+        past (`PastMask`, *optional*): the mask of the layers without a window, kept across rounds; without it (or
+            with `causal_past` or `flex`) every mask is built whole, at a cost that grows with S.
 
     Returns:
         One additive mask `(B, 1, T, S + T)` when no layer type needs its own (no `layer_types`, and `windows` is
         `None` or `{None: window}`), else `{layer type: mask or None}`: the model hands each layer the one of its
         type. Types with the same window share one mask.
     """
+    if flex and causal_past:
+        raise ValueError("expected no causal_past with a flex_attention BlockMask, got causal_past=True")
     built = {}
 
     def one(window):
         if window in built:
             return built[window]
         if flex:
-            if causal_past:
-                raise ValueError("expected no causal_past with a flex_attention BlockMask, got causal_past=True")
             built[window] = verification_block_mask(past_valid, seen, window, past_positions, positions)
         elif window is None and past is not None and not causal_past:
             built[window] = past(past_valid, seen)
