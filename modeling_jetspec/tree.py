@@ -414,8 +414,7 @@ def verify_attention_mask(
     flex: bool = False,
     past: PastMask | None = None,
 ):
-    """The `attention_mask` a verify forward hands the target: the one place it is built (the attention targets'
-    verify in `steps.py`, the hybrid verifiers' forwards in `hybrid.py`).
+    """The `attention_mask` a verify forward hands the target: the one place it is built (`steps.verify`, `hybrid.py`).
 
     Args:
         past_valid, seen, past_positions, positions, causal_past: as in [`verification_mask`] (`seen`, the
