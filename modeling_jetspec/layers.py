@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .columns import Columns
 from .configuration_jetspec import JetSpecConfig
 
 
@@ -85,14 +86,13 @@ class JetSpecAttention(nn.Module):
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_keys, context_values, mask):
-        """`x` of shape `(B, T, H)`; context keys/values `(B, H_kv, S, D)`; boolean `mask` `(B, 1, T, S + T)`."""
+    def forward(self, x, cos, sin, context: "JetSpecContext", layer: int, mask):
+        """`x` of shape `(B, T, H)` after head layer `layer`'s keys/values of `context` `(B, H_kv, S, D)`; `mask`
+        `(B, 1, T, S + T)`, boolean or additive."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rotary(q, cos, sin)  # (B, h, T, D)
-        k, v = self.key_values(x, cos, sin)
-        k = torch.cat([context_keys, k], dim=2)  # (B, H_kv, S + T, D)
-        v = torch.cat([context_values, v], dim=2)
+        k, v = context.joined(layer, *self.key_values(x, cos, sin))  # (B, H_kv, S + T, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -116,26 +116,65 @@ class JetSpecDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = JetSpecMLP(config)
 
-    def forward(self, x, cos, sin, context_keys, context_values, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_keys, context_values, mask)
+    def forward(self, x, cos, sin, context: "JetSpecContext", layer: int, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 @dataclass
 class JetSpecContext:
-    """Per-layer keys/values of the fused target context, grown by the accepted positions of each round."""
+    """Per-layer keys/values of the fused target context, grown by the accepted positions of each round.
+
+    Built by `JetSpecDraftModel.extend_context`, the tensors are views of [`Columns`] buffers that each round's
+    positions are written into in place (`columns.py`); `columns` is `None` for a context built from tensors of its
+    own (the static path's buffers, a packed context), which a round's extension copies.
+    """
 
     keys: list  # num_hidden_layers x (B, H_kv, S, D)
     values: list  # num_hidden_layers x (B, H_kv, S, D)
     valid: torch.Tensor  # (B, S) bool, False for padding and holes
     last: torch.Tensor | None = None  # (B, H) fused features of each row's last valid position
     positions: torch.Tensor | None = None  # (B, S) absolute positions, read by sliding-window layers
+    columns: Columns | None = None  # the buffers the tensors above are views of
+
+    @classmethod
+    def of_columns(cls, columns: Columns, views: list, last: torch.Tensor | None) -> "JetSpecContext":
+        """The context whose tensors are `views` of `columns`: keys, values (one per layer), validity, positions."""
+        n = (len(views) - 1) // 2
+        positions = views[2 * n + 1] if len(views) > 2 * n + 1 else None
+        return cls(views[:n], views[n : 2 * n], views[2 * n], last, positions, columns)
+
+    def tensors(self) -> list:
+        """Keys, values, validity and (when kept) positions, in the order of [`of_columns`]."""
+        return [*self.keys, *self.values, self.valid] + ([self.positions] if self.positions is not None else [])
+
+    def extended(self, keys: list, values: list, valid: torch.Tensor, positions, last) -> "JetSpecContext":
+        """This context followed by `s` new columns (keys/values `(B, H_kv, s, D)` per layer, validity and positions
+        `(B, s)`), written in place after it where its buffers have room."""
+        new = [*keys, *values, valid] + ([positions] if self.positions is not None else [])
+        columns = self.columns if self.columns is not None else Columns.start(self.tensors())[0]
+        columns, views = columns.append(self.valid.shape[1], new)
+        return JetSpecContext.of_columns(columns, views, last)
+
+    def joined(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple:
+        """Head layer `layer`'s context keys/values followed by a block's `keys` / `values` `(B, H_kv, T, D)`, each
+        `(B, H_kv, S + T, D)`: written in the room after the context where its buffers have one (the next extension
+        overwrites it), else concatenated."""
+        if self.columns is not None:
+            width = self.valid.shape[1]
+            k = self.columns.scratch(layer, width, keys)
+            if k is not None:
+                return k, self.columns.scratch(len(self.keys) + layer, width, values)
+        return torch.cat([self.keys[layer], keys], dim=2), torch.cat([self.values[layer], values], dim=2)
 
     def select_rows(self, rows: torch.Tensor) -> "JetSpecContext":
+        last = None if self.last is None else self.last[rows]
+        if self.columns is not None:
+            return JetSpecContext.of_columns(*self.columns.rows(rows, self.valid.shape[1]), last)
         return JetSpecContext(
             [k[rows] for k in self.keys],
             [v[rows] for v in self.values],
             self.valid[rows],
-            None if self.last is None else self.last[rows],
+            last,
             None if self.positions is None else self.positions[rows],
         )

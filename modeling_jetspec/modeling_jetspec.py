@@ -30,7 +30,9 @@ from .checkpoint_formats import (
 from .candidate_generator import dflash_forward
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .integration import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
+from .columns import Columns
 from .layers import JetSpecContext, JetSpecDecoderLayer, JetSpecRotary
+from .tree import PastMask
 
 
 @dataclass
@@ -322,16 +324,10 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         last = fused[torch.arange(fused.shape[0], device=fused.device), index.clamp_min(0)]  # (B, H)
         if context is not None and context.last is not None:
             last = torch.where((index >= 0)[:, None], last, context.last)
+        keys, values = [k for k, _ in kv], [v for _, v in kv]
         if context is None:
-            return JetSpecContext([k for k, _ in kv], [v for _, v in kv], valid, last, position_ids)
-        positions = None if context.positions is None else torch.cat([context.positions, position_ids], dim=1)
-        return JetSpecContext(
-            [torch.cat([old, k], dim=2) for old, (k, _) in zip(context.keys, kv)],
-            [torch.cat([old, v], dim=2) for old, (_, v) in zip(context.values, kv)],
-            torch.cat([context.valid, valid], dim=1),
-            last,
-            positions,
-        )
+            return JetSpecContext.of_columns(*Columns.start([*keys, *values, valid, position_ids]), last)
+        return context.extended(keys, values, valid, position_ids, last)  # in place, where its buffers have room
 
     def block_mask(self, context_valid: torch.Tensor, block_length: int, block_attention: str | None = None):
         """The drafting mask of a block that follows the whole context: `(B, 1, T, S + T)` boolean.
@@ -346,6 +342,16 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         ctx = context_valid[:, None, None, :].expand(b, 1, block_length, -1)
         return torch.cat([ctx, inner.expand(b, 1, -1, -1)], dim=-1)
 
+    def _default_mask(self, context: JetSpecContext, block_length: int, kind: str):
+        """[`block_mask`], or, over a context grown in place without sliding layers, the same mask in additive
+        form kept in the context's columns (`tree.PastMask`: a round writes only its new columns, so its cost does
+        not grow with the context). Training builds it whole."""
+        if context.columns is None or torch.is_grad_enabled() or "sliding_attention" in self.config.layer_types:
+            return self.block_mask(context.valid, block_length, kind)
+        past = context.columns.masks.setdefault(("draft", kind, self.dtype), PastMask(self.dtype))
+        inner = self.block_mask(context.valid[:, :0], block_length, kind)[:, 0]  # (B, T, T)
+        return past(context.valid, inner)
+
     def layer_masks(self, attention_mask, position_ids: torch.Tensor, context: JetSpecContext) -> list:
         """One boolean mask `(B, 1, T, S + T)` per head layer: `attention_mask` (checked), or each layer's
         [`block_mask`] when it is `None`, narrowed to the window for `"sliding_attention"` layers.
@@ -356,7 +362,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         config, t = self.config, position_ids.shape[1]
         kinds = config.layer_block_attention or [config.block_attention] * config.num_hidden_layers
         if attention_mask is None:
-            defaults = {kind: self.block_mask(context.valid, t, kind) for kind in set(kinds)}
+            defaults = {kind: self._default_mask(context, t, kind) for kind in set(kinds)}
             masks = [defaults[kind] for kind in kinds]
         else:
             expected = (position_ids.shape[0], 1, t, context.valid.shape[1] + t)
@@ -503,8 +509,8 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     def _blocks(self, x, position_ids, masks, context, return_logits: bool) -> JetSpecOutput:
         """The head's layers over embedded slots `x` `(B, T, H)`, then its norm and (optionally) the draft LM head."""
         cos, sin = self.rotary(position_ids, x.dtype)
-        for layer, k, v, mask in zip(self.layers, context.keys, context.values, masks):
-            x = layer(x, cos, sin, k, v, mask)
+        for index, (layer, mask) in enumerate(zip(self.layers, masks)):
+            x = layer(x, cos, sin, context, index, mask)
         x = self.norm(x)
         logits = None
         if return_logits:

@@ -69,10 +69,10 @@ def reclaim(
     width = state.valid.shape[1]
     if not width or not state.rows.numel():
         return state
-    live = live_columns(state, window)
     bound = int(state.valid.sum(1).max()) if live_bound is None else live_bound
     packed = min(bound, width, window - 1 if window is not None else width)
     if packed < width and (force or should_pack(width, packed)):
+        live = live_columns(state, window)
         index = packed_order(live, packed)
         for layer in state.cache.layers:
             entries = kv_layer_entries(layer)
@@ -82,7 +82,8 @@ def reclaim(
             if keys.shape[-2] != width:
                 raise ValueError(f"expected {width} cache entries per layer to pack, got {keys.shape[-2]}")
             set_kv_layer_entries(layer, _gather_columns(keys, index), _gather_columns(values, index))
-        state = replace(state, valid=live.gather(1, index), positions=state.positions.gather(1, index))
+        # new tensors: the next round grows them into new columns (and builds its verify mask anew)
+        state = replace(state, valid=live.gather(1, index), positions=state.positions.gather(1, index), columns=None)
     context = state.context
     if context is not None and context.valid.shape[1]:
         packed = min(bound, context.valid.shape[1])  # the context holds the same positions, window or not
@@ -96,6 +97,7 @@ def reclaim(
                     values=[_gather_columns(v, index) for v in context.values],
                     valid=context.valid.gather(1, index),
                     positions=None if context.positions is None else context.positions.gather(1, index),
+                    columns=None,
                 ),
             )
     return state

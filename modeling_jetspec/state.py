@@ -17,6 +17,7 @@ from transformers import StoppingCriteriaList
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .columns import Columns
 from .continuations import LookupRecord, RowIndexes
 from .calibration import check_calibration
 from .tree import check_lookup_prior, check_tree_shape
@@ -163,6 +164,9 @@ class RoundState:
     context: object  # JetSpecContext of the A active rows (head keys/values per layer, (A, H_kv, S', D))
     anchors: torch.Tensor  # (A,) long, last committed token of each row, not yet read by the target
     anchor_pos: torch.Tensor  # (A,) long, its position id
+    # the buffers `valid` and `positions` are views of, grown in place by each round (`columns.py`); None: tensors of
+    # their own (a packed state), copied by the next round's growth
+    columns: Columns | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .calibration import calibrated_children, check_calibration, node_source
+from .columns import Columns
 from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
 from .linear_forms import LinearForms, linear_forms
@@ -37,6 +38,7 @@ from .stopping import stop_marks
 from .tree import (
     ENTROPY_SCORINGS,
     LOOKUP_MAX_NGRAM,
+    PastMask,
     Tree,
     ancestor_mask,
     build_tree,
@@ -70,6 +72,7 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
         **logits_to_keep(target, 1),
     )
     logits = out.logits[:, -1].float()  # (B, V)
+    columns, (valid, positions) = Columns.start([valid, positions])
     state = RoundState(
         rows=torch.arange(input_ids.shape[0], device=input_ids.device),
         cache=cache,
@@ -78,6 +81,7 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
         context=head.extend_context(None, head.target_features(out.hidden_states), positions, valid),
         anchors=logits.argmax(-1),
         anchor_pos=valid.long().sum(-1),
+        columns=columns,
     )
     return state, logits
 
@@ -226,8 +230,16 @@ def verify(
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
     flex = attn_implementation(target) == "flex_attention"  # a BlockMask for flex_attention, else additive masks
+    dtype = float_dtype(target)
     attention_mask = verify_attention_mask(
-        state.valid, trees.ancestors, float_dtype(target), windows, state.positions, positions, flex=flex
+        state.valid,
+        trees.ancestors,
+        dtype,
+        windows,
+        state.positions,
+        positions,
+        flex=flex,
+        past=past_mask(state, dtype),
     )
     with linear_forms(target, forms):
         out = target(
@@ -240,6 +252,14 @@ def verify(
             **logits_to_keep(target, 0),
         )
     return out.logits, head.target_features(out.hidden_states)
+
+
+def past_mask(state: RoundState, dtype: torch.dtype) -> PastMask | None:
+    """The verify mask of the layers without a window kept in the state's columns (`tree.PastMask`: a round writes
+    only its new columns); `None` for a state whose tensors have no columns (the mask is then built whole)."""
+    if state.columns is None:
+        return None
+    return state.columns.masks.setdefault(("verify", dtype), PastMask(dtype))
 
 
 def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Acceptance:
@@ -477,31 +497,40 @@ def compact(
         features, depths = features[keep], depths[keep]
     if not keep.numel():
         return state
-    keep_entries(state.cache, state.valid.shape[1], acc.nodes)
+    width = state.valid.shape[1]
+    keep_entries(state.cache, width, acc.nodes)
     kept = torch.arange(acc.nodes.shape[1], device=keep.device) < acc.count[:, None]  # (A', K), False: a hole
     positions = state.anchor_pos[:, None] + depths.gather(1, acc.nodes)  # (A', K)
     accepted = features.gather(1, acc.nodes[..., None].expand(-1, -1, features.shape[-1]))  # (A', K, kH)
+    columns = state.columns if state.columns is not None else Columns.start([state.valid, state.positions])[0]
+    columns, (valid, grown) = columns.append(width, [kept, positions])  # (A', S + K), in place where there is room
     return replace(
         state,
         context=head.extend_context(state.context, accepted, positions, kept),
-        valid=torch.cat([state.valid, kept], dim=1),  # (A', S + K)
-        positions=torch.cat([state.positions, positions], dim=1),  # (A', S + K)
+        valid=valid,
+        positions=grown,
         anchors=acc.tokens.gather(1, (acc.count - 1)[:, None])[:, 0],  # the bonus token
         anchor_pos=state.anchor_pos + acc.count,
+        columns=columns,
     )
 
 
 def select_rows(state: RoundState, keep: torch.Tensor) -> RoundState:
     """The rows `keep` `(A',)` of a round state; the target cache keeps only them, in place."""
     state.cache.batch_select_indices(keep)
+    if state.columns is not None:
+        columns, (valid, positions) = state.columns.rows(keep, state.valid.shape[1])
+    else:
+        columns, valid, positions = None, state.valid[keep], state.positions[keep]
     return replace(
         state,
         rows=state.rows[keep],
-        valid=state.valid[keep],
-        positions=state.positions[keep],
+        valid=valid,
+        positions=positions,
         context=state.context.select_rows(keep),
         anchors=state.anchors[keep],
         anchor_pos=state.anchor_pos[keep],
+        columns=columns,
     )
 
 

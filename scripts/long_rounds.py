@@ -1,20 +1,24 @@
-"""A round's host time outside the forwards, and the cache's memory, as the output grows: tiny random targets (a
-full-attention llama and a mistral whose every layer slides), a random head with the trie branch, batch 1 and 4.
+"""What a tree round costs as the output grows, against a plain decode step: tiny random targets (a full-attention
+llama and a mistral whose every layer slides, a 16-token vocabulary so that earlier continuations abound), a random
+head at tree-8 with the trie branch, greedy, batch 1 and 4: a round should cost the same at token 8,000 as at token 200.
 
-    OMP_NUM_THREADS=1 python -m scripts.long_rounds --lengths 256,2048,8192 --batches 1,4
-    OMP_NUM_THREADS=1 nice python -m scripts.long_rounds --lengths 64,256 --batches 1,2   # a quick smoke run
+    OMP_NUM_THREADS=1 python -m scripts.long_rounds                                      # 256 .. 8,192, batch 1 and 4
+    OMP_NUM_THREADS=1 nice python -m scripts.long_rounds --lengths 96,256 --batches 1 --span 32   # a smoke run
 
-One `generate` per target and batch makes the longest length (EOS ignored); every round is timed on its own:
+One `generate` per target and batch makes the longest length (EOS ignored; the output is checked against plain
+greedy unless `--no-check`); every round is timed on its own:
 
-- host: the round's wall time minus its two forwards (the head's draft forward, `steps.draft_block`, and the
-  target's verify forward), i.e. tree building, the trie, acceptance, commit, compaction and cache reclaiming;
-- the cache: bytes of the target cache's keys/values and of the head's context after the round, and its width
-  (columns) against the longest live row;
-- a plain decode step (one target forward of one token on a cache of that length), for comparison.
+- round: the whole round's wall time, from its draft to its cache reclaiming (both forwards included);
+- host: the round minus its two forwards (the head's draft forward, `steps.draft_block`, and the target's verify
+  forward), i.e. tree building, the trie, acceptance, commit, compaction and reclaiming;
+- the cache: bytes of the target cache's keys/values and of the head's context after the round (the head's buffers
+  hold up to twice their columns, `columns.py`), and its width (columns) against the longest live row;
+- a plain decode step: one target forward of one token per row on a cache of that length (median of 20).
 
 Each figure is the median over the rounds whose row-0 history lies within the last `--span` tokens before each
-length. `growth` is host(longest) / host(shortest), beside the plain step's own growth. On CUDA the peak allocated
-memory of each call is printed as well (CPU peak resident memory is process-wide, so it is not).
+length. The last line per target and batch is the growth from the shortest to the longest length, in ms, of the
+round and of the plain step, and their ratio (the target: the round's growth at most 2x the step's). On CUDA
+the peak allocated memory of each call is printed as well (CPU peak resident memory is process-wide, so it is not).
 """
 
 import argparse
@@ -32,9 +36,9 @@ from modeling_jetspec.reclaim import live_columns
 WINDOW = 64
 
 
-def tiny(arch: str, length: int):
+def tiny(arch: str, length: int, vocab: int):
     common = dict(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -60,7 +64,8 @@ def cache_bytes(state) -> int:
         for t in (layer.keys, layer.values)
     )
     context = state.context
-    return total + sum(t.numel() * t.element_size() for t in (*context.keys, *context.values))
+    buffers = context.columns.buffers if context.columns is not None else context.tensors()
+    return total + sum(t.numel() * t.element_size() for t in buffers)
 
 
 class RoundSpy:
@@ -91,14 +96,14 @@ class RoundSpy:
             state = reclaim(state, window, live_bound, force)
             if self.started is not None and state.rows.numel():
                 wall = time.perf_counter() - self.started
-                live = int(live_columns(state, self.window).sum(1).max())
                 self.rounds.append(
                     dict(
                         history=int(state.anchor_pos[0]),
+                        round=wall,
                         host=wall - self.forward,
                         bytes=cache_bytes(state),
                         width=state.valid.shape[1],
-                        live=live,
+                        live=int(live_columns(state, self.window).sum(1).max()),
                     )
                 )
             self.started = None
@@ -107,90 +112,112 @@ class RoundSpy:
         steps.draft_block, verifiers.verify, verifiers.reclaim = draft_entry, timed(verify), reclaim_exit
 
 
-def plain_step_seconds(target, length: int, repeats: int = 20) -> float:
+def plain_step_seconds(target, length: int, batch: int, vocab: int, repeats: int = 20) -> float:
     cache = DynamicCache()
-    ids = torch.randint(1, 256, (1, length))
+    ids = torch.randint(1, vocab, (batch, length))
     with torch.no_grad():
         target(input_ids=ids, past_key_values=cache, use_cache=True)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            target(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[length]]))
+            target(
+                input_ids=ids[:, -1:],
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.full((batch, 1), length),
+            )
             times.append(time.perf_counter() - started)
             cache.crop(-1)
     return statistics.median(times)
 
 
+def run(target, head, arch: str, batch: int, longest: int, vocab: int, check: bool) -> RoundSpy:
+    """One call of `longest` tokens per row, every round timed; checked against plain greedy with `check`."""
+    spy = RoundSpy(WINDOW if arch == "mistral" else None)
+    saved = steps.draft_block, verifiers.verify, verifiers.reclaim
+    ids = torch.randint(1, vocab, (batch, 16), generator=torch.Generator().manual_seed(batch))
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=longest - ids.shape[1],
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    spy.install()
+    try:
+        with torch.no_grad():
+            out = target.generate(**kwargs, assistant_model=head)
+    finally:
+        steps.draft_block, verifiers.verify, verifiers.reclaim = saved
+    if check:
+        with torch.no_grad():
+            if not torch.equal(out, target.generate(**kwargs)):
+                raise SystemExit(f"{arch}, batch {batch}: the tree's output differs from plain greedy")
+    return spy
+
+
+def report(spy: RoundSpy, plain: dict, lengths: list, span: int):
+    rounds = {}
+    for n in lengths:
+        near = [r for r in spy.rounds if n - span < r["history"] <= n]
+        if not near:
+            print(f"  {n:6d} tokens: no round ended there")
+            continue
+        rounds[n] = {key: statistics.median(r[key] for r in near) for key in ("round", "host")}
+        last = near[-1]
+        print(
+            f"  {n:6d} tokens: round {rounds[n]['round'] * 1e3:7.3f} ms (host {rounds[n]['host'] * 1e3:7.3f} ms, "
+            f"{len(near)} rounds), plain step {plain[n] * 1e3:6.3f} ms; cache {last['bytes'] / 2**20:7.2f} MiB, "
+            f"width {last['width']} columns for {last['live']} live"
+        )
+    if len(rounds) >= 2:
+        lo, hi = min(rounds), max(rounds)
+        grew, step = rounds[hi]["round"] - rounds[lo]["round"], plain[hi] - plain[lo]
+        ratio = f"{grew / step:.2f}x the step's" if step > 0 else "the step did not grow"
+        print(
+            f"  growth {lo} -> {hi}: round {grew * 1e3:+.3f} ms, host {(rounds[hi]['host'] - rounds[lo]['host']) * 1e3:+.3f}"
+            f" ms, plain step {step * 1e3:+.3f} ms; round growth {ratio}"
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="256,2048,8192", help="history lengths to report (tokens)")
+    parser.add_argument("--lengths", default="256,1024,2048,4096,8192", help="history lengths to report (tokens)")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--archs", default="llama,mistral")
+    parser.add_argument("--vocab", type=int, default=16, help="a small vocabulary: earlier continuations abound")
+    parser.add_argument("--budget", type=int, default=8, help="draft nodes of the head's tree")
     parser.add_argument("--span", type=int, default=64, help="rounds within this many tokens before a length")
+    parser.add_argument("--no-check", action="store_true", help="skip the comparison with plain greedy")
     args = parser.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     if lengths[0] <= args.span:
         parser.error(f"expected lengths above --span {args.span}, got {lengths}")
     longest = lengths[-1]
     for arch in args.archs.split(","):
-        target = tiny(arch, longest)
+        target = tiny(arch, longest, args.vocab)
         head = JetSpecDraftModel.from_target(
             target,
             num_hidden_layers=1,
             block_size=8,
             tree_depth=4,
             tree_width=3,
-            tree_budget=12,
+            tree_budget=args.budget,
             tree_lookup=8,
             tree_lookup_branches="trie",
         ).eval()
-        plain = {n: plain_step_seconds(target, n) for n in lengths}
         for batch in (int(x) for x in args.batches.split(",")):
-            spy = RoundSpy(WINDOW if arch == "mistral" else None)
-            saved = steps.draft_block, verifiers.verify, verifiers.reclaim
-            spy.install()
-            g = torch.Generator().manual_seed(batch)
-            ids = torch.randint(1, 256, (batch, 16), generator=g)
+            plain = {n: plain_step_seconds(target, n, batch, args.vocab) for n in lengths}
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            try:
-                with torch.no_grad():
-                    target.generate(
-                        input_ids=ids,
-                        attention_mask=torch.ones_like(ids),
-                        do_sample=False,
-                        max_new_tokens=longest - ids.shape[1],
-                        eos_token_id=None,
-                        pad_token_id=0,
-                        assistant_model=head,
-                    )
-            finally:
-                steps.draft_block, verifiers.verify, verifiers.reclaim = saved
+            spy = run(target, head, arch, batch, longest, args.vocab, not args.no_check)
             peak = (
                 f", CUDA peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if torch.cuda.is_available() else ""
             )
-            print(
-                f"{arch} (window {WINDOW if arch == 'mistral' else 'none'}), batch {batch}: {len(spy.rounds)} rounds"
-                + peak
-            )
-            hosts = {}
-            for n in lengths:
-                near = [r for r in spy.rounds if n - args.span < r["history"] <= n]
-                if not near:
-                    print(f"  {n:6d} tokens: no round ended there")
-                    continue
-                hosts[n] = statistics.median(r["host"] for r in near)
-                last = near[-1]
-                print(
-                    f"  {n:6d} tokens: host {hosts[n] * 1e3:7.3f} ms/round ({len(near)} rounds), plain step "
-                    f"{plain[n] * 1e3:6.3f} ms; cache {last['bytes'] / 2**20:7.2f} MiB, width {last['width']} "
-                    f"columns for {last['live']} live"
-                )
-            if len(hosts) >= 2:
-                lo, hi = min(hosts), max(hosts)
-                print(
-                    f"  growth {lo} -> {hi}: host {hosts[hi] / hosts[lo]:.2f}x, plain step {plain[hi] / plain[lo]:.2f}x"
-                )
+            window = WINDOW if arch == "mistral" else "none"
+            print(f"{arch} (window {window}), batch {batch}: {len(spy.rounds)} rounds" + peak, flush=True)
+            report(spy, plain, lengths, args.span)
     return 0
 
 
