@@ -600,14 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--data",
         nargs="+",
-        default=[
-            "training/data/smollm2-135m-mix.npz",
-            "training/data/smollm2-135m-mix-fp32.npz",
-            "training/data/smollm2-135m-mix-amx.npz",
-            "training/data/smollm2-135m-mix-fp32-more.npz",
-            "training/data/smollm2-135m-mix-amx-rev.npz",
-        ],
-        help="Regenerated rows (.npz or regenerate folders), as the trainer reads them.",
+        default=None,
+        help="Regenerated rows (.npz or regenerate folders), as the trainer reads them (default: the data list of "
+        "training/configs/smollm2-135m.yaml).",
     )
     parser.add_argument("--feature_store", required=True, help="Feature store folder holding the held-out rows.")
     parser.add_argument(
@@ -796,8 +791,20 @@ def format_results(results: dict) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "smollm2-135m.yaml"
+
+
+def config_data(config=DEFAULT_CONFIG) -> list:
+    """The data files a training config reads (its `data:` list): the evaluator's default rows."""
+    import yaml
+
+    return list(yaml.safe_load(Path(config).read_text())["data"])
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.data is None:
+        args.data = config_data()
     checked = check_args(args)
     from jetspec.targets import load_target
     from modeling_jetspec import JetSpecDraftModel
