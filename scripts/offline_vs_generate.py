@@ -6,7 +6,11 @@ rounds. This script runs three figures on the same held-out rows and reports tau
 - `offline (fp32 features)`: the replay fed the float32 target's features of the stored rows (one target forward per
   row): the same rounds as `generate` wherever `generate` reproduces the stored answer;
 - `offline (store)`: the replay fed the feature store's bf16 features, as training and `evaluate_head` use them:
-  differs from the above through the store's bf16 rounding.
+  differs from the above through the store's bf16 rounding (and, for a store a bf16 target computed, its bf16
+  arithmetic);
+- `offline (bf16 target features)`, with `--bf16_features`: the replay fed the features a bfloat16 target computes
+  for the rows, which is what a store built with `--dtype bfloat16` holds (the store the published offline figures
+  replayed), whatever the store at hand was built with.
 
     python -m scripts.offline_vs_generate --feature_store cache/smollm2-135m --max_new_tokens 128 \
         --json results/offline-vs-generate/shipped.json
@@ -78,6 +82,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=None, help="At most this many held-out rows (default: all).")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--eval_fraction", type=float, default=0.02)
+    parser.add_argument(
+        "--bf16_features", action="store_true", help="Also replay features a bfloat16 target computes for the rows."
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if (args.rows is not None and args.rows < 1) or args.max_new_tokens < 1:
@@ -94,6 +101,9 @@ def main(argv=None) -> dict:
     sources = {"offline_fp32_features": forward_features(target, head)}
     if args.feature_store:
         sources["offline_store_features"] = store_features(FeatureStore(args.feature_store))
+    if args.bf16_features:
+        bf16_target, _ = load_target(args.target, dtype=torch.bfloat16)
+        sources["offline_bf16_target_features"] = forward_features(bf16_target, head)
     skipped = {}
     for name, fetch in sources.items():
         prepared, skipped[name] = prepare_rows(rows, fetch, args.max_new_tokens, shape.depth)
@@ -104,6 +114,7 @@ def main(argv=None) -> dict:
         "head": args.head,
         "data": args.data,
         "max_new_tokens": args.max_new_tokens,
+        "feature_store": args.feature_store,
         "rows": len(rows),
         "rows_equal_to_stored": len(same),
         "rows_leaving_stored": sorted({str(r["id"]) for r in rows} - same),
