@@ -15,6 +15,7 @@ This module imports nothing from the package: every other file may import it.
 """
 
 import inspect
+import sys
 
 import torch
 from transformers import GenerationMixin
@@ -52,6 +53,7 @@ __all__ = [
     "assisted_decoding_with",
     "attn_implementation",
     "custom_decode_kwargs",
+    "eager_attention_of",
     "fill_linear_state",
     "kv_layer_entries",
     "linear_state",
@@ -59,6 +61,7 @@ __all__ = [
     "pad_token_tensor",
     "pads_finished_rows",
     "repetition_penalty_for_row",
+    "set_attention_implementation",
     "set_linear_state",
     "stop_past_recording",
 ]
@@ -72,6 +75,23 @@ def attn_implementation(model) -> str:
     tree mask) but no public getter: the value lives in the config's `_attn_implementation` property.
     """
     return model.config._attn_implementation
+
+
+def set_attention_implementation(model, implementation: str):
+    """Make every attention layer of `model` run `implementation` (a name in transformers' `AttentionInterface`)
+    from its next call (the hybrid verifier's forwards over rows that share their past, `shared_past.py`).
+
+    Each attention layer reads its config's `_attn_implementation` (a private property) at every call; setting it on
+    the model's config sets its sub-configs' too. The public `set_attn_implementation` does the same after checks that
+    walk every module, too slow to run around forwards of a round.
+    """
+    model.config._attn_implementation = implementation
+
+
+def eager_attention_of(module):
+    """The eager attention function of the modeling file `module` comes from: its `eager_attention_forward`, the
+    module-level function each modeling file defines and its attention layers run under "eager" (not exported)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def pad_token_tensor(generation_config):
