@@ -30,7 +30,7 @@ from .compat import (
 from .shared_past import SharedPastLayer, SharedRows, rows_attention
 from .state import RoundState
 from .steps import feature_layers, float_dtype, logits_to_keep
-from .tree import PastMask, verify_attention_mask
+from .tree import verify_attention_mask
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")  # keys/values; windows are applied by the mask
 STATE_LAYER_TYPES = ("linear_attention", "conv")  # a recurrent and/or convolution state per row
@@ -145,7 +145,7 @@ class HybridForwards:
                 **kwargs,
             )
 
-    def masks(self, valid, past_positions, seen, positions, causal_past: bool = False, past: PastMask | None = None):
+    def masks(self, valid, past_positions, seen, positions, causal_past: bool = False, kept: dict | None = None):
         """`{layer type: mask}` (`tree.verify_attention_mask`): the verify mask `(A, 1, T, S + T)` of new tokens at
         `positions` `(A, T)` seeing `seen` `(A, T, T)` of each other, for attention layer types (with their sliding
         windows), None for linear and cacheless ones."""
@@ -159,7 +159,7 @@ class HybridForwards:
             layer_types=self.types,
             unmasked=STATE_LAYER_TYPES + CACHELESS_LAYER_TYPES,
             causal_past=causal_past,
-            past=past,
+            kept=kept,
         )
 
     def rows_cache(self, state: RoundState, rows: list, length: int, states: dict) -> tuple:

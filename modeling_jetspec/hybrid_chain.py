@@ -20,7 +20,7 @@ import torch
 from .compat import LinearAttentionCacheLayerMixin, linear_state, stop_past_recording
 from .hybrid_cache import HybridForwards, LinearState, put_states, read_states, rows_of_states, write_states
 from .state import Acceptance, DraftTrees, RoundState
-from .steps import compact, float_dtype, keep_accepted_entries, logits_to_keep, past_mask
+from .steps import compact, keep_accepted_entries, kept_masks, logits_to_keep
 
 
 def firsts_path(parents: list) -> list:
@@ -72,8 +72,7 @@ class ChainRounds:
                 layer.activate_past_recording()
         tokens = torch.cat([state.anchors[:, None], chain.tokens], dim=1)  # (A, k + 1)
         positions = state.anchor_pos[:, None] + chain.depths
-        past = past_mask(state, float_dtype(forwards.target))
-        masks = forwards.masks(state.valid, state.positions, chain.ancestors, positions, past=past)
+        masks = forwards.masks(state.valid, state.positions, chain.ancestors, positions, kept=kept_masks(state))
         out = forwards.forward(state.cache, tokens, positions, masks)
         return chain, out.logits.float(), forwards.head.target_features(out.hidden_states), before
 
