@@ -53,6 +53,7 @@ __all__ = [
     "assisted_decoding_with",
     "attn_implementation",
     "custom_decode_kwargs",
+    "decoder_attention_implementation",
     "eager_attention_of",
     "fill_linear_state",
     "kv_layer_entries",
@@ -77,15 +78,25 @@ def attn_implementation(model) -> str:
     return model.config._attn_implementation
 
 
-def set_attention_implementation(model, implementation: str):
-    """Make every attention layer of `model` run `implementation` (a name in transformers' `AttentionInterface`)
-    from its next call (the hybrid verifier's forwards over rows that share their past, `shared_past.py`).
+def decoder_attention_implementation(model) -> str:
+    """The attention implementation the decoder's attention layers run: its text config's `_attn_implementation`
+    (the model's own for a causal LM; a composite model's text sub-config may differ from its vision one's)."""
+    return model.config.get_text_config(decoder=True)._attn_implementation
 
-    Each attention layer reads its config's `_attn_implementation` (a private property) at every call; setting it on
-    the model's config sets its sub-configs' too. The public `set_attn_implementation` does the same after checks that
-    walk every module, too slow to run around forwards of a round.
+
+def set_attention_implementation(model, implementation: str) -> str:
+    """Make the decoder's attention layers of `model` run `implementation` (a name in transformers'
+    `AttentionInterface`) from their next call; returns the implementation they ran (the hybrid verifier's forwards
+    over rows that share their past, `shared_past.py`).
+
+    Each attention layer reads its config's `_attn_implementation` (a private property) at every call; this sets
+    the decoder's text config's. The public `set_attn_implementation` does the same after checks that walk every
+    module, too slow to run around forwards of a round.
     """
-    model.config._attn_implementation = implementation
+    text = model.config.get_text_config(decoder=True)
+    before = text._attn_implementation
+    text._attn_implementation = implementation
+    return before
 
 
 def eager_attention_of(module):

@@ -20,7 +20,7 @@ from .compat import (
     DynamicLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
-    attn_implementation,
+    decoder_attention_implementation,
     fill_linear_state,
     kv_layer_entries,
     linear_state,
@@ -174,7 +174,8 @@ class HybridForwards:
         used = sorted(set(rows))
         where = {row: k for k, row in enumerate(used)}
         device = state.anchors.device
-        layout = SharedRows.of([where[r] for r in rows], len(used), length, device, attn_implementation(self.target))
+        implementation = decoder_attention_implementation(self.target)
+        layout = SharedRows.of([where[r] for r in rows], len(used), length, device, implementation)
         index = torch.tensor(used, device=device)
         everyone, width = len(used) == state.rows.shape[0], state.valid.shape[1]
         cache = HybridCache(self.types)

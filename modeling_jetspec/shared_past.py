@@ -28,7 +28,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .compat import DynamicLayer, attn_implementation, eager_attention_of, set_attention_implementation
+from .compat import DynamicLayer, eager_attention_of, set_attention_implementation
 
 # the attention implementation's name, per copy of this module (a head loaded as remote code brings its own copy,
 # whose `SharedRows` its function must be handed)
@@ -133,8 +133,7 @@ AttentionInterface.register(SHARED_ROWS_ATTENTION, shared_rows_attention)
 @contextlib.contextmanager
 def rows_attention(target):
     """The target's attention layers run [`shared_rows_attention`] inside the block."""
-    before = attn_implementation(target)
-    set_attention_implementation(target, SHARED_ROWS_ATTENTION)
+    before = set_attention_implementation(target, SHARED_ROWS_ATTENTION)
     try:
         yield
     finally:

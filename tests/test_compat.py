@@ -64,12 +64,13 @@ def test_set_attention_implementation_switches_every_attention_layer():
 
     AttentionInterface.register("test_recording", recording)
     ids = torch.tensor([[1, 2, 3]])
-    compat.set_attention_implementation(target, "test_recording")
+    before = compat.set_attention_implementation(target, "test_recording")
     try:
         with torch.no_grad():
             target(ids)
     finally:
-        compat.set_attention_implementation(target, "sdpa")
+        compat.set_attention_implementation(target, before)
+    assert before == "sdpa" and compat.decoder_attention_implementation(target) == "sdpa"
     assert calls and compat.attn_implementation(target) == "sdpa"
     attention = next(m for m in target.modules() if type(m).__name__ == calls[0])
     assert compat.eager_attention_of(attention).__name__ == "eager_attention_forward"
