@@ -11,7 +11,7 @@ Only the newest view may append or borrow the room after it: `used` is the width
 fewer columns (an earlier round's state, kept by a caller) cannot write there, so no view ever sees its columns
 change. Everything else (selecting rows, packing columns in `reclaim.py`) builds new tensors as before.
 
-[`Columns`] also keeps masks derived from its columns (`masks`, see `tree.PastMask`): they depend only on columns
+[`Columns`] also keeps masks derived from its columns (`masks`, see `kept_masks.py`): they depend only on columns
 that never change once written, so a round extends them by its new columns instead of rebuilding them.
 """
 
@@ -32,7 +32,7 @@ class Columns:
 
     def __init__(self, buffers: list, dims: list, used: int):
         self.buffers, self.dims, self.used = buffers, dims, used
-        self.masks = {}  # name -> a mask built over these columns (`tree.PastMask`)
+        self.masks = {}  # name -> a mask built over these columns (`kept_masks.py`)
 
     @classmethod
     def start(cls, tensors: list) -> tuple["Columns", list]:

@@ -15,6 +15,7 @@ This module imports nothing from the package: every other file may import it.
 """
 
 import inspect
+import sys
 
 import torch
 from transformers import GenerationMixin
@@ -52,6 +53,8 @@ __all__ = [
     "assisted_decoding_with",
     "attn_implementation",
     "custom_decode_kwargs",
+    "decoder_attention_implementation",
+    "eager_attention_of",
     "fill_linear_state",
     "kv_layer_entries",
     "linear_state",
@@ -59,6 +62,7 @@ __all__ = [
     "pad_token_tensor",
     "pads_finished_rows",
     "repetition_penalty_for_row",
+    "set_attention_implementation",
     "set_linear_state",
     "stop_past_recording",
 ]
@@ -72,6 +76,33 @@ def attn_implementation(model) -> str:
     tree mask) but no public getter: the value lives in the config's `_attn_implementation` property.
     """
     return model.config._attn_implementation
+
+
+def decoder_attention_implementation(model) -> str:
+    """The attention implementation the decoder's attention layers run: its text config's `_attn_implementation`
+    (the model's own for a causal LM; a composite model's text sub-config may differ from its vision one's)."""
+    return model.config.get_text_config(decoder=True)._attn_implementation
+
+
+def set_attention_implementation(model, implementation: str) -> str:
+    """Make the decoder's attention layers of `model` run `implementation` (a name in transformers'
+    `AttentionInterface`) from their next call; returns the implementation they ran (the hybrid verifier's forwards
+    over rows that share their past, `shared_past.py`).
+
+    Each attention layer reads its config's `_attn_implementation` (a private property) at every call; this sets
+    the decoder's text config's. The public `set_attn_implementation` does the same after checks that walk every
+    module, too slow to run around forwards of a round.
+    """
+    text = model.config.get_text_config(decoder=True)
+    before = text._attn_implementation
+    text._attn_implementation = implementation
+    return before
+
+
+def eager_attention_of(module):
+    """The eager attention function of the modeling file `module` comes from: its `eager_attention_forward`, the
+    module-level function each modeling file defines and its attention layers run under "eager" (not exported)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def pad_token_tensor(generation_config):

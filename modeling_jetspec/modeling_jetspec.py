@@ -32,7 +32,7 @@ from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .integration import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
 from .columns import Columns
 from .layers import JetSpecContext, JetSpecDecoderLayer, JetSpecRotary
-from .tree import PastMask
+from .kept_masks import PastMask
 
 
 @dataclass
@@ -344,7 +344,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
 
     def _default_mask(self, context: JetSpecContext, block_length: int, kind: str):
         """[`block_mask`], or, over a context grown in place without sliding layers, the same mask in additive
-        form kept in the context's columns (`tree.PastMask`: a round writes only its new columns, so its cost does
+        form kept in the context's columns (`kept_masks.py`: a round writes only its new columns, so its cost does
         not grow with the context). Training builds it whole."""
         if context.columns is None or torch.is_grad_enabled() or "sliding_attention" in self.config.layer_types:
             return self.block_mask(context.valid, block_length, kind)

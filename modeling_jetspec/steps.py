@@ -38,7 +38,6 @@ from .stopping import stop_marks
 from .tree import (
     ENTROPY_SCORINGS,
     LOOKUP_MAX_NGRAM,
-    PastMask,
     Tree,
     ancestor_mask,
     build_tree,
@@ -230,16 +229,15 @@ def verify(
     """
     positions = state.anchor_pos[:, None] + trees.depths  # (A, n + 1)
     flex = attn_implementation(target) == "flex_attention"  # a BlockMask for flex_attention, else additive masks
-    dtype = float_dtype(target)
     attention_mask = verify_attention_mask(
         state.valid,
         trees.ancestors,
-        dtype,
+        float_dtype(target),
         windows,
         state.positions,
         positions,
         flex=flex,
-        past=past_mask(state, dtype),
+        kept=kept_masks(state),
     )
     with linear_forms(target, forms):
         out = target(
@@ -254,12 +252,10 @@ def verify(
     return out.logits, head.target_features(out.hidden_states)
 
 
-def past_mask(state: RoundState, dtype: torch.dtype) -> PastMask | None:
-    """The verify mask of the layers without a window kept in the state's columns (`tree.PastMask`: a round writes
-    only its new columns); `None` for a state whose tensors have no columns (the mask is then built whole)."""
-    if state.columns is None:
-        return None
-    return state.columns.masks.setdefault(("verify", dtype), PastMask(dtype))
+def kept_masks(state: RoundState) -> dict | None:
+    """Where the verify masks are kept across rounds: the state's columns (`kept_masks.py`: a round writes only its
+    new columns); `None` for a state whose tensors have no columns (its masks are built whole)."""
+    return None if state.columns is None else state.columns.masks
 
 
 def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Acceptance:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kept_masks import PastMask, WindowMask
+
 TREE_SCORINGS = ("logprob", "entropy", "mixed", "gap")
 ENTROPY_SCORINGS = ("entropy", "mixed")  # the keys that read a depth's entropy; the others need not compute it
 # `gap` scoring (JetSpec's low-budget "top-2-gap fanout"): a node keeps only the candidates whose log-prob is within
@@ -366,41 +368,6 @@ def verification_block_mask(
     return create_block_mask(mask_mod, B=b, H=None, Q_LEN=t, KV_LEN=kv, device=allowed.device)
 
 
-class PastMask:
-    """The additive mask `(A, 1, T, S + T)` of T new tokens after S cache entries that every new token sees when
-    valid (no sliding window, no causal past), kept from one round to the next so that its cost does not grow with
-    the history: a past column of the mask depends only on whether that entry is valid, which never changes once
-    written (`columns.Columns`: an appended column keeps its entry until a pack builds new columns, and with them
-    a new mask). Each call writes the columns added since the last one (for every query row), then the T x T part of
-    the new tokens; the mask returned is a view of the buffer `(A, 1, T_cap, C)`, rebuilt (C doubled) when it lacks
-    rows or columns.
-
-    Args:
-        dtype (`torch.dtype`): the floating dtype of the mask (the model's).
-    """
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype, self.buffer, self.filled = dtype, None, 0
-
-    def __call__(self, past_valid: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """The mask of new tokens seeing `seen` `(A, T, T)` of each other after the entries `past_valid` `(A, S)`:
-        0 where attention is allowed, the dtype's minimum elsewhere, as [`verification_mask`] builds it whole."""
-        a, s = past_valid.shape
-        t = seen.shape[1]
-        buffer, low = self.buffer, torch.finfo(self.dtype).min
-        if buffer is None or buffer.shape[0] != a or buffer.shape[2] < t or buffer.shape[3] < s + t or self.filled > s:
-            rows, columns = (0, 0) if buffer is None else buffer.shape[2:]
-            rows, columns = max(t, rows), columns if columns >= s + t else max(s + t, 2 * columns)
-            self.buffer = buffer = torch.empty(a, 1, rows, columns, dtype=self.dtype, device=past_valid.device)
-            self.filled = 0
-        if self.filled < s:  # the columns added since the last call, for every query row
-            added = past_valid[:, None, self.filled : s].expand(a, buffer.shape[2], -1)
-            buffer[:, 0, :, self.filled : s] = torch.where(added, 0.0, low)
-            self.filled = s
-        buffer[:, 0, :t, s : s + t] = torch.where(seen, 0.0, low)
-        return buffer[:, :, :t, : s + t]
-
-
 def verify_attention_mask(
     past_valid: torch.Tensor,
     seen: torch.Tensor,
@@ -412,7 +379,7 @@ def verify_attention_mask(
     unmasked: tuple = (),
     causal_past: bool = False,
     flex: bool = False,
-    past: PastMask | None = None,
+    kept: dict | None = None,
 ):
     """The `attention_mask` a verify forward hands the target: the one place it is built (`steps.verify`, `hybrid.py`).
 
@@ -428,8 +395,8 @@ def verify_attention_mask(
             convolution and cacheless layers).
         flex (`bool`, *optional*): a flex_attention target: `BlockMask`s ([`verification_block_mask`]) instead of
             additive masks (attention targets only: no `causal_past`).
-        past (`PastMask`, *optional*): the mask of the layers without a window, kept across rounds; without it (or
-            with `causal_past` or `flex`) every mask is built whole, at a cost that grows with S.
+        kept (`dict`, *optional*): the `masks` of the columns the past is the newest view of (`kept_masks.py`);
+            without it (or with `causal_past` or `flex`) every mask is built whole, at a cost that grows with S.
 
     Returns:
         One additive mask `(B, 1, T, S + T)` when no layer type needs its own (no `layer_types`, and `windows` is
@@ -445,8 +412,8 @@ def verify_attention_mask(
             return built[window]
         if flex:
             built[window] = verification_block_mask(past_valid, seen, window, past_positions, positions)
-        elif window is None and past is not None and not causal_past:
-            built[window] = past(past_valid, seen)
+        elif kept is not None and not causal_past:
+            built[window] = _kept(kept, dtype, window)(past_valid, seen, past_positions, positions)
         else:
             built[window] = verification_mask(past_valid, seen, dtype, window, past_positions, positions, causal_past)
         return built[window]
@@ -461,6 +428,14 @@ def verify_attention_mask(
         t: None if t in unmasked else one(None if windows is None else windows.get(t, windows.get(None)))
         for t in sorted(set(layer_types))
     }
+
+
+def _kept(kept: dict, dtype: torch.dtype, window: int | None):
+    """The verify mask of `window` kept in `kept`, made on first use."""
+    key = ("verify", dtype, window)
+    if key not in kept:
+        kept[key] = PastMask(dtype) if window is None else WindowMask(dtype, window)
+    return kept[key]
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Target forwards per round and tokens per forward of hybrid verification, at a real Qwen3.5's state sizes.
+"""Target forwards per round, tokens per forward and peak memory of hybrid verification, at a real Qwen3.5's state
+sizes.
 
 A random Qwen3.5 whose gated delta-net layers have a real one's sizes (32 value heads and 16 key heads of 128: a
 recurrent state of 32 x 128 x 128 per layer and row, 2 MiB in fp32), with a small hidden size and few layers, so
@@ -11,15 +12,31 @@ siblings), at the head's default tree (depth 7, budget 32, width 3 here). Each r
 `generate` (float32) and prints one JSON line: rounds, tau, target forwards per round (mean, max) and committed
 tokens per target forward (the prefill excluded).
 
-The leaf paths of a tree round run in one forward while their copies of the rows' states fit in
-`hybrid.PATHS_FORWARD_BYTES` or a quarter of the target's weights. This model's weights are tiny, so the floor
-applies; `--weights-gb` sets the bound a real target of that many GB of weights gets (18: Qwen3.5 9B in bf16).
+A third drafter, "random", is an untrained head (mostly wrong).
+
+The leaf paths of a tree round run in one forward while what each adds to it (its copy of the row's states, the
+gated delta-net's working tensors, its logits, `hybrid_tree.TreeRounds.path_bytes`) fits in
+`hybrid_tree.PATHS_FORWARD_BYTES` or a quarter of the target's weights, and never fewer than the batch's rows. This
+model's weights are tiny, so the floor applies; `--weights-gb` sets the bound a real target of that many GB of
+weights gets (18: Qwen3.5 9B in bf16).
+
+With `--isolate` every (batch, new tokens, drafter, mode) runs in a process of its own, which also reports its peak
+resident memory (`ru_maxrss`): `rss_before_mib` after the model, the plain greedy reference and a warm-up call,
+`peak_rss_mib` after the measured call (a peak reached before it, by the reference, hides the call's own).
 
     OMP_NUM_THREADS=1 nice -n 19 python scripts/hybrid_forwards.py --layers 4 --new-tokens 24
+    # memory and forwards at batch 1, 2 and 32, 12 and 1,024 new tokens, each mode in its own process, at this
+    # model's bound and at a 9B's:
+    OMP_NUM_THREADS=1 python scripts/hybrid_forwards.py --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
+        --drafters random always sometimes
+    OMP_NUM_THREADS=1 python scripts/hybrid_forwards.py --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
+        --drafters random always sometimes --modes tree --weights-gb 18
 """
 
 import argparse
 import json
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_jetspec import JetSpecDraftModel, hybrid  # noqa: E402
+from modeling_jetspec import JetSpecDraftModel, hybrid_tree  # noqa: E402
 from modeling_jetspec.state import JetSpecStats  # noqa: E402
 
 
@@ -86,73 +103,122 @@ def qwen35(layers: int, vocab: int, seed: int = 0):
     return Qwen3_5ForCausalLM(config).eval()
 
 
-def main(argv=None) -> None:
+def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--prompt-length", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[24])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--modes", nargs="+", default=["tree", "chain"])
-    parser.add_argument("--drafters", nargs="+", default=["always", "sometimes"])
+    parser.add_argument("--drafters", nargs="+", default=["always", "sometimes"], help="always, sometimes, random")
     parser.add_argument(
         "--weights-gb",
         type=float,
         default=0.0,
         help="bound forward 1 as a target with this many GB of weights would (0: this model's)",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument("--isolate", action="store_true", help="each run in its own process, with its peak memory")
+    parser.add_argument("--one", nargs=4, metavar=("BATCH", "NEW", "DRAFTER", "MODE"), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+class RoundForwards:
+    """The target forwards of every round of the calls made while installed (`JetSpecStats.add_round`)."""
+
+    def __init__(self):
+        self.per_round = []
+        add_round = JetSpecStats.add_round
+
+        def recording(stats, budget, counts, *rest, forwards):
+            self.per_round.append(forwards)
+            return add_round(stats, budget, counts, *rest, forwards=forwards)
+
+        JetSpecStats.add_round = recording
+
+
+def drafter_head(target, drafter: str, plain: torch.Tensor):
+    if drafter == "random":
+        torch.manual_seed(1)
+        return JetSpecDraftModel.from_target(target, tree_width=3).eval()  # default depth 7, budget 32
+    head = KnowingHead.from_target(target, tree_width=3).eval()
+    head.reference = torch.nn.functional.pad(plain, (0, 64))
+    head.mode = drafter
+    return head
+
+
+def run(args, target, batch: int, new: int, drafter: str, mode: str, plain=None, rounds=None) -> dict:
+    """One call of `new` tokens per row at `batch`, checked against plain greedy (`plain`, computed when not given);
+    its rounds, tau and forwards."""
+    ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
+    with torch.no_grad():
+        plain = target.generate(**kwargs) if plain is None else plain
+        head = drafter_head(target, drafter, plain)
+        rounds = rounds or RoundForwards()
+        rounds.per_round.clear()
+        out = target.generate(**kwargs, assistant_model=head, tree_verify=mode)
+    stats = head.last_stats
+    forwards = stats.target_forwards - 1  # the prefill excluded
+    return {
+        "batch": batch,
+        "new_tokens": new,
+        "drafter": drafter,
+        "mode": mode,
+        "equal_to_greedy": torch.equal(out, plain),
+        "rounds": stats.rounds,
+        "tau": round(stats.tau, 2),
+        "forwards_per_round": round(forwards / max(stats.rounds, 1), 2),
+        "max_forwards": max(rounds.per_round, default=0),
+        "tokens_per_forward": round(stats.round_tokens / max(forwards, 1), 2),
+        "paths_forward_mib": round(hybrid_tree.PATHS_FORWARD_BYTES / 2**20),
+    }
+
+
+def run_alone(args, target, batch: int, new: int, drafter: str, mode: str) -> dict:
+    """[`run`] after the plain reference and a warm-up call of 2 tokens, with the process's peak resident memory
+    before and after the measured call."""
+    ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
+    run(args, target, batch, 2, drafter, mode)  # lazy imports and allocations common to every call
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = run(args, target, batch, new, drafter, mode, plain)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {**result, "rss_before_mib": round(before / 1024), "peak_rss_mib": round(after / 1024)}
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
     if args.weights_gb:
-        hybrid.PATHS_FORWARD_BYTES = int(args.weights_gb * 1e9 * hybrid.WEIGHTS_SHARE)
-    target = qwen35(args.layers, args.vocab)
-    per_round = []
-    add_round = JetSpecStats.add_round
-
-    def recording(stats, budget, counts, *rest, forwards):
-        per_round.append(forwards)
-        return add_round(stats, budget, counts, *rest, forwards=forwards)
-
-    JetSpecStats.add_round = recording
-    for batch in args.batch:
-        ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            plain = target.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=args.new_tokens
+        hybrid_tree.PATHS_FORWARD_BYTES = int(args.weights_gb * 1e9 * hybrid_tree.WEIGHTS_SHARE)
+    combos = [(b, n, d, m) for b in args.batch for n in args.new_tokens for d in args.drafters for m in args.modes]
+    if args.isolate:  # a process per run: its peak memory is its own
+        for b, n, d, m in combos:
+            rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--isolate"]
+            command = [sys.executable, __file__, *rest, "--one", str(b), str(n), d, m]
+            done = subprocess.run(command, capture_output=True, text=True)
+            print(
+                done.stdout.strip().splitlines()[-1]
+                if done.returncode == 0
+                else json.dumps({"batch": b, "new_tokens": n, "drafter": d, "mode": m, "error": done.stderr[-500:]}),
+                flush=True,
             )
-        for drafter in args.drafters:
-            for mode in args.modes:
-                head = KnowingHead.from_target(target, tree_width=3).eval()  # default depth 7, budget 32
-                head.reference = torch.nn.functional.pad(plain, (0, 64))
-                head.mode = drafter
-                per_round.clear()
-                with torch.no_grad():
-                    out = target.generate(
-                        input_ids=ids,
-                        attention_mask=torch.ones_like(ids),
-                        do_sample=False,
-                        max_new_tokens=args.new_tokens,
-                        assistant_model=head,
-                        tree_verify=mode,
-                    )
-                stats = head.last_stats
-                forwards = stats.target_forwards - 1  # the prefill excluded
-                print(
-                    json.dumps(
-                        {
-                            "batch": batch,
-                            "drafter": drafter,
-                            "mode": mode,
-                            "equal_to_greedy": torch.equal(out, plain),
-                            "rounds": stats.rounds,
-                            "tau": round(stats.tau, 2),
-                            "forwards_per_round": round(forwards / max(stats.rounds, 1), 2),
-                            "max_forwards": max(per_round),
-                            "tokens_per_forward": round(stats.round_tokens / max(forwards, 1), 2),
-                            "paths_forward_mib": round(max(hybrid.PATHS_FORWARD_BYTES, 0) / 2**20),
-                        }
-                    ),
-                    flush=True,
+        return
+    target = qwen35(args.layers, args.vocab)
+    if args.one:
+        b, n, d, m = args.one
+        print(json.dumps(run_alone(args, target, int(b), int(n), d, m)), flush=True)
+        return
+    rounds, plains = RoundForwards(), {}
+    for b, n, d, m in combos:
+        if (b, n) not in plains:
+            ids = torch.randint(1, args.vocab, (b, args.prompt_length), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                plains[b, n] = target.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
                 )
+        print(json.dumps(run(args, target, b, n, d, m, plains[b, n], rounds)), flush=True)
 
 
 if __name__ == "__main__":

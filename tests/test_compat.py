@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from test_architectures import HYBRID_FAMILIES, family_target
+from transformers import AttentionInterface, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.generation import logits_process as lp
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from modeling_jetspec import compat
 from modeling_jetspec.decode import _decode
@@ -47,6 +49,31 @@ def test_attn_implementation_reads_what_set_attn_implementation_set():
     assert compat.attn_implementation(target) == "sdpa"
     target.set_attn_implementation("eager")
     assert compat.attn_implementation(target) == "eager"
+
+
+def test_set_attention_implementation_switches_every_attention_layer():
+    # what `shared_past.rows_attention` relies on: an attention layer looks its function up from its config at every
+    # call, and the model's config reaches the layers' (a hybrid target's text config included)
+    target = family_target("qwen3_5_text", *HYBRID_FAMILIES["qwen3_5_text"])
+    calls = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(module, *args, **kwargs):
+        calls.append(type(module).__name__)
+        return sdpa(module, *args, **kwargs)
+
+    AttentionInterface.register("test_recording", recording)
+    ids = torch.tensor([[1, 2, 3]])
+    before = compat.set_attention_implementation(target, "test_recording")
+    try:
+        with torch.no_grad():
+            target(ids)
+    finally:
+        compat.set_attention_implementation(target, before)
+    assert before == "sdpa" and compat.decoder_attention_implementation(target) == "sdpa"
+    assert calls and compat.attn_implementation(target) == "sdpa"
+    attention = next(m for m in target.modules() if type(m).__name__ == calls[0])
+    assert compat.eager_attention_of(attention).__name__ == "eager_attention_forward"
 
 
 def _config_seen_by_decoding(target, **kwargs):

@@ -14,7 +14,8 @@ import torch
 
 import modeling_jetspec.verifiers as verifiers
 from modeling_jetspec.columns import MIN_COLUMNS, Columns
-from modeling_jetspec.tree import PastMask, ancestor_mask, verification_mask
+from modeling_jetspec.kept_masks import PastMask
+from modeling_jetspec.tree import ancestor_mask, verification_mask, verify_attention_mask
 from tiny import oracle_head, prompts, tiny_head, tiny_target
 
 
@@ -75,6 +76,53 @@ def test_past_mask_equals_the_mask_built_whole():
         assert torch.equal(built, verification_mask(valid, seen, torch.float32))
         width = 1 + step % 5
         columns, (valid,) = columns.append(valid.shape[1], [torch.rand(valid.shape[0], width, generator=g) > 0.4])
+
+
+def random_trees(a: int, t: int, g, shape: str = "random") -> tuple:
+    """`(ancestors (A, T, T), depths (A, T))` of trees of T nodes, root first: random, a chain or a star."""
+    parents = torch.zeros(a, t - 1, dtype=torch.long)
+    for i in range(t - 1):  # a parent precedes its child
+        if shape == "chain":
+            parents[:, i] = i
+        elif shape == "random":
+            parents[:, i] = torch.randint(0, i + 1, (a,), generator=g)
+    depths = torch.zeros(a, t, dtype=torch.long)
+    for i in range(1, t):
+        depths[:, i] = depths.gather(1, parents[:, i - 1 : i])[:, 0] + 1
+    return ancestor_mask(parents), depths
+
+
+@pytest.mark.parametrize("window", [None, 2, 5, 40])
+@torch.no_grad()
+def test_kept_masks_equal_the_masks_built_whole_round_after_round(window):
+    # rounds as the tree loop makes them: left-padded prompts, then per round each row's accepted nodes and its holes
+    # (at the anchor's position), trees of changing sizes; the kept mask must equal the one built whole every time
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([9, 4, 13])
+    width = int(lengths.max())
+    valid = torch.arange(width)[None] >= (width - lengths)[:, None]  # (3, S), left padding
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    columns, (valid, positions) = Columns.start([valid, positions])
+    anchors = lengths.clone()
+    windows = None if window is None else {None: window}
+    for step in range(40):
+        if step == 25:  # a row leaves: new columns, new masks
+            keep = torch.tensor([0, 2])
+            columns, (valid, positions) = columns.rows(keep, valid.shape[1])
+            anchors = anchors[keep]
+        a = valid.shape[0]
+        # deep and shallow trees in turn: a query row of a shallow tree sees what the same row of a deep one did not
+        seen, depths = random_trees(a, 1 + (step * 7) % 11, g, ("random", "chain", "star")[step % 3])
+        query = anchors[:, None] + depths
+        kept = verify_attention_mask(valid, seen, torch.float32, windows, positions, query, kept=columns.masks)
+        whole = verification_mask(valid, seen, torch.float32, window, positions, query)
+        assert torch.equal(kept, whole), step
+        count = torch.randint(1, 5, (a,), generator=g)
+        k = int(count.max())
+        kept_columns = torch.arange(k)[None] < count[:, None]  # (A, K), False: a hole
+        new_positions = anchors[:, None] + torch.where(kept_columns, torch.arange(k)[None], 0)
+        columns, (valid, positions) = columns.append(valid.shape[1], [kept_columns, new_positions])
+        anchors = anchors + count
 
 
 @pytest.mark.parametrize("batch", [1, 3])

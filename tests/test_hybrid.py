@@ -19,8 +19,10 @@ from test_lossless import LookupBranch
 from test_sampling import ALPHA, NEW, MarginalHead, exact_distribution, goodness_of_fit, sample
 from tiny import oracle_head, prompts, tiny_head, tiny_target
 
-from modeling_jetspec import hybrid
-from modeling_jetspec.hybrid import HybridVerifier, _fold_length, leaf_paths
+from modeling_jetspec import hybrid_tree
+from modeling_jetspec.hybrid import HybridVerifier
+from modeling_jetspec.hybrid_cache import HybridForwards
+from modeling_jetspec.hybrid_tree import TreeRounds, fold_length, leaf_paths
 from modeling_jetspec.state import JetSpecStats, TreeShape
 from modeling_jetspec.verifiers import measure_verify_seconds
 
@@ -216,28 +218,28 @@ def test_tree_round_costs_at_most_two_forwards(family, batch, monkeypatch):
 
 def test_tree_forward_runs_every_leaf_path_in_one_batch(monkeypatch):
     # one forward 1 per round holds a batch row per distinct leaf; a tiny `PATHS_FORWARD_BYTES` splits it into
-    # chunks of one path (more forwards, same tokens)
+    # chunks of as many paths as the batch has rows (more forwards, same tokens)
     target = hybrid_target("qwen3_5_text")
     ids, mask = prompts(2, vocab_size=VOCAB)
     plain = greedy(target, ids, mask, max_new_tokens=12)
     shapes = []
-    paths_forward = HybridVerifier._paths_forward
+    paths_forward = TreeRounds.paths_forward
 
-    def recording(self, state, part, leads):
+    def recording(self, state, paths, part):
         shapes.append(len(part))
-        return paths_forward(self, state, part, leads)
+        return paths_forward(self, state, paths, part)
 
-    monkeypatch.setattr(HybridVerifier, "_paths_forward", recording)
+    monkeypatch.setattr(TreeRounds, "paths_forward", recording)
     head = tiny_head(target, tree_depth=3, tree_width=3, tree_budget=12)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=12, assistant_model=head, tree_verify="tree"), plain)
     assert max(shapes) > 2 * 3  # a 12-node tree of width 3 has more leaves than depths, in each of 2 rows
     rounds = len(shapes)
     shapes.clear()
-    monkeypatch.setattr(hybrid, "PATHS_FORWARD_BYTES", 1)
-    monkeypatch.setattr(HybridVerifier, "__init__", _small_weights(HybridVerifier.__init__))
+    monkeypatch.setattr(hybrid_tree, "PATHS_FORWARD_BYTES", 1)
+    monkeypatch.setattr(TreeRounds, "__init__", _small_weights(TreeRounds.__init__))
     head = tiny_head(target, tree_depth=3, tree_width=3, tree_budget=12)
     assert torch.equal(greedy(target, ids, mask, max_new_tokens=12, assistant_model=head, tree_verify="tree"), plain)
-    assert set(shapes) == {1} and len(shapes) > rounds
+    assert set(shapes) <= {1, 2} and 2 in shapes and len(shapes) > rounds
 
 
 def _small_weights(init):
@@ -246,6 +248,37 @@ def _small_weights(init):
         self.weight_bytes = 0  # so that PATHS_FORWARD_BYTES alone bounds a forward
 
     return wrapped
+
+
+def test_leaf_paths_read_the_past_in_place_and_cost_the_same_as_it_grows(monkeypatch):
+    # forward 1's attention layers read the rows' past where it lies, not a copy per leaf: so what a leaf path counts
+    # against the forward's bound (and how many paths one forward runs) hardly grows with the answer
+    target = hybrid_target("qwen3_5_text")
+    ids, mask = prompts(1, vocab_size=VOCAB)
+    plain = greedy(target, ids, mask, max_new_tokens=150)
+    counted, shared = [], []
+    path_bytes, rows_cache = TreeRounds.path_bytes, HybridForwards.rows_cache
+
+    def counting(self, state, length, slots):
+        counted.append((state.valid.shape[1], length, slots, path_bytes(self, state, length, slots)))
+        return counted[-1][-1]
+
+    def sharing(self, state, rows, length, states):
+        cache, layout, used = rows_cache(self, state, rows, length, states)
+        for i in self.attention:
+            past, main = cache.layers[i].past[0], state.cache.layers[i].keys
+            shared.append(past.untyped_storage().data_ptr() == main.untyped_storage().data_ptr())
+        return cache, layout, used
+
+    monkeypatch.setattr(TreeRounds, "path_bytes", counting)
+    monkeypatch.setattr(HybridForwards, "rows_cache", sharing)
+    head = tiny_head(target, tree_depth=3, tree_width=3, tree_budget=12)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=150, assistant_model=head, tree_verify="tree"), plain)
+    assert len(shared) > 20 and all(shared)  # every forward over rows (leaf paths, folds) read the past in place
+    first = counted[0]
+    alike = [c for c in counted if c[1:3] == first[1:3]]  # paths of the same length, rows of as many leaves
+    assert max(c[0] for c in alike) > 5 * first[0]  # the history grew
+    assert max(c[3] for c in alike) <= 1.1 * first[3]  # what a path counts did not (its rows of the masks only)
 
 
 def test_leaf_paths_read_every_node_from_a_path_holding_it():
@@ -258,9 +291,9 @@ def test_leaf_paths_read_every_node_from_a_path_holding_it():
 
 
 def test_fold_length_keeps_few_tokens_unfolded():
-    assert _fold_length([5]) == 5  # batch 1: all of them
-    assert _fold_length([3, 8]) == 8  # folding 3 would leave 5, folding 8 leaves the other row's 3
-    assert _fold_length([4, 4, 2]) == 4
+    assert fold_length([5]) == 5  # batch 1: all of them
+    assert fold_length([3, 8]) == 8  # folding 3 would leave 5, folding 8 leaves the other row's 3
+    assert fold_length([4, 4, 2]) == 4
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2"])
