@@ -4,6 +4,7 @@ head at tree-8 with the trie branch, greedy, batch 1 and 4: a round should cost 
 
     OMP_NUM_THREADS=1 python -m scripts.long_rounds                                      # 256 .. 8,192, batch 1 and 4
     OMP_NUM_THREADS=1 nice python -m scripts.long_rounds --lengths 96,256 --batches 1 --span 32   # a smoke run
+    python -m scripts.long_rounds --archs smollm2 --lengths 256,4096 --batches 1   # SmolLM2 in float32, shipped head
 
 One `generate` per target and batch makes the longest length (EOS ignored; the output is checked against plain
 greedy unless `--no-check`); every round is timed on its own:
@@ -24,6 +25,7 @@ the peak allocated memory of each call is printed as well (CPU peak resident mem
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -34,6 +36,7 @@ from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.reclaim import live_columns
 
 WINDOW = 64
+SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "jetspec" / "heads" / "smollm2-135m"
 
 
 def tiny(arch: str, length: int, vocab: int):
@@ -181,11 +184,34 @@ def report(spy: RoundSpy, plain: dict, lengths: list, span: int):
         )
 
 
+def build(arch: str, longest: int, vocab: int, budget: int):
+    """`(target, head, vocabulary of the prompts)`: a tiny random target with a random head at tree-`budget` with the
+    trie, or (`smollm2`) SmolLM2-135M-Instruct in float32 with the shipped head at its defaults."""
+    if arch == "smollm2":
+        from jetspec.targets import load_target
+
+        target, _ = load_target("smollm2-135m", dtype=torch.float32)
+        head = JetSpecDraftModel.from_pretrained(SHIPPED_HEAD, dtype=torch.float32).eval()
+        return target.eval(), head, target.config.vocab_size
+    target = tiny(arch, longest, vocab)
+    head = JetSpecDraftModel.from_target(
+        target,
+        num_hidden_layers=1,
+        block_size=8,
+        tree_depth=4,
+        tree_width=3,
+        tree_budget=budget,
+        tree_lookup=8,
+        tree_lookup_branches="trie",
+    ).eval()
+    return target, head, vocab
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="256,1024,2048,4096,8192", help="history lengths to report (tokens)")
     parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--archs", default="llama,mistral")
+    parser.add_argument("--archs", default="llama,mistral", help="tiny llama, tiny mistral, or smollm2 (float32)")
     parser.add_argument("--vocab", type=int, default=16, help="a small vocabulary: earlier continuations abound")
     parser.add_argument("--budget", type=int, default=8, help="draft nodes of the head's tree")
     parser.add_argument("--span", type=int, default=64, help="rounds within this many tokens before a length")
@@ -196,22 +222,12 @@ def main(argv=None) -> int:
         parser.error(f"expected lengths above --span {args.span}, got {lengths}")
     longest = lengths[-1]
     for arch in args.archs.split(","):
-        target = tiny(arch, longest, args.vocab)
-        head = JetSpecDraftModel.from_target(
-            target,
-            num_hidden_layers=1,
-            block_size=8,
-            tree_depth=4,
-            tree_width=3,
-            tree_budget=args.budget,
-            tree_lookup=8,
-            tree_lookup_branches="trie",
-        ).eval()
+        target, head, vocab = build(arch, longest, args.vocab, args.budget)
         for batch in (int(x) for x in args.batches.split(",")):
-            plain = {n: plain_step_seconds(target, n, batch, args.vocab) for n in lengths}
+            plain = {n: plain_step_seconds(target, n, batch, vocab) for n in lengths}
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            spy = run(target, head, arch, batch, longest, args.vocab, not args.no_check)
+            spy = run(target, head, arch, batch, longest, vocab, not args.no_check)
             peak = (
                 f", CUDA peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB" if torch.cuda.is_available() else ""
             )
