@@ -24,13 +24,12 @@ FLOOR = 1e-6  # the smallest calibrated probability (a measured acceptance of 0 
 
 
 def check_calibration(table) -> dict | None:
-    """A config's `tree_calibration` as `{(depth, source): [BINS floats]}`, or None for none; a `ValueError`
-    (expected, got) for anything else."""
+    """A config's `tree_calibration` checked: the table itself (`{"<depth>:<source>": [BINS rates]}`, the form
+    [`calibrated_logprob`] reads), or None for none; a `ValueError` (expected, got) for anything else."""
     if table is None or table == {}:
         return None
     if not isinstance(table, dict):
         raise ValueError(f"expected tree_calibration as a dict {{'<depth>:<source>': [{BINS} rates]}}, got {table!r}")
-    out = {}
     for key, rates in table.items():
         depth, _, source = str(key).partition(":")
         if not depth.isdigit() or int(depth) < 1 or source not in SOURCES:
@@ -41,13 +40,13 @@ def check_calibration(table) -> dict | None:
             or not all(isinstance(r, (int, float)) and 0.0 <= r <= 1.0 for r in rates)
         ):
             raise ValueError(f"expected {BINS} acceptance rates in [0, 1] for tree_calibration[{key!r}], got {rates!r}")
-        out[(int(depth), source)] = [float(r) for r in rates]
-    return out
+    return table
 
 
-def node_source(path: tuple, token: int, head_tokens, trie: dict | None) -> str:
+def node_source(head_tokens, trie: dict | None, path: tuple, token: int) -> str:
     """Who proposed `token` after `path`: "head" (among the head's candidates at that depth, `head_tokens[len(path)]`),
-    "lookup" (a child of `path` in the model-free branch's `trie`) or "both"."""
+    "lookup" (a child of `path` in the model-free branch's `trie`) or "both". The row's own arguments come first, so
+    `functools.partial(node_source, head_tokens, trie)` is the row's `(path, token) -> source`."""
     depth = len(path)
     by_head = head_tokens is not None and depth < len(head_tokens) and token in head_tokens[depth]
     counts = trie.get(tuple(path)) if trie else None
@@ -63,9 +62,9 @@ def probability_bin(probability: float) -> int:
 
 
 def calibrated_logprob(table: dict, depth: int, source: str, logprob: float) -> float:
-    """A node's score under `table` (from [`check_calibration`]): the log of the measured acceptance of its bin, or
+    """A node's score under `table` (a config's `tree_calibration`): the log of the measured acceptance of its bin, or
     its own `logprob` where the table has no entry for (depth, source)."""
-    rates = table.get((depth, source))
+    rates = table.get(f"{depth}:{source}")
     if rates is None:
         return logprob
     return math.log(max(rates[probability_bin(math.exp(min(logprob, 0.0)))], FLOOR))

@@ -183,6 +183,8 @@ class DraftTrees:
     sizes: list | None = None  # (A,) each tree's own node count before the padding to n; None: not at hand
     branches: list | None = None  # (A,) each row's model-free branch as `steps.draft` merged it, a trie
     # `{path: Counter(next token)}` (`{}`: no match); None: the trees were drafted without one
+    head_tokens: list | None = None  # (A,) per row and depth 1..N, the head's top-W target tokens (what every branch
+    # at that depth was offered); None: not at hand
 
     def max_depth(self) -> int:
         """The deepest node's depth, from the host trees (n, the deepest possible, without them): no read."""

@@ -325,9 +325,9 @@ class StaticVerifier:
         )  # (B, depth, V_draft)
         if state.rows.shape[0] < self.batch:
             logits = logits[state.rows]
-        trees, _, branches = draft_trees(head, logits, shape, budget, histories, record, indexes)
+        trees, _, branches, head_tokens = draft_trees(head, logits, shape, budget, histories, record, indexes)
         padded = self._padded(trees, state.anchors.device)
-        padded.branches = branches
+        padded.branches, padded.head_tokens = branches, head_tokens
         return padded
 
     def _padded(self, trees: list, device) -> DraftTrees:

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from transformers.cache_utils import Cache
 
-from .calibration import calibrated_children, check_calibration, node_source
+from .calibration import calibrated_children, node_source
 from .columns import Columns
 from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
@@ -135,11 +135,11 @@ def draft(
     """
     device = state.anchors.device
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
-    trees, children, branches = draft_trees(head, logits, shape, budget, histories, record, indexes)
+    trees, children, branches, head_tokens = draft_trees(head, logits, shape, budget, histories, record, indexes)
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
     stacked = _stack_trees(trees, budget, device)
-    stacked.branches = branches
+    stacked.branches, stacked.head_tokens = branches, head_tokens
     return stacked
 
 
@@ -151,45 +151,36 @@ def draft_trees(
     histories: dict | None = None,
     record: LookupRecord | None = None,
     indexes: RowIndexes | None = None,
-) -> tuple[list, list, list | None]:
+) -> tuple[list, list, list | None, list]:
     """The active rows' best-first trees from the head's block `logits` `(A, N, V_draft)`: the top-W candidates of
     every depth (`tree.marginal_children`), each row's model-free branch where `shape.lookup` asks for one, then
     `tree.build_tree` of `budget` nodes. The part of [`draft`] between the head's forward and the trees' tensors
     (the static path's draft calls it too); the arguments are [`draft`]'s.
 
     Returns:
-        `(trees, children, branches)`: the host trees (`tree.Tree`), the children functions they were built from, and
-        each row's model-free branch as a trie (`{}`: no match; None without `shape.lookup`).
+        `(trees, children, branches, head_tokens)`: the host trees (`tree.Tree`), the children functions they were
+        built from, each row's model-free branch as a trie (`{}`: no match; None without `shape.lookup`), and each
+        row's top-W target tokens of the head per depth.
     """
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     candidates = _top_candidates(head, logits, shape)
     children = [marginal_children(*found) for found in candidates]
+    head_tokens = [tokens for _, tokens, _ in candidates]
     branches = None
     if shape.lookup:
         indexes = RowIndexes() if indexes is None else indexes
         found = [_lookup_branch(history, shape, record, row, indexes) for row, history in histories.items()]
         children = [_merged(fn, *branch) for fn, branch in zip(children, found)]
         branches = [trie for trie, _, _ in found]
-    if shape.calibration:
-        children = _calibrated(children, candidates, branches, check_calibration(shape.calibration))
+    if shape.calibration:  # a node's source: the head (among its top-W at that depth), the branch, or both
+        children = [
+            calibrated_children(fn, shape.calibration, functools.partial(node_source, tokens, trie))
+            for fn, tokens, trie in zip(children, head_tokens, branches or [None] * len(children))
+        ]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
-    return [build_tree(fn, budget, deepest, shape.scoring) for fn in children], children, branches
-
-
-def _calibrated(children: list, candidates: list, branches: list | None, table: dict) -> list:
-    """Each row's children scored by the calibration `table` (`calibration.py`): a node's source is who proposed it,
-    the head (among its top-W at that depth) or the row's model-free branch, or both."""
-    out = []
-    for i, fn in enumerate(children):
-        head_tokens = [set(tokens) for tokens in candidates[i][1]]
-        trie = branches[i] if branches is not None else None
-        out.append(calibrated_children(fn, table, functools.partial(_source_in, head_tokens, trie)))
-    return out
-
-
-def _source_in(head_tokens: list, trie: dict | None, path: tuple, token: int) -> str:
-    return node_source(path, token, head_tokens, trie)
+    trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
+    return trees, children, branches, head_tokens
 
 
 def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:

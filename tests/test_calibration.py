@@ -48,11 +48,11 @@ def test_no_map_means_raw_scores():
 def test_sources_follow_who_proposed_the_token():
     head_tokens = [{5, 6}, {7}]
     trie = {(): {6: 3, 9: 1}, (6,): {7: 2}}
-    assert node_source((), 5, head_tokens, trie) == "head"
-    assert node_source((), 6, head_tokens, trie) == "both"
-    assert node_source((), 9, head_tokens, trie) == "lookup"
-    assert node_source((6,), 7, head_tokens, trie) == "both"
-    assert node_source((6,), 7, head_tokens, None) == "head"
+    assert node_source(head_tokens, trie, (), 5) == "head"
+    assert node_source(head_tokens, trie, (), 6) == "both"
+    assert node_source(head_tokens, trie, (), 9) == "lookup"
+    assert node_source(head_tokens, trie, (6,), 7) == "both"
+    assert node_source(head_tokens, None, (6,), 7) == "head"
 
 
 def test_calibration_reranks_the_tree_by_measured_acceptance():
@@ -65,7 +65,7 @@ def test_calibration_reranks_the_tree_by_measured_acceptance():
     assert raw.tokens == [9, 5]
     table = check_calibration({"1:head": rates({8: 0.9}, 0.05), "1:lookup": rates({}, 0.1)})
     head_tokens = [{5, 6}]
-    calibrated = calibrated_children(merged, table, lambda path, token: node_source(path, token, head_tokens, trie))
+    calibrated = calibrated_children(merged, table, lambda path, token: node_source(head_tokens, trie, path, token))
     tree = build_tree(calibrated, 2, 1)
     assert tree.tokens == [5, 9]
     assert tree.scores == pytest.approx([math.log(0.9), math.log(0.1)])

@@ -195,24 +195,6 @@ class Tally:
         return out
 
 
-class _RecordingHead:
-    """The head as `steps.draft` sees it, keeping the logits of its first `draft` call in a round (the block
-    forward): the head's own candidates, for telling which accepted nodes it proposed."""
-
-    def __init__(self, head):
-        self._head = head
-        self.block_logits = None
-
-    def __getattr__(self, name):
-        return getattr(self._head, name)
-
-    def draft(self, *args, **kwargs):
-        out = self._head.draft(*args, **kwargs)
-        if self.block_logits is None:
-            self.block_logits = out.logits
-        return out
-
-
 @torch.no_grad()
 def evaluate(
     head,
@@ -304,22 +286,19 @@ def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_roun
     record = LookupRecord() if shape.lookup and shape.lookup_record else None
     indexes = RowIndexes() if shape.lookup else None
     counts = {i: [0, 0, [0] * len(tally.accepted_at_depth)] for i in active}  # rounds, tokens, depths
-    recorder = _RecordingHead(head)
     choose = _stored_choice(rows, histories)
     while active:
         lengths = [len(histories[i]) for i in active]
-        recorder.block_logits = None
         order = {i: histories[i] for i in active} if shape.lookup else None
-        trees = steps.draft(recorder, state, shape, shape.budget, order, record, indexes)
+        trees = steps.draft(head, state, shape, shape.budget, order, record, indexes)
         if on_round is not None:
             on_round([rows[i].id for i in active], trees)
         acc = steps.accept(torch.empty(len(active), trees.tokens.shape[1] + 1, 0), trees, active, choose)
-        head_sets = _head_candidates(head, recorder.block_logits, shape)
         keep = []
         for slot, i in enumerate(active):
             row, m, (nodes, _) = rows[i], lengths[slot], acc.host[slot]
             committed = min(len(nodes), row.end - m)  # the accepted path and the bonus, cut at the row's end
-            _tally_round(tally, trees, slot, nodes, row, m, head_sets, shape, counts[i], first_round, calibration, head)
+            _tally_round(tally, trees, slot, nodes, row, m, shape, counts[i], first_round, calibration, head)
             counts[i][1] += committed
             histories[i] = histories[i] + row.tokens[m : m + committed]
             if m + committed < row.end:
@@ -334,19 +313,20 @@ def _evaluate_batch(head, rows: list, shape: TreeShape, tally: Tally, first_roun
         active = [active[slot] for slot in keep]
 
 
-def _tally_round(tally, trees, slot, nodes, row, m, head_sets, shape, count, first_round, calibration, head):
-    """One row's round: its rounds, accepted depths and sources, calibration trials and first-round statistics."""
-    tree, n = trees.host[slot], trees.sizes[slot]
+def _tally_round(tally, trees, slot, nodes, row, m, shape, count, first_round, calibration, head):
+    """One row's round: its rounds, accepted depths and sources (who proposed each node, as the draft recorded it in
+    `trees`), calibration trials and first-round statistics."""
+    tree, n, head_tokens = trees.host[slot], trees.sizes[slot], trees.head_tokens[slot]
     trie = trees.branches[slot] if trees.branches is not None else {}
     following = row.tokens[m:]
     accepted = len(nodes) - 1
     path = following[:accepted]
     for d in range(accepted):
-        tally.sources[node_source(tuple(path[:d]), path[d], head_sets[slot] if head_sets else None, trie)] += 1
+        tally.sources[node_source(head_tokens, trie, tuple(path[:d]), path[d])] += 1
     for d in range(min(accepted, len(count[2]))):
         count[2][d] += 1
     if calibration:
-        _calibrate(tally, tree, n, nodes, following, head_sets[slot] if head_sets else None, trie)
+        _calibrate(tally, tree, n, nodes, following, head_tokens, trie)
     if first_round and m == row.prompt_length + 1:
         tally.first_round.append(_first_round(head, tree, n, row, m, shape))
     count[0] += 1
@@ -361,16 +341,7 @@ def _row_done(tally: Tally, row: EvalRow, count: list):
     tally.per_row.append((row.id, rounds, tokens, depths))
 
 
-def _head_candidates(head, block_logits, shape: TreeShape) -> list:
-    """Per row, per depth 1..N, the set of target tokens among the head's top-W (what `marginal_children` offers
-    every branch at that depth)."""
-    if block_logits is None:
-        return None
-    logits = block_logits[:, 1 : shape.depth + 1]
-    return [[set(tokens) for tokens in toks] for _, toks, _ in steps._top_candidates(head, logits, shape)]
-
-
-def _calibrate(tally: Tally, tree, n: int, nodes: list, following: list, head_sets, trie: dict):
+def _calibrate(tally: Tally, tree, n: int, nodes: list, following: list, head_tokens, trie: dict):
     """Trials of every node whose parent is on the accepted path and whose next stored token is known."""
     on_path = {node: depth for depth, node in enumerate(nodes)}
     for child in range(1, n + 1):
@@ -384,7 +355,7 @@ def _calibrate(tally: Tally, tree, n: int, nodes: list, following: list, head_se
         token = tree.tokens[child - 1]
         parent_key = tree.scores[parent - 1] if parent else 0.0
         prob = math.exp(min(tree.scores[child - 1] - parent_key, 0.0))
-        source = node_source(tuple(prefix), token, head_sets, trie)
+        source = node_source(head_tokens, trie, tuple(prefix), token)
         bucket = min(int(prob * CALIBRATION_BINS), CALIBRATION_BINS - 1)
         entry = tally.calibration[(d + 1, source, bucket)]
         entry[0] += 1
