@@ -1229,7 +1229,7 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
         kind = HostKind(name="test host", dtype=dtype, reason=f"probe says {dtype}", capability="AVX512")
         monkeypatch.setattr(trainer_module, "host_kind", lambda kind=kind: kind)
         args = training_args(tmp_path, train_precision="auto")
-        reason = run_trainer.resolve_precision(args)
+        reason = trainer_module.resolve_precision(args)
         assert args.bf16 is expected and "test host" in reason
         # the Trainer's accelerator reads `mixed_precision`, derived from `bf16` when the arguments were made
         assert args.mixed_precision == ("bf16" if expected else "no")
@@ -1244,7 +1244,7 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
         assert "test host" in trainer.precision
         assert trainer.accelerator.mixed_precision == ("bf16" if expected else "no")
     args = training_args(tmp_path, train_precision="bf16")
-    run_trainer.resolve_precision(args)
+    trainer_module.resolve_precision(args)
     assert args.bf16 is True
     with pytest.raises(ValueError, match="train_precision"):
         training_args(tmp_path, train_precision="fp16")

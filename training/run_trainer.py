@@ -61,7 +61,6 @@ from training.rows import (  # noqa: E402
 )
 from training.shipping import push_folder, write_card  # noqa: E402
 from training.trainer import (  # noqa: E402
-    resolve_precision,
     CHECKPOINT_MARKER,
     JetSpecTrainer,
     JetSpecTrainingArguments,
@@ -606,8 +605,6 @@ def main(argv=None, callbacks=None) -> dict:
     if store is not None and not data_args.streaming:
         covered = check_store_coverage(store, data_args.data, args.max_length)
         print(f"jetspec: the feature store covers all {sum(covered.values())} rows of {len(covered)} data sources")
-    print(f"jetspec: the head trains in {resolve_precision(args)}")
-
     dtype, reason = resolve_dtype(head_args.target_dtype)
     print(f"jetspec: target in {dtype} ({reason})")
     target, tokenizer = load_target(head_args.target, dtype=dtype, device=args.device)  # straight to this rank's device
@@ -637,6 +634,7 @@ def main(argv=None, callbacks=None) -> dict:
         callbacks=callbacks or None,
     )
     if trainer.is_world_process_zero():
+        print(f"jetspec: the head trains in {trainer.precision}")  # the trainer resolved `train_precision`
         print(f"jetspec: world size {trainer.accelerator.num_processes}, train rows {describe_rows(train_set)}")
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=checkpoint)

@@ -602,8 +602,8 @@ def rotate_complete_checkpoints(output_dir, limit: int | None, keep: list) -> li
 def resolve_precision(args: JetSpecTrainingArguments) -> str:
     """Sets `args.bf16` from `args.train_precision` and says why: `auto` takes bf16 autocast where the host probe
     (jetspec.host) finds bf16 matmuls faster than float32 (or on a CUDA device), float32 elsewhere. An explicit
-    `bf16=True` is kept. [`JetSpecTrainer`] calls it before `Trainer.__init__`, which builds the accelerator from `mixed_precision`;
-    calling it again changes nothing."""
+    `bf16=True` is kept. [`JetSpecTrainer`] calls it before `Trainer.__init__`, which builds the accelerator from
+    `mixed_precision`; calling it again changes nothing."""
     if args.bf16:
         reason = "bf16 autocast (bf16=True given)"
     elif args.train_precision == "bf16":
