@@ -34,6 +34,9 @@ import torch
 # leaves headroom without hiding a wrong token: a token the target would not choose typically sits several logits
 # below the maximum.
 DEFAULT_TIE_TOLERANCE = 0.5
+# In float32 two logits this close are a tie of rounding, not a choice: kernels of other shapes (a tree verify, another
+# attention implementation) may order them apart over thousands of tokens of a random tiny target.
+FLOAT32_TIE_TOLERANCE = 1e-4
 VERDICTS = ("exact", "tie", "mismatch")
 
 
@@ -120,6 +123,26 @@ def classify_outputs(
     top = logits.max()
     gap = float(max(top - logits[ref_tok], top - logits[cand_tok]))
     return Verdict("tie" if gap <= tolerance else "mismatch", at, ref_tok, cand_tok, gap)
+
+
+@torch.no_grad()
+def row_verdicts(
+    model, prompts: torch.Tensor, mask: torch.Tensor, reference: torch.Tensor, candidate: torch.Tensor, tolerance: float
+) -> list:
+    """[`classify_outputs`] of each row of a batch: `reference` and `candidate` `(B, L + n)` are two greedy outputs of
+    the prompts `prompts` `(B, L)` (left-padded, `mask` 0 on padding); a difference is judged on `model`'s own float32
+    logits after the shared prefix (one full forward)."""
+
+    def logits_fn(ids):
+        return model(ids).logits[0, -1].float()
+
+    width = prompts.shape[1]
+    return [
+        classify_outputs(
+            logits_fn, prompts[row][mask[row].bool()], reference[row, width:], candidate[row, width:], tolerance
+        )
+        for row in range(prompts.shape[0])
+    ]
 
 
 def float32_logits_fn(load_float32_target: Callable[[], "torch.nn.Module"]) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -32,12 +32,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralCon
 
 import modeling_jetspec.steps as steps
 import modeling_jetspec.verifiers as verifiers
-from jetspec.equality import classify_outputs
+from jetspec.equality import FLOAT32_TIE_TOLERANCE, row_verdicts
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.reclaim import live_columns
 
 WINDOW = 64
-FLOAT32_TIE = 1e-4  # a float32 logit gap this small is a tie of rounding, not a choice
 SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "jetspec" / "heads" / "smollm2-135m"
 
 
@@ -163,17 +162,11 @@ def run(target, head, arch: str, batch: int, longest: int, vocab: int, check: bo
 
 def check_output(target, prompts, plain, tree, label: str):
     """Each row's tree output against plain greedy's: equal, or leaving it first at a float32 tie (the target's two
-    best logits within `FLOAT32_TIE` of each other after the shared prefix, `jetspec.equality.classify_outputs`: over
-    thousands of tokens a random tiny target meets such ties, where the tree's and the plain step's kernels may
+    best logits within `FLOAT32_TIE_TOLERANCE` of each other after the shared prefix, `jetspec.equality.row_verdicts`:
+    over thousands of tokens a random tiny target meets such ties, where the tree's and the plain step's kernels may
     round apart); anything else ends the run."""
-    width = prompts.shape[1]
-
-    def logits_fn(ids):
-        with torch.no_grad():
-            return target(ids).logits[0, -1].float()
-
-    for row in range(plain.shape[0]):
-        verdict = classify_outputs(logits_fn, prompts[row], plain[row, width:], tree[row, width:], FLOAT32_TIE)
+    verdicts = row_verdicts(target, prompts, torch.ones_like(prompts), plain, tree, FLOAT32_TIE_TOLERANCE)
+    for row, verdict in enumerate(verdicts):
         if verdict.kind == "mismatch":
             raise SystemExit(f"{label}, row {row}: the tree's output differs from plain greedy ({verdict})")
         if verdict.kind == "tie":

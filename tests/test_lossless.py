@@ -335,22 +335,14 @@ def use_flex(monkeypatch, compiled: bool) -> list:
     return block_masks
 
 
-def assert_same_up_to_float32_ties(reference, ids, mask, output, tolerance: float = 1e-4):
+def assert_same_up_to_float32_ties(reference, ids, mask, output):
     """`output` (another attention implementation's plain greedy) is `reference`'s plain greedy, or leaves it first
-    where its two best float32 logits lie within `tolerance` (compiled flex_attention rounds apart from sdpa on some
-    CPUs: seen on an AVX2-only host at a gap of that size, one token before the end)."""
-    from jetspec.equality import classify_outputs
+    where its two best float32 logits lie within `FLOAT32_TIE_TOLERANCE` (compiled flex_attention rounds apart from
+    sdpa on some CPUs: seen on an AVX2-only host at a gap of that size, one token before the end)."""
+    from jetspec.equality import FLOAT32_TIE_TOLERANCE, row_verdicts
 
     expected = greedy(reference, ids, mask, max_new_tokens=output.shape[1] - ids.shape[1])
-    width = ids.shape[1]
-
-    def logits_fn(prefix):
-        with torch.no_grad():
-            return reference(prefix).logits[0, -1].float()
-
-    for row in range(ids.shape[0]):
-        prompt = ids[row][mask[row].bool()]
-        verdict = classify_outputs(logits_fn, prompt, expected[row, width:], output[row, width:], tolerance)
+    for verdict in row_verdicts(reference, ids, mask, expected, output, FLOAT32_TIE_TOLERANCE):
         assert verdict.kind != "mismatch", verdict
 
 

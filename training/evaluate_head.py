@@ -59,7 +59,7 @@ import torch
 from transformers import TrainerCallback
 
 from modeling_jetspec import steps
-from modeling_jetspec.calibration import check_calibration, node_source, to_config
+from modeling_jetspec.calibration import BINS, check_calibration, node_source, probability_bin, to_config
 from modeling_jetspec.continuations import LookupRecord, RowIndexes
 from modeling_jetspec.state import RoundState, TreeShape, resolve_tree_shape
 from modeling_jetspec.tree import TREE_SCORINGS
@@ -69,7 +69,6 @@ from .rows import row_key
 DEFAULT_BUDGETS = (8, 16, 32, 64)
 IMPOSSIBLE_NATS = -20.0  # a top-ranked path below this target log-prob counts as "impossible" (issue 33)
 SOURCES = ("head", "lookup", "both")
-CALIBRATION_BINS = 10  # bins of the node's conditional draft probability, [0, 0.1), ..., [0.9, 1]
 LOGPROB_KEYS = ("logprob", "gap")  # tree keys that are cumulative log-probs (a path's draft score)
 
 
@@ -356,7 +355,7 @@ def _calibrate(tally: Tally, tree, n: int, nodes: list, following: list, head_to
         parent_key = tree.scores[parent - 1] if parent else 0.0
         prob = math.exp(min(tree.scores[child - 1] - parent_key, 0.0))
         source = node_source(head_tokens, trie, tuple(prefix), token)
-        bucket = min(int(prob * CALIBRATION_BINS), CALIBRATION_BINS - 1)
+        bucket = probability_bin(prob)  # the bins a calibration map is read by
         entry = tally.calibration[(d + 1, source, bucket)]
         entry[0] += 1
         entry[1] += int(token == following[d])
@@ -439,7 +438,7 @@ def calibration_table(calibration: dict) -> list:
                 {
                     "depth": depth,
                     "source": source,
-                    "bin": [bucket / CALIBRATION_BINS, (bucket + 1) / CALIBRATION_BINS],
+                    "bin": [bucket / BINS, (bucket + 1) / BINS],
                     "trials": trials,
                     "accepted": accepted,
                     "acceptance": accepted / trials,
