@@ -56,6 +56,7 @@ __all__ = [
     "decoder_attention_implementation",
     "eager_attention_of",
     "fill_linear_state",
+    "key_value_groups",
     "kv_layer_entries",
     "linear_state",
     "linear_state_count",
@@ -103,6 +104,13 @@ def eager_attention_of(module):
     """The eager attention function of the modeling file `module` comes from: its `eager_attention_forward`, the
     module-level function each modeling file defines and its attention layers run under "eager" (not exported)."""
     return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def key_value_groups(module) -> int:
+    """How many query heads share each key/value head in attention layer `module` (1 without grouped-query
+    attention): the layer's `num_key_value_groups` attribute, which every modeling file's attention class sets and
+    transformers' own sdpa function reads (undocumented)."""
+    return getattr(module, "num_key_value_groups", 1)
 
 
 def pad_token_tensor(generation_config):

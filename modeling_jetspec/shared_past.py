@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .compat import DynamicLayer, eager_attention_of, set_attention_implementation
+from .grouped_attention import sdpa_grouped
 
 # the attention implementation's name, per copy of this module (a head loaded as remote code brings its own copy,
 # whose `SharedRows` its function must be handed)
@@ -121,6 +122,8 @@ def shared_rows_attention(module, query, key, value, attention_mask, **kwargs):
         )
     if rows.implementation == "eager":
         attention = eager_attention_of(module)
+    elif rows.implementation == "sdpa":
+        attention = sdpa_grouped  # grouped keys/values read in place, not copied (`grouped_attention.py`)
     else:
         attention = ALL_ATTENTION_FUNCTIONS[rows.implementation]
     out, _ = attention(module, rows.lay_out(query), key, value, rows.mask, **kwargs)

@@ -32,6 +32,7 @@ from .calibration import calibrated_children, node_source
 from .columns import Columns
 from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
+from .grouped_attention import grouped_attention
 from .linear_forms import LinearForms, linear_forms
 from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
 from .stopping import stop_marks
@@ -203,7 +204,13 @@ def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:
 
 
 def verify(
-    target, head, state: RoundState, trees: DraftTrees, windows: dict | None = None, forms: LinearForms | None = None
+    target,
+    head,
+    state: RoundState,
+    trees: DraftTrees,
+    windows: dict | None = None,
+    forms: LinearForms | None = None,
+    grouped: bool = False,
 ):
     """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
 
@@ -211,6 +218,8 @@ def verify(
         windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
         forms (`LinearForms`, *optional*): the form of the target's linear layers in this forward
             (`linear_forms.py`, the call's `verify_linear`); `None`: the model as it is.
+        grouped (`bool`): run the attention layers with grouped keys/values read in place, not copied
+            (`grouped_attention.py`; the verifier decides with `uses_grouped_attention`).
 
     Returns:
         `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in the target's dtype (greedy
@@ -230,7 +239,7 @@ def verify(
         flex=flex,
         kept=kept_masks(state),
     )
-    with linear_forms(target, forms):
+    with linear_forms(target, forms), grouped_attention(target, grouped):
         out = target(
             input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
             attention_mask=attention_mask,

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .compat import DynamicLayer
+from .grouped_attention import uses_grouped_attention
 from .hybrid import HybridVerifier, is_hybrid
 from .reclaim import reclaim
 from .linear_forms import LinearForms, check_verify_linear
@@ -48,6 +49,7 @@ class TreeVerifier:
     def __init__(self, target, head, verify_linear: str = "auto"):
         self.target, self.head, self.windows = target, head, verify_windows(target)
         self.forms = LinearForms(verify_linear)  # the form of the target's linears in the verify
+        self.grouped = uses_grouped_attention(target)  # grouped keys/values read in place in the verify
         self.target_forwards = 0  # one per prefill, one per verify
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
@@ -64,7 +66,9 @@ class TreeVerifier:
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """[`verify`]. Returns the trees verified (another verifier may verify a part of them, e.g. one path) with
         their logits and features."""
-        logits, features = verify(self.target, self.head, state, trees, self.windows, self.forms)
+        logits, features = verify(
+            self.target, self.head, state, trees, self.windows, self.forms, self.grouped
+        )
         self.target_forwards += 1
         return trees, logits, features
 
