@@ -65,6 +65,7 @@ VARIANTS = {
     "baseline": [],
     "gamma4": ["--gamma", "4"],
     "gamma7": ["--gamma", "7"],
+    "layers1": ["--num_hidden_layers", "1"],  # the committed depth, named for the depth table
     "layers2": ["--num_hidden_layers", "2"],
     "no_last_context": ["--last_context_input", "false"],
     "blocks32": ["--num_blocks_per_sequence", "32"],
@@ -414,6 +415,15 @@ def main(argv=None) -> dict:
         return compact
 
     if args.tree_keys is not None:
+        done = out / "tree_keys.json"
+        if done.is_file():  # scored before with these settings: skipped (a rerun of a campaign resumes)
+            before = json.loads(done.read_text())
+            wanted = {"head": str(args.head), **scorer.settings()}
+            if all(before.get(k) == v for k, v in wanted.items()) and set(before.get("by_key", {})) == set(
+                map(str, args.tree_keys)
+            ):
+                print(f"ablation: tree keys of {args.head} already scored, skipped")
+                return before
         return tree_key_mode(
             args, out, score(f"tree_keys-{Path(args.head).name}", settings_of("baseline"), args.head, args.tree_keys)
         )

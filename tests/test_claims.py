@@ -155,31 +155,32 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
     assert "| bidir_gamma7 |" in table and "off @8" in table
     assert ablate_head.main(argv) == summary  # measured and scored: nothing again
 
-    keys = ablate_head.main(
-        [
-            "--config",
-            str(config),
-            "--store",
-            str(tmp_path / "store"),
-            "--out",
-            str(tmp_path / "keys"),
-            "--budgets",
-            "4,8",
-            "--eval_new_tokens",
-            "16",
-            "--lookup_settings",
-            str(tmp_path / "lookup"),
-            "--tree_keys",
-            "logprob",
-            "entropy",
-            "--head",
-            str(tmp_path / "runs" / "fkl"),
-        ]
-    )
+    key_argv = [
+        "--config",
+        str(config),
+        "--store",
+        str(tmp_path / "store"),
+        "--out",
+        str(tmp_path / "keys"),
+        "--budgets",
+        "4,8",
+        "--eval_new_tokens",
+        "16",
+        "--lookup_settings",
+        str(tmp_path / "lookup"),
+        "--tree_keys",
+        "logprob",
+        "entropy",
+        "--head",
+        str(tmp_path / "runs" / "fkl"),
+    ]
+    keys = ablate_head.main(key_argv)
     assert list(keys["by_key"]) == ["logprob", "entropy"] and keys["rows_crc"] in crcs
     assert keys["by_key"]["entropy"]["lookup_off"]["8"]["scoring"] == "entropy"
     assert keys["by_key"]["logprob"]["lookup_off"]["8"]["tau"] == direct["8"]["tau"]  # the head's key is logprob
     assert "| entropy |" in (tmp_path / "keys" / "tree_keys.md").read_text()
+    assert ablate_head.main(key_argv) == keys  # scored with these settings: skipped on a rerun
+    assert ablate_head.main(key_argv[:-3] + ["--head", key_argv[-1]])["by_key"].keys() == {"logprob"}  # rescored
 
 
 def test_ablate_head_refuses_bad_arguments_before_training(tmp_path):

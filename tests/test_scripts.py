@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import pytest
 import torch
 
 from test_training import regenerated_rows, save_target_folder, sharp_target, write_shards
@@ -129,6 +130,37 @@ def test_ablate_head_gives_each_variant_the_same_wall_clock(tmp_path, capsys):
     assert ablate_head.main(argv) == summary  # measured at this budget: skipped
     other_budget = [("0.1" if arg == "0.05" else arg) for arg in argv]
     assert ablate_head.main(other_budget)["baseline"]["minutes"] == 0.1  # another budget: rerun
+
+
+def test_depth_table_times_each_trained_head_beside_its_offline_tau(tmp_path, capsys):
+    config = ablation_config(tmp_path)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    summary = load_script("ablate_head").main(
+        ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "2", "--out", str(out)]
+        + ["--runs", str(runs), "--offline", "off", "--variants", "baseline", "layers2"]
+    )
+    # an offline tau at the defaults for one head (what ablate_head's scorer records), none for the other
+    summary["baseline"]["offline"] = {"by_key": {"None": {"lookup_on": {"8": {"tau": 2.5}}}}}
+    (out / "ablation.json").write_text(json.dumps(summary))
+    depth_table = load_script("depth_table")
+    argv = ["--ablation", str(out / "ablation.json"), "--runs", str(runs), "--variants", "baseline", "layers2"]
+    argv += ["--dtype", "float32", "--prompt_tokens", "16", "--repeats", "2", "--out", str(tmp_path / "depth")]
+    result = depth_table.main(argv)
+
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert [rows[name]["head_layers"] for name in ("baseline", "layers2")] == [1, 2]
+    for row in rows.values():
+        costs = row["costs"]
+        assert row["c"] == costs["draft_forward_seconds"] / costs["target_step_seconds"] > 0
+        assert row["verify_ratio"] == costs["verify"]["8"]["ratio_to_step"] > 0
+    base = rows["baseline"]
+    assert base["expected_speedup"] == pytest.approx(2.5 / (base["verify_ratio"] + base["c"]))
+    assert rows["layers2"]["tau_defaults"] is None and rows["layers2"]["expected_speedup"] is None
+    assert json.loads((tmp_path / "depth" / "depth.json").read_text())["rows"][0]["variant"] == "baseline"
+    table = (tmp_path / "depth" / "depth.md").read_text()
+    assert "| baseline | 1 |" in table and "| layers2 | 2 |" in table and "| 2.500 |" in table
+    with pytest.raises(ValueError, match="expected every variant"):
+        depth_table.main(argv[:5] + ["layers3"] + argv[6:])
 
 
 def test_ablate_head_loss_and_block_attention_variants_reach_the_runs(tmp_path):
