@@ -77,16 +77,19 @@ class RoundSpy:
 
     def __init__(self, window):
         self.window, self.rounds, self.forward = window, [], 0.0
+        self.spent = {"draft": 0.0, "verify": 0.0}  # the round's head draft and target verify, apart
         self.started = None
 
     def install(self):
         draft_block, verify, reclaim = steps.draft_block, verifiers.verify, verifiers.reclaim
 
-        def timed(fn):
+        def timed(fn, part):
             def wrapper(*args, **kwargs):
                 started = time.perf_counter()
                 out = fn(*args, **kwargs)
-                self.forward += time.perf_counter() - started
+                spent = time.perf_counter() - started
+                self.forward += spent
+                self.spent[part] += spent
                 return out
 
             return wrapper
@@ -94,7 +97,8 @@ class RoundSpy:
         def draft_entry(*args, **kwargs):  # the first thing a round does is its draft
             if self.started is None:
                 self.started, self.forward = time.perf_counter(), 0.0
-            return timed(draft_block)(*args, **kwargs)
+                self.spent = {"draft": 0.0, "verify": 0.0}
+            return timed(draft_block, "draft")(*args, **kwargs)
 
         def reclaim_exit(state, window=None, live_bound=None, force=False):  # the round's last step
             state = reclaim(state, window, live_bound, force)
@@ -105,6 +109,7 @@ class RoundSpy:
                         history=int(state.anchor_pos[0]),
                         round=wall,
                         host=wall - self.forward,
+                        **self.spent,
                         bytes=cache_bytes(state),
                         width=state.valid.shape[1],
                         live=int(live_columns(state, self.window).sum(1).max()),
@@ -113,7 +118,7 @@ class RoundSpy:
             self.started = None
             return state
 
-        steps.draft_block, verifiers.verify, verifiers.reclaim = draft_entry, timed(verify), reclaim_exit
+        steps.draft_block, verifiers.verify, verifiers.reclaim = draft_entry, timed(verify, "verify"), reclaim_exit
 
 
 def plain_step_seconds(target, length: int, batch: int, vocab: int, repeats: int = 20) -> float:
@@ -183,10 +188,11 @@ def report(spy: RoundSpy, plain: dict, lengths: list, span: int):
         if not near:
             print(f"  {n:6d} tokens: no round ended there")
             continue
-        rounds[n] = {key: statistics.median(r[key] for r in near) for key in ("round", "host")}
+        rounds[n] = {key: statistics.median(r[key] for r in near) for key in ("round", "host", "draft", "verify")}
         last = near[-1]
         print(
             f"  {n:6d} tokens: round {rounds[n]['round'] * 1e3:7.3f} ms (host {rounds[n]['host'] * 1e3:7.3f} ms, "
+            f"draft {rounds[n]['draft'] * 1e3:7.3f} ms, verify {rounds[n]['verify'] * 1e3:7.3f} ms, "
             f"{len(near)} rounds), plain step {plain[n] * 1e3:6.3f} ms; cache {last['bytes'] / 2**20:7.2f} MiB, "
             f"width {last['width']} columns for {last['live']} live"
         )
@@ -196,7 +202,9 @@ def report(spy: RoundSpy, plain: dict, lengths: list, span: int):
         ratio = f"{grew / step:.2f}x the step's" if step > 0 else "the step did not grow"
         print(
             f"  growth {lo} -> {hi}: round {grew * 1e3:+.3f} ms, host {(rounds[hi]['host'] - rounds[lo]['host']) * 1e3:+.3f}"
-            f" ms, plain step {step * 1e3:+.3f} ms; round growth {ratio}"
+            f" ms, draft {(rounds[hi]['draft'] - rounds[lo]['draft']) * 1e3:+.3f} ms, verify "
+            f"{(rounds[hi]['verify'] - rounds[lo]['verify']) * 1e3:+.3f} ms, plain step {step * 1e3:+.3f} ms; "
+            f"round growth {ratio}"
         )
 
 

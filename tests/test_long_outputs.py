@@ -113,4 +113,5 @@ def test_long_rounds_script_reports_every_length(capsys):
     assert sorted(blocks) == [("llama", "1"), ("llama", "2"), ("mistral", "1"), ("mistral", "2")]
     for lines in blocks.values():
         assert [line.split(" tokens:")[0] for line in lines[1:3]] == ["48", "96"], lines
-        assert all("host" in line and "width" in line for line in lines[1:3]) and lines[3].startswith("growth 48 -> 96")
+        assert all(all(part in line for part in ("host", "draft", "verify", "width")) for line in lines[1:3])
+        assert lines[3].startswith("growth 48 -> 96")
