@@ -72,6 +72,7 @@ from modeling_jetspec.timing import clock, median_seconds, timed_rounds
 from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, LosslessError, Verdict, check_lossless, strict_for
 from .host import host_kind
 from .prompts import check_suites, load_prompts
+from .provenance import weights_identity
 from .report import markdown, write_plots
 from .targets import apply_chat_template
 
@@ -697,6 +698,11 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
         "attn_implementation": attn_implementation(target),
         "head": portable_name(head.name_or_path),
         "baseline_head": portable_name(bench.baseline_head.name_or_path) if bench.baseline_head is not None else None,
+        # the weights behind those names (a shipped folder's contents change with the next ship)
+        "head_identity": weights_identity(head.name_or_path),
+        "baseline_head_identity": weights_identity(bench.baseline_head.name_or_path)
+        if bench.baseline_head is not None
+        else None,
         "head_config": {k: getattr(head.config, k) for k in RECORDED_HEAD_CONFIG},
         "suites": config.suites,
         "budgets": config.budgets,

@@ -388,6 +388,9 @@ def test_a_baseline_head_runs_every_head_method_beside_the_head(monkeypatch, tmp
     assert results["config"]["methods"] == ["plain", "tree-4", "tree-4@baseline"]
     assert results["config"]["method_arguments"]["tree-4@baseline"] == results["config"]["method_arguments"]["tree-4"]
     assert results["config"]["baseline_head"] == "org/baseline-head"
+    # no folder behind a Hub id: nothing to digest; the head's identity is recorded beside it
+    assert results["config"]["baseline_head_identity"] == {"weights_sha256": None, "commit": None, "committed": None}
+    assert set(results["config"]["head_identity"]) == {"weights_sha256", "commit", "committed"}
     assert [r["equality"] for r in results["prompts"]] == ["exact"] * 3
     # (a) warm-up then the measured prompt: plain without a head, tree-4 with the head, its copy with the baseline
     assert sum(h is head for h in used) == 2 and sum(h is baseline for h in used) == 2

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import modeling_jetspec.decode as decode
+from jetspec.provenance import weights_digest
 from modeling_jetspec import JetSpecDraftModel
 from test_training import VOCAB, save_target_folder, sharp_target
 from tiny import oracle_head, tiny_head
@@ -278,6 +279,8 @@ def test_cli_scores_the_trainers_held_out_rows(cli_setup):
     _, held = split_train_eval(load_rows([str(data)]), 0.3, 0)
     by_budget = result["heads"][str(tmp_path / "head")]
     head = JetSpecDraftModel.from_pretrained(tmp_path / "head").eval()
+    # the weights scored, by digest: the folder name alone would follow the folder's next contents
+    assert result["head_identity"][str(tmp_path / "head")]["weights_sha256"] == weights_digest(tmp_path / "head")
     for budget in ("4", "8"):
         scored = sorted(entry["id"] for entry in by_budget[budget]["per_row"])
         assert scored == sorted(held["id"])

@@ -58,6 +58,7 @@ from typing import Callable
 import torch
 from transformers import TrainerCallback
 
+from jetspec.provenance import weights_identity
 from modeling_jetspec import steps
 from modeling_jetspec.calibration import BINS, check_calibration, node_source, probability_bin, to_config
 from modeling_jetspec.continuations import LookupRecord, RowIndexes
@@ -834,6 +835,8 @@ def main(argv=None) -> dict:
             "rows": len(rows),
             "skipped": skipped,
             "heads": {name: {str(b): s for b, s in by.items()} for name, by in results.items()},
+            # the weights each head folder held (a shipped folder's contents change with the next ship)
+            "head_identity": {name: weights_identity(name) for name in results},
         }
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.calibration_out:
