@@ -2,6 +2,7 @@
 that reloads and decodes losslessly, LoRA, 1 vs 2 processes, shipping, and bad input."""
 
 import json
+import shutil
 import math
 import os
 import signal
@@ -476,6 +477,43 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     assert [step for step, _ in resumed] == [3, 4]
     # same computation in the same order, in a process that reloaded fp32 weights: equal to fp32 rounding
     torch.testing.assert_close(torch.tensor([loss for _, loss in resumed]), torch.tensor(full[2:]), rtol=1e-5, atol=0.0)
+
+
+def test_a_head_kept_at_each_save_resumes_the_run_where_output_dir_is_gone(tmp_path):
+    """`keep_head_every_save`: each checkpoint's head lands in the tracked folder with its trainer state; with the
+    run folder deleted, `--resume_from_checkpoint true` continues from it at the kept step, on the uninterrupted
+    run's learning-rate schedule and data position (the optimizer's moments start afresh, so the losses differ)."""
+    target = sharp_target()
+    target_dir = save_target_folder(target, tmp_path / "target")
+    data = write_shards(tmp_path / "regen", regenerated_rows(target))
+    out, kept = tmp_path / "run", tmp_path / "kept"
+    args = [
+        "--target", str(target_dir), "--data", str(data), "--output_dir", str(out), "--max_steps", "6",
+        "--learning_rate", "3e-3", "--warmup_steps", "1", "--per_device_train_batch_size", "4", "--logging_steps",
+        "1", "--eval_fraction", "0", "--block_size", "6", "--use_cpu", "--report_to", "none", "--disable_tqdm",
+        "true", "--save_strategy", "steps", "--save_steps", "2", "--keep_head_dir", str(kept),
+        "--keep_head_every_save", "true",
+    ]  # fmt: skip
+    run_trainer.main(args)
+    full = json.loads((out / "training_log.json").read_text())
+    rates = {e["step"]: e["learning_rate"] for e in full if "learning_rate" in e}
+    state = json.loads((kept / "trainer_state.json").read_text())
+    assert state["global_step"] == 6  # the last save's head replaced the earlier ones
+    assert not any((kept / name).exists() for name in ("optimizer.pt", "scheduler.pt", "checkpoint_complete.json"))
+
+    # as a stop at step 4 leaves it: the head kept at step 4, and no run folder
+    shutil.rmtree(out)
+    shutil.rmtree(kept)
+    run_trainer.main([*args[: args.index("--max_steps") + 1], "4", *args[args.index("--max_steps") + 2 :]])
+    assert json.loads((kept / "trainer_state.json").read_text())["global_step"] == 4
+    shutil.rmtree(out)
+    run_trainer.main([*args, "--resume_from_checkpoint", "true"])
+    resumed = json.loads((out / "training_log.json").read_text())
+    steps = [e["step"] for e in resumed if "loss" in e and e["step"] > 4]
+    assert steps == [5, 6]  # continued at step 5, not from 1
+    for entry in resumed:
+        if "learning_rate" in entry and entry["step"] > 4:
+            assert entry["learning_rate"] == pytest.approx(rates[entry["step"]])  # the same schedule, not restarted
 
 
 def test_lora_trains_only_the_adapters(tmp_path):

@@ -40,7 +40,7 @@ import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from transformers import HfArgumentParser, set_seed  # noqa: E402
+from transformers import HfArgumentParser, TrainerCallback, set_seed  # noqa: E402
 from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
 
 from jetspec.targets import load_target, resolve_dtype  # noqa: E402
@@ -67,6 +67,7 @@ from training.trainer import (  # noqa: E402
     checkpoint_problem,
     last_complete_checkpoint,
     unwrap_head,
+    write_checkpoint_marker,
 )
 
 LOOKUP_PRIOR_ROWS = 1000  # training rows the lookup prior is measured on (about 5 s per 1,000 rows)
@@ -297,8 +298,20 @@ def resolve_checkpoint(args: JetSpecTrainingArguments) -> str | None:
         return None
     if str(value).lower() == "true":
         last = last_complete_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+        kept = keep_folder(args, float("inf"))
+        if last is None and kept is not None and (kept / TRAINER_STATE_NAME).is_file():
+            last = checkpoint_from_kept(kept, Path(args.output_dir))
+            print(
+                f"jetspec: no checkpoint in {args.output_dir}; resuming from the head kept in {kept} ({last}): its "
+                "weights (bf16-rounded), step, data position and learning-rate schedule; the optimizer's moments "
+                "start afresh"
+            )
+            return last
         if last is None:
-            raise ValueError(f"expected a complete checkpoint-* folder in {args.output_dir} to resume from, got none")
+            raise ValueError(
+                f"expected a complete checkpoint-* folder in {args.output_dir} (or a head kept at a save in "
+                f"{kept}, keep_head_every_save) to resume from, got none"
+            )
         print(f"jetspec: resuming from {last}")
         return last
     if not Path(value).is_dir():
@@ -559,6 +572,45 @@ def keep_folder(args: JetSpecTrainingArguments, minutes: float) -> Path | None:
     return Path(value)
 
 
+def checkpoint_from_kept(kept: Path, output_dir: Path) -> str:
+    """A checkpoint folder `output_dir/checkpoint-N` rebuilt from a head kept at step N (`keep_head_every_save`):
+    its weights in float32 (from the kept bf16), its config and the kept trainer state, marked complete. It holds no
+    optimizer, scheduler or RNG files: the Trainer starts the optimizer afresh, [`ScheduleCatchUpCallback`] moves
+    the schedule to step N, and the data position follows from the step as in any resume."""
+    from safetensors.torch import load_file, save_file
+
+    state = json.loads((kept / TRAINER_STATE_NAME).read_text())
+    step = int(state["global_step"])
+    folder = output_dir / f"checkpoint-{step}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for weights in kept.glob("*.safetensors"):
+        tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(weights).items()}
+        save_file(tensors, folder / weights.name, metadata={"format": "pt"})
+    config = json.loads((kept / "config.json").read_text())
+    config["dtype"] = "float32"
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copy2(kept / TRAINER_STATE_NAME, folder / TRAINER_STATE_NAME)
+    write_checkpoint_marker(folder, step)
+    return str(folder)
+
+
+class KeepOnSaveCallback(TrainerCallback):
+    """`keep_head_every_save`: after each complete checkpoint, its head (bf16 weights, config, trainer state with
+    the curve so far) replaces the kept one in `folder`, atomically ([`keep_head`])."""
+
+    def __init__(self, folder: Path, run_config: dict):
+        self.folder, self.run_config = folder, run_config
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if checkpoint.is_dir() and checkpoint_problem(checkpoint) is None:
+            keep_head(checkpoint, self.folder, {**self.run_config, "kept_at_step": state.global_step})
+            print(f"jetspec: step {state.global_step}'s head kept in {self.folder}")
+
+
 def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
     """Copies the shipped head in `out` (config, card, metrics, log, curve; no `checkpoint-*`, and no copy of the
     package's code: the installed `modeling_jetspec` loads it) to `folder`
@@ -570,7 +622,22 @@ def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(
-        out, staging, ignore=shutil.ignore_patterns("checkpoint-*", "runs", "*.partial", "*.py", "custom_generate")
+        out,
+        staging,
+        # a checkpoint's optimizer, scheduler, RNG and marker files are not the head (`KeepOnSaveCallback`)
+        ignore=shutil.ignore_patterns(
+            "checkpoint-*",
+            "runs",
+            "*.partial",
+            "*.py",
+            "custom_generate",
+            "optimizer.pt",
+            "scheduler.pt",
+            "scaler.pt",
+            "rng_state*.pth",
+            "training_args.bin",
+            CHECKPOINT_MARKER,
+        ),
     )
     for weights in staging.glob("*.safetensors"):
         tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(weights).items()}
@@ -618,6 +685,9 @@ def main(argv=None, callbacks=None) -> dict:
         unwrap_head(head).set_draft_vocab(ids)
         print(f"jetspec: draft vocabulary of {len(ids)} tokens covers {coverage:.2%} of the training answers' tokens")
     callbacks = list(callbacks or [])
+    every_save = keep_folder(args, float("inf")) if args.keep_head_every_save else None
+    if every_save is not None:
+        callbacks.append(KeepOnSaveCallback(every_save, run_configuration(head_args, data_args, args)))
     if store is not None and eval_set is not None and args.offline_tau_rows > 0 and not data_args.streaming:
         rows = eval_set.select(range(min(args.offline_tau_rows, len(eval_set))))
         callbacks.append(
@@ -663,18 +733,19 @@ def main(argv=None, callbacks=None) -> dict:
         ship(trainer, head_args, data_args, args, metrics, eval_set, train_set, target, push, repo_id)
         folder = keep_folder(args, train_minutes)
         if folder is not None:
-            run_config = {
-                "head": dataclasses.asdict(head_args),
-                "data": dataclasses.asdict(data_args),
-                "training": args.to_dict(),
-                "train_minutes": round(train_minutes, 2),
-            }
+            run_config = {**run_configuration(head_args, data_args, args), "train_minutes": round(train_minutes, 2)}
+            trainer.save_state()  # its step and curve go with the head (a resume from it knows where the run ended)
             kept = keep_head(Path(args.output_dir), folder, run_config)
             print(
                 f"jetspec: the final head is kept in {kept} (bf16; commit it: the next run can start from it with "
                 f"--init_head {kept})"
             )
     return metrics
+
+
+def run_configuration(head_args: HeadArguments, data_args: DataArguments, args: JetSpecTrainingArguments) -> dict:
+    """The run's arguments as a kept head records them (`training_args.json`)."""
+    return {"head": dataclasses.asdict(head_args), "data": dataclasses.asdict(data_args), "training": args.to_dict()}
 
 
 def ship(

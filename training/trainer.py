@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,14 @@ class JetSpecTrainingArguments(TrainingArguments):
             "help": "A tracked folder that receives the final head (bf16 weights, config, metrics, learning "
             "curve, about 11 MB) whether or not it ships: `auto` = training/checkpoints/<output_dir's "
             "name> for runs of keep_head_minutes or more, a path = always there, `none` = never."
+        },
+    )
+    keep_head_every_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Also keep the head of every complete checkpoint in the keep_head_dir folder (bf16, with the "
+            "trainer state: step and curve), so a run that outlasts its working session leaves a tracked head at "
+            "each save, and `--resume_from_checkpoint true` can continue from it where output_dir is gone."
         },
     )
     keep_head_minutes: float = field(
@@ -238,6 +247,21 @@ class TimeBudgetCallback(TrainerCallback):
             control.should_training_stop = True
             control.should_evaluate = args.eval_strategy != "no"
         return control
+
+
+class ScheduleCatchUpCallback(TrainerCallback):
+    """A run resumed from weights and trainer state without the optimizer's and scheduler's files (a kept head,
+    `run_trainer.checkpoint_from_kept`) starts its learning-rate schedule at its resumed step, not at step 0: the
+    scheduler is stepped up to `state.global_step` before the first update. A no-op otherwise (a new run is at step
+    0; a full checkpoint restores the scheduler at its step)."""
+
+    def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+        behind = state.global_step - getattr(lr_scheduler, "last_epoch", state.global_step)
+        if behind > 0:
+            with warnings.catch_warnings():  # torch warns of a scheduler step before any optimizer step
+                warnings.simplefilter("ignore")
+                for _ in range(behind):
+                    lr_scheduler.step()
 
 
 class EpochCallback(TrainerCallback):
@@ -684,6 +708,7 @@ class JetSpecTrainer(Trainer):
         # counts it from the collator's `labels` only for a model that says it accepts them
         self.model_accepts_loss_kwargs = True
         self.add_callback(EpochCallback(collator))
+        self.add_callback(ScheduleCatchUpCallback())
         if args.max_train_minutes is not None:
             self.add_callback(TimeBudgetCallback(args.max_train_minutes))
         self.target = freeze(target).to(self.args.device)
