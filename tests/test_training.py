@@ -1292,3 +1292,15 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
     assert run_trainer.keep_folder(args, 19.0) is None
     assert run_trainer.keep_folder(args, 25.0) == Path("training/checkpoints/run-x")
     assert run_trainer.keep_folder(training_args(tmp_path, keep_head_dir="none"), 90.0) is None
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "training" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_committed_configs_parse_and_name_committed_data(config):
+    """Every committed config is read by the trainer's own parser, and every data file it names is committed; the
+    long run's keeps a head at every save and ends by its schedule, not by one session's clock."""
+    head_args, data_args, args = run_trainer.parse_args([str(config)])
+    assert data_args.data and all((REPO / path).is_file() for path in data_args.data), data_args.data
+    if config.name == "smollm2-135m-long.yaml":
+        assert args.keep_head_every_save and args.max_train_minutes is None
+        assert args.save_steps < args.max_steps and args.lr_scheduler_type == "cosine"
+        assert head_args.init_head is not None and (REPO / head_args.init_head / "config.json").is_file()
