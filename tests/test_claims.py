@@ -72,26 +72,10 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
     tiny_head(sharp_target(), **LOOKUP).save_pretrained(tmp_path / "lookup")
     ablate_head = load_script("ablate_head")
     variants = ["bidir_gamma7", "fkl", "data_60", "data_all"]
-    argv = [
-        "--config",
-        str(config),
-        "--store",
-        str(tmp_path / "store"),
-        "--steps",
-        "2",
-        "--out",
-        str(tmp_path / "out"),
-        "--runs",
-        str(tmp_path / "runs"),
-        "--budgets",
-        "4,8",
-        "--eval_new_tokens",
-        "16",
-        "--lookup_settings",
-        str(tmp_path / "lookup"),
-        "--variants",
-        *variants,
-    ]
+    scoring = ["--config", str(config), "--store", str(tmp_path / "store"), "--budgets", "4,8"]
+    scoring += ["--eval_new_tokens", "16", "--lookup_settings", str(tmp_path / "lookup")]
+    argv = [*scoring, "--steps", "2", "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
+    argv += ["--variants", *variants]
     summary = ablate_head.main(argv)
     assert list(summary) == variants
     assert summary["bidir_gamma7"]["settings"]["block_attention"] == "bidirectional"
@@ -155,25 +139,8 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
     assert "| bidir_gamma7 |" in table and "off @8" in table
     assert ablate_head.main(argv) == summary  # measured and scored: nothing again
 
-    key_argv = [
-        "--config",
-        str(config),
-        "--store",
-        str(tmp_path / "store"),
-        "--out",
-        str(tmp_path / "keys"),
-        "--budgets",
-        "4,8",
-        "--eval_new_tokens",
-        "16",
-        "--lookup_settings",
-        str(tmp_path / "lookup"),
-        "--tree_keys",
-        "logprob",
-        "entropy",
-        "--head",
-        str(tmp_path / "runs" / "fkl"),
-    ]
+    key_argv = [*scoring, "--out", str(tmp_path / "keys"), "--tree_keys", "logprob", "entropy"]
+    key_argv += ["--head", str(tmp_path / "runs" / "fkl")]
     keys = ablate_head.main(key_argv)
     assert list(keys["by_key"]) == ["logprob", "entropy"] and keys["rows_crc"] in crcs
     assert keys["by_key"]["entropy"]["lookup_off"]["8"]["scoring"] == "entropy"
