@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -221,24 +222,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def wait_for(url: str, process: subprocess.Popen, seconds: float) -> None:
+def wait_for(url: str, process: subprocess.Popen, log: Path, seconds: float) -> None:
+    """Until the server answers `/v1/models`; its log (a file: a pipe nobody reads fills with llama.cpp's loading
+    messages and blocks the server before it listens) is shown when it exits or never answers."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(
                 f"expected the llama.cpp server to start, it exited with {process.returncode}:\n"
-                f"{process.stderr.read()[-3000:]}"
+                f"{log.read_text(errors='replace')[-3000:]}"
             )
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=2):
                 return
         except OSError:
             time.sleep(0.5)
-    pytest.fail(f"expected the llama.cpp server to answer at {url} within {seconds} s")
+    pytest.fail(
+        f"expected the llama.cpp server to answer at {url} within {seconds} s; its log ends:\n"
+        f"{log.read_text(errors='replace')[-3000:]}"
+    )
 
 
 @pytest.fixture(scope="module")
-def llama_server():
+def llama_server(tmp_path_factory):
     """llama-cpp-python's OpenAI-compatible server on the SmolLM2 Q4_1 GGUF, on a free loopback port, one thread."""
     pytest.importorskip(
         "llama_cpp.server",
@@ -265,16 +271,14 @@ def llama_server():
         "--model_alias",
         "smollm2-135m",
     ]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    log = tmp_path_factory.mktemp("llama_server") / "server.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(url, process, seconds=120)
+        wait_for(url, process, log, seconds=120)
         yield url
     finally:
         process.terminate()
@@ -324,6 +328,7 @@ def test_llama_cpp_server_regenerates_greedy_rows_of_the_real_target(llama_serve
         assert 1 <= len(answer) <= 16 and (answer[-1] == tokenizer.eos_token_id or len(answer) == 16)
         local = model.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False)[0, len(prompt_ids) :]
         same += local.tolist()[: len(answer)] == answer
+    print(f"llama.cpp server: {same} of 4 greedy answers equal the float32 target's, token for token")
     assert "5" in rows[0]["answer"]
     assert same >= 2, f"expected most greedy answers of the Q4_1 server to equal the fp32 target's, got {same} of 4"
     assert (
