@@ -66,9 +66,7 @@ class TreeVerifier:
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """[`verify`]. Returns the trees verified (another verifier may verify a part of them, e.g. one path) with
         their logits and features."""
-        logits, features = verify(
-            self.target, self.head, state, trees, self.windows, self.forms, self.grouped
-        )
+        logits, features = verify(self.target, self.head, state, trees, self.windows, self.forms, self.grouped)
         self.target_forwards += 1
         return trees, logits, features
 
