@@ -47,6 +47,7 @@ from transformers.generation.logits_process import (
 __all__ = [
     "DummyLayer",
     "DynamicLayer",
+    "GrowingLayer",
     "LinearAttentionCacheLayerMixin",
     "LinearAttentionLayer",
     "ROW_WISE_PROCESSORS",
@@ -55,6 +56,7 @@ __all__ = [
     "custom_decode_kwargs",
     "decoder_attention_implementation",
     "eager_attention_of",
+    "growing_cache",
     "fill_linear_state",
     "key_value_groups",
     "kv_layer_entries",
@@ -241,6 +243,78 @@ def kv_layer_entries(layer: DynamicLayer):
 def set_kv_layer_entries(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor):
     """Replace a key/value cache layer's entries (each `(B, H_kv, S', D)`), as `DynamicLayer.crop` does."""
     layer.keys, layer.values = keys, values
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values live in buffers that double when full: `update` writes the new entries
+    in place after the past and returns views, `crop` shortens the views. `DynamicLayer.update` concatenates the whole
+    past with every new entry (`torch.cat`), a copy of the layer's cache per forward that grows with the history; the
+    tree loop's verify forward appends n + 1 entries and its compaction crops back every round.
+
+    The layer keeps `DynamicLayer`'s undocumented `keys` / `values` attributes as views of the buffers, so every
+    reader (`get_seq_length`, `kv_layer_entries`, the model's attention) sees the same `(B, H_kv, S, D)` tensors;
+    assigning them (`batch_select_indices`, `reset`, `set_kv_layer_entries`) adopts the tensors as the new buffers.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._storage, self._length = (None, None), 0
+        super().__init__(*args, **kwargs)
+
+    def _view(self, index: int):
+        buffer = self._storage[index]
+        if buffer is None or buffer.dim() < 2:  # unset, or the empty placeholder of `lazy_initialization`
+            return buffer
+        return buffer[..., : self._length, :]
+
+    def _adopt(self, index: int, tensor):
+        buffers = list(self._storage)
+        buffers[index] = tensor
+        self._storage = tuple(buffers)
+        self._length = tensor.shape[-2] if tensor is not None and tensor.dim() >= 2 else 0
+
+    keys = property(lambda self: self._view(0), lambda self, tensor: self._adopt(0, tensor))
+    values = property(lambda self: self._view(1), lambda self, tensor: self._adopt(1, tensor))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._storage[0] is None or self._storage[0].dim() < 2:  # the first entries: buffers with as much room
+            self._storage = tuple(torch.cat([new, torch.empty_like(new)], dim=-2) for new in (key_states, value_states))
+            self._length = key_states.shape[-2]
+            return self.keys, self.values
+        start, added = self._length, key_states.shape[-2]
+        if start + added > self._storage[0].shape[-2]:  # full: a buffer twice the size, the past copied once
+            capacity = max(2 * self._storage[0].shape[-2], start + added)
+            grown = []
+            for old, new in zip(self._storage, (key_states, value_states)):
+                buffer = old.new_empty(*new.shape[:-2], capacity, new.shape[-1])
+                buffer[..., :start, :] = old[..., :start, :]
+                grown.append(buffer)
+            self._storage = tuple(grown)
+        self._storage[0][..., start : start + added, :] = key_states
+        self._storage[1][..., start : start + added, :] = value_states
+        self._length = start + added
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"expected a negative count of entries to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.is_initialized and self._storage[0] is not None:
+            self._length = max(self._length - abs(tokens_to_remove), 0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:  # the rows kept, at the buffers' capacity
+            self._storage = tuple(buffer[indices, ...] for buffer in self._storage)
+
+
+def growing_cache():
+    """A `DynamicCache` whose layers are [`GrowingLayer`]s, created as the model first writes to each (the
+    constructor's `layer_class_to_replicate`, which `DynamicCache()` sets to `DynamicLayer`)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
 
 
 def linear_state_count(layer: LinearAttentionCacheLayerMixin) -> int:

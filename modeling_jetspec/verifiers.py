@@ -13,9 +13,8 @@ Also here: the verify costs the measured budget and the benchmark read ([`verify
 from dataclasses import replace
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from .compat import DynamicLayer
+from .compat import GrowingLayer, growing_cache
 from .grouped_attention import uses_grouped_attention
 from .hybrid import HybridVerifier, is_hybrid
 from .reclaim import reclaim
@@ -54,12 +53,13 @@ class TreeVerifier:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
         """[`prefill`] into a new cache of keys/values; see there."""
-        state, logits = prefill(self.head, self.target, input_ids, attention_mask, DynamicCache())
+        # keys/values in buffers that double: a verify appends in place instead of copying the past (`GrowingLayer`)
+        state, logits = prefill(self.head, self.target, input_ids, attention_mask, growing_cache())
         self.target_forwards += 1
         for layer in state.cache.layers:
-            if type(layer) is not DynamicLayer:
+            if type(layer) is not GrowingLayer:
                 raise ValueError(
-                    f"expected a target cache of attention keys/values (DynamicLayer), got {type(layer).__name__}"
+                    f"expected a target cache of attention keys/values (GrowingLayer), got {type(layer).__name__}"
                 )
         return state, logits
 

@@ -1,6 +1,7 @@
 """A round whose cost does not grow with the answer: what grows by columns every round (the round state's validity
 and positions, the head's context, the verify and draft masks) is written in place into buffers that double when
-full (`modeling_jetspec/columns.py`, `tree.PastMask`), never concatenated anew.
+full (`modeling_jetspec/columns.py`, `tree.PastMask`), never concatenated anew; so do the target cache's keys and
+values (`compat.GrowingLayer`), which transformers' `DynamicLayer` concatenates at every forward.
 
 Checked here: the buffers hold exactly what concatenation would give, an earlier view never sees its columns change,
 a whole `generate` call reallocates them a logarithmic number of times (a concatenating round reallocates every
@@ -13,6 +14,9 @@ import pytest
 import torch
 
 import modeling_jetspec.verifiers as verifiers
+from transformers import DynamicCache
+
+from modeling_jetspec.compat import GrowingLayer, growing_cache
 from modeling_jetspec.columns import MIN_COLUMNS, Columns
 from modeling_jetspec.kept_masks import PastMask
 from modeling_jetspec.tree import ancestor_mask, verification_mask, verify_attention_mask
@@ -145,6 +149,7 @@ def test_a_call_reallocates_logarithmically_and_stays_greedy(batch, monkeypatch)
                     state.valid.untyped_storage().data_ptr(),
                     state.context.keys[0].untyped_storage().data_ptr(),
                     masks[0].untyped_storage().data_ptr() if masks else None,
+                    state.cache.layers[0].keys.untyped_storage().data_ptr(),  # the target's keys (GrowingLayer)
                 )
             )
         return state
@@ -155,9 +160,46 @@ def test_a_call_reallocates_logarithmically_and_stays_greedy(batch, monkeypatch)
     widest = max(width for width, *_ in pointers)
     # a buffer moves when it doubles (or a reclaiming pack starts new columns, each followed by its own doublings);
     # a concatenating round would move every round (the new tensor is allocated while the old one is alive)
-    for k, name in enumerate(["valid", "context", "mask"], start=1):
+    for k, name in enumerate(["valid", "context", "mask", "target cache"], start=1):
         moves = sum(a[k] != b[k] for a, b in zip(pointers, pointers[1:]) if a[k] is not None and b[k] is not None)
         assert moves <= 2 + 2 * math.ceil(math.log2(widest)), (name, moves, len(pointers))
+
+
+@torch.no_grad()
+def test_the_target_cache_layer_equals_dynamic_layer_op_for_op():
+    """`compat.GrowingLayer` (the tree loop's target cache) against transformers' `DynamicLayer`: the same entries
+    after every update, crop, row selection, repeat and reset; an update writes in place until the buffer is full."""
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = growing_cache(), DynamicCache()
+
+    def update(rows: int, count: int):
+        k, v = torch.randn(rows, 2, count, 4, generator=g), torch.randn(rows, 2, count, 4, generator=g)
+        a, b = ours.update(k, v, 0), theirs.update(k, v, 0)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    update(3, 5)
+    layer = ours.layers[0]
+    assert isinstance(layer, GrowingLayer) and layer.keys.shape == (3, 2, 5, 4)
+    start = layer.keys.untyped_storage().data_ptr()
+    update(3, 3)  # room for 5 more: written in place
+    assert layer.keys.untyped_storage().data_ptr() == start
+    for count, crop in ((4, -2), (6, -1), (9, -7)):  # past the room: doubled, the past copied once
+        update(3, count)
+        ours.crop(crop), theirs.crop(crop)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert torch.equal(layer.keys, theirs.layers[0].keys) and torch.equal(layer.values, theirs.layers[0].values)
+    rows = torch.tensor([2, 0])
+    ours.batch_select_indices(rows), theirs.batch_select_indices(rows)
+    update(2, 2)
+    ours.batch_repeat_interleave(2), theirs.batch_repeat_interleave(2)
+    update(4, 1)
+    assert torch.equal(layer.keys, theirs.layers[0].keys) and torch.equal(layer.values, theirs.layers[0].values)
+    with pytest.raises(ValueError, match="negative"):
+        ours.crop(2)
+    ours.reset(), theirs.reset()
+    assert ours.get_seq_length() == theirs.get_seq_length() == 0
+    update(1, 3)
+    assert torch.equal(layer.keys, theirs.layers[0].keys)
 
 
 def test_the_head_attends_in_the_room_after_its_context():
