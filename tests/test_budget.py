@@ -86,9 +86,9 @@ def test_verify_costs_time_the_round_s_own_verify_over_the_head_s_trees(monkeypa
     verified = []
     verify = verifiers.verify
 
-    def spy(target, head, state, trees, windows=None, forms=None):
+    def spy(target, head, state, trees, *args, **kwargs):
         verified.append((tuple(trees.tokens.shape), state.valid.shape))
-        return verify(target, head, state, trees, windows, forms)
+        return verify(target, head, state, trees, *args, **kwargs)
 
     monkeypatch.setattr(verifiers, "verify", spy)
     shape = resolve_tree_shape(head.config)
@@ -140,9 +140,9 @@ def test_bench_costs_time_the_round_s_own_draft_and_verify(monkeypatch):
     verified = []
     verify = verifiers.verify
 
-    def spy(target, head, state, trees, windows=None, forms=None):
+    def spy(target, head, state, trees, *args, **kwargs):
         verified.append(tuple(trees.tokens.shape))
-        return verify(target, head, state, trees, windows, forms)
+        return verify(target, head, state, trees, *args, **kwargs)
 
     monkeypatch.setattr(verifiers, "verify", spy)
     ids, _ = prompts(1)
