@@ -31,6 +31,9 @@ resident memory (`ru_maxrss`): `rss_before_mib` after the model, the plain greed
         --drafters random always sometimes
     OMP_NUM_THREADS=1 python scripts/hybrid_forwards.py --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
         --drafters random always sometimes --modes tree --weights-gb 18
+
+`--run-timeout S` stops an isolated run after S seconds and prints it as unfinished (at this model's bound a batch-32
+tree round runs a forward per few leaf paths, which takes long on a CPU).
 """
 
 import argparse
@@ -119,6 +122,12 @@ def parse(argv=None) -> argparse.Namespace:
         help="bound forward 1 as a target with this many GB of weights would (0: this model's)",
     )
     parser.add_argument("--isolate", action="store_true", help="each run in its own process, with its peak memory")
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=None,
+        help="with --isolate: stop a run after this many seconds and report it unfinished (the next one runs)",
+    )
     parser.add_argument("--one", nargs=4, metavar=("BATCH", "NEW", "DRAFTER", "MODE"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -197,11 +206,16 @@ def main(argv=None) -> None:
         for b, n, d, m in combos:
             rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--isolate"]
             command = [sys.executable, __file__, *rest, "--one", str(b), str(n), d, m]
-            done = subprocess.run(command, capture_output=True, text=True)
+            label = {"batch": b, "new_tokens": n, "drafter": d, "mode": m}
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
+            except subprocess.TimeoutExpired:
+                print(json.dumps({**label, "unfinished": f"stopped after {args.run_timeout:g} s"}), flush=True)
+                continue
             print(
                 done.stdout.strip().splitlines()[-1]
                 if done.returncode == 0
-                else json.dumps({"batch": b, "new_tokens": n, "drafter": d, "mode": m, "error": done.stderr[-500:]}),
+                else json.dumps({**label, "error": done.stderr[-500:]}),
                 flush=True,
             )
         return

@@ -122,3 +122,24 @@ def test_tree_verify_at_batch_32_holds_about_a_chains_memory():
 
 if __name__ == "__main__":
     print(json.dumps(measure(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))))
+
+
+def test_hybrid_forwards_isolates_runs_and_reports_one_cut_by_its_timeout(tmp_path):
+    """scripts/hybrid_forwards.py --isolate: each run in its own process prints one JSON line (equal to plain greedy,
+    forwards per round, peak memory); with --run-timeout a run that outlasts it is reported unfinished, not lost."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "hybrid_forwards.py"
+    common = [sys.executable, str(script), "--layers", "4", "--isolate", "--batch", "1", "--new-tokens", "3"]
+    common += ["--drafters", "always", "--modes", "chain"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(common, capture_output=True, text=True, env=env, timeout=600, check=True)
+    (line,) = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
+    assert line["equal_to_greedy"] and line["mode"] == "chain" and line["peak_rss_mib"] >= line["rss_before_mib"]
+    cut = subprocess.run([*common, "--run-timeout", "0.01"], capture_output=True, text=True, env=env, timeout=600)
+    (line,) = [json.loads(text) for text in cut.stdout.splitlines() if text.startswith("{")]
+    assert line == {
+        "batch": 1,
+        "new_tokens": 3,
+        "drafter": "always",
+        "mode": "chain",
+        "unfinished": "stopped after 0.01 s",
+    }
