@@ -245,8 +245,18 @@ def set_kv_layer_entries(layer: DynamicLayer, keys: torch.Tensor, values: torch.
     layer.keys, layer.values = keys, values
 
 
+GROWTH_ROOM = 256  # entries of room a growing cache layer leaves after what it holds, at least (a quarter above)
+
+
+def room_for(entries: int) -> int:
+    """The capacity a [`GrowingLayer`] allocates for `entries`: a quarter more, and at least `GROWTH_ROOM` more, so
+    a buffer moves a logarithmic number of times as the history grows and holds at most a quarter (or 256
+    entries) unused: the tree's verify adds up to budget + 1 entries per round, which compaction crops back."""
+    return entries + max(GROWTH_ROOM, entries // 4)
+
+
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values live in buffers that double when full: `update` writes the new entries
+    """A `DynamicLayer` whose keys and values live in buffers that grow when full: `update` writes the new entries
     in place after the past and returns views, `crop` shortens the views. `DynamicLayer.update` concatenates the whole
     past with every new entry (`torch.cat`), a copy of the layer's cache per forward that grows with the history; the
     tree loop's verify forward appends n + 1 entries and its compaction crops back every round.
@@ -278,13 +288,15 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self._storage[0] is None or self._storage[0].dim() < 2:  # the first entries: buffers with as much room
-            self._storage = tuple(torch.cat([new, torch.empty_like(new)], dim=-2) for new in (key_states, value_states))
-            self._length = key_states.shape[-2]
-            return self.keys, self.values
-        start, added = self._length, key_states.shape[-2]
-        if start + added > self._storage[0].shape[-2]:  # full: a buffer twice the size, the past copied once
-            capacity = max(2 * self._storage[0].shape[-2], start + added)
+        if self._storage[0] is None or self._storage[0].dim() < 2:  # the first entries, in buffers with room after
+            start, added = 0, key_states.shape[-2]
+            self._storage = tuple(
+                new.new_empty(*new.shape[:-2], room_for(added), new.shape[-1]) for new in (key_states, value_states)
+            )
+        else:
+            start, added = self._length, key_states.shape[-2]
+        if start + added > self._storage[0].shape[-2]:  # full: larger buffers, the past copied once
+            capacity = room_for(start + added)
             grown = []
             for old, new in zip(self._storage, (key_states, value_states)):
                 buffer = old.new_empty(*new.shape[:-2], capacity, new.shape[-1])

@@ -53,7 +53,7 @@ class TreeVerifier:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
         """[`prefill`] into a new cache of keys/values; see there."""
-        # keys/values in buffers that double: a verify appends in place instead of copying the past (`GrowingLayer`)
+        # keys/values in buffers with room: a verify appends in place instead of copying the past (`GrowingLayer`)
         state, logits = prefill(self.head, self.target, input_ids, attention_mask, growing_cache())
         self.target_forwards += 1
         for layer in state.cache.layers:
