@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_architectures import HYBRID_FAMILIES, family_target
-from transformers import AttentionInterface, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.generation import logits_process as lp
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -283,6 +283,50 @@ def _own_names() -> set:
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 names.add(node.id)
     return {n for n in names if n.startswith("_")}
+
+
+@torch.no_grad()
+def test_growing_layer_equals_dynamic_layer_op_for_op():
+    """`compat.GrowingLayer` (the tree loop's target cache) against transformers' `DynamicLayer`: the same entries
+    after every update, crop, row selection, repeat and reset; an update writes in place until the buffer is full."""
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = compat.growing_cache(), DynamicCache()
+
+    def update(rows: int, count: int):
+        k, v = torch.randn(rows, 2, count, 4, generator=g), torch.randn(rows, 2, count, 4, generator=g)
+        a, b = ours.update(k, v, 0), theirs.update(k, v, 0)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    update(3, 5)
+    layer = ours.layers[0]
+    assert isinstance(layer, compat.GrowingLayer) and layer.keys.shape == (3, 2, 5, 4)
+    start = layer.keys.untyped_storage().data_ptr()
+    update(3, 3)  # room for 5 more: written in place
+    assert layer.keys.untyped_storage().data_ptr() == start
+    for count, crop in ((4, -2), (60, -1), (300, -7)):  # the last past the room: grown, the past copied once
+        update(3, count)
+        ours.crop(crop), theirs.crop(crop)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert torch.equal(layer.keys, theirs.layers[0].keys) and torch.equal(layer.values, theirs.layers[0].values)
+    rows = torch.tensor([2, 0])
+    ours.batch_select_indices(rows), theirs.batch_select_indices(rows)
+    update(2, 2)
+    ours.batch_repeat_interleave(2), theirs.batch_repeat_interleave(2)
+    update(4, 1)
+    assert torch.equal(layer.keys, theirs.layers[0].keys) and torch.equal(layer.values, theirs.layers[0].values)
+    with pytest.raises(ValueError, match="negative"):
+        ours.crop(2)
+    ours.reset(), theirs.reset()
+    assert ours.get_seq_length() == theirs.get_seq_length() == 0
+    update(1, 3)
+    assert torch.equal(layer.keys, theirs.layers[0].keys)
+
+
+def test_key_value_groups_is_the_attention_layers_query_heads_per_key_value_head():
+    target = tiny_target("llama")  # 4 query heads over 2 key/value heads
+    attention = target.model.layers[0].self_attn
+    assert compat.key_value_groups(attention) == 2
+    assert compat.key_value_groups(torch.nn.Linear(2, 2)) == 1  # a module without grouping
 
 
 def test_private_transformers_names_are_touched_only_in_compat():

@@ -14,9 +14,6 @@ import pytest
 import torch
 
 import modeling_jetspec.verifiers as verifiers
-from transformers import DynamicCache
-
-from modeling_jetspec.compat import GrowingLayer, growing_cache
 from modeling_jetspec.columns import MIN_COLUMNS, Columns
 from modeling_jetspec.kept_masks import PastMask
 from modeling_jetspec.tree import ancestor_mask, verification_mask, verify_attention_mask
@@ -163,43 +160,6 @@ def test_a_call_reallocates_logarithmically_and_stays_greedy(batch, monkeypatch)
     for k, name in enumerate(["valid", "context", "mask", "target cache"], start=1):
         moves = sum(a[k] != b[k] for a, b in zip(pointers, pointers[1:]) if a[k] is not None and b[k] is not None)
         assert moves <= 2 + 2 * math.ceil(math.log2(widest)), (name, moves, len(pointers))
-
-
-@torch.no_grad()
-def test_the_target_cache_layer_equals_dynamic_layer_op_for_op():
-    """`compat.GrowingLayer` (the tree loop's target cache) against transformers' `DynamicLayer`: the same entries
-    after every update, crop, row selection, repeat and reset; an update writes in place until the buffer is full."""
-    g = torch.Generator().manual_seed(0)
-    ours, theirs = growing_cache(), DynamicCache()
-
-    def update(rows: int, count: int):
-        k, v = torch.randn(rows, 2, count, 4, generator=g), torch.randn(rows, 2, count, 4, generator=g)
-        a, b = ours.update(k, v, 0), theirs.update(k, v, 0)
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-    update(3, 5)
-    layer = ours.layers[0]
-    assert isinstance(layer, GrowingLayer) and layer.keys.shape == (3, 2, 5, 4)
-    start = layer.keys.untyped_storage().data_ptr()
-    update(3, 3)  # room for 5 more: written in place
-    assert layer.keys.untyped_storage().data_ptr() == start
-    for count, crop in ((4, -2), (60, -1), (300, -7)):  # the last past the room: grown, the past copied once
-        update(3, count)
-        ours.crop(crop), theirs.crop(crop)
-        assert ours.get_seq_length() == theirs.get_seq_length()
-        assert torch.equal(layer.keys, theirs.layers[0].keys) and torch.equal(layer.values, theirs.layers[0].values)
-    rows = torch.tensor([2, 0])
-    ours.batch_select_indices(rows), theirs.batch_select_indices(rows)
-    update(2, 2)
-    ours.batch_repeat_interleave(2), theirs.batch_repeat_interleave(2)
-    update(4, 1)
-    assert torch.equal(layer.keys, theirs.layers[0].keys) and torch.equal(layer.values, theirs.layers[0].values)
-    with pytest.raises(ValueError, match="negative"):
-        ours.crop(2)
-    ours.reset(), theirs.reset()
-    assert ours.get_seq_length() == theirs.get_seq_length() == 0
-    update(1, 3)
-    assert torch.equal(layer.keys, theirs.layers[0].keys)
 
 
 def test_the_head_attends_in_the_room_after_its_context():
