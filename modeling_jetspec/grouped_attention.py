@@ -4,8 +4,8 @@ transformers' sdpa function (5.23) asks `torch.nn.functional.scaled_dot_product_
 key/value heads (`enable_gqa=True`) only when no attention mask is passed (on CPU and CUDA); with a mask it copies
 every key/value head `num_key_value_groups` times (`repeat_kv`) before attending. A verify forward always passes a
 mask (the tree-causal one), so each round copied the whole key/value cache of every layer: on SmolLM2-135M (9 query
-heads over 3 key/value heads, float32, AVX2) the round grew 5.0x as fast as a plain decoding step from 256 to 4,096
-tokens of history, and 1.1x with the copy gone (`scripts/long_rounds.py`, `docs/results.md`).
+heads over 3 key/value heads, float32, AVX2) the round's growth from 256 to 4,096 tokens of history fell from +203 to
++123 ms with the copy gone (`scripts/long_rounds.py`, `docs/results.md`, "A round against the history").
 
 [`grouped_attention`] makes the target's attention layers run [`sdpa_grouped`] during the verify forward only
 (registered in transformers' `AttentionInterface` as [`GROUPED_SDPA`]): the same `scaled_dot_product_attention`

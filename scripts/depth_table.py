@@ -5,14 +5,15 @@ the same held-out rows), the draft cost c on this host, and the speedup those im
     expected speedup = tau / (t(B) / t(1) + c)
 
 with t(1) one plain decode step, t(B) the verify forward of the B + 1 rows of a tree-B round and c one draft (the
-head's forward and its best-first tree) over t(1), all timed in one process on a real prompt, in the dtype
+head's forward and its best-first tree) over t(1), all timed in one process after a seeded random context (the
+costs do not depend on the tokens), in the dtype
 `--dtype auto` picks on this host (`jetspec.bench.measure_costs`, the functions `generate` runs). A deeper head wins
 only if this rises: its tau must pay for its larger c.
 
     python -m scripts.ablate_head --store cache/smollm2-135m --minutes 30 --out results/depth --runs runs/depth \
-        --variants baseline layers2 layers3 warm
+        --variants layers1 layers2 layers3 warm
     python -m scripts.depth_table --ablation results/depth/ablation.json --runs runs/depth \
-        --variants baseline layers2 layers3 warm --out results/depth
+        --variants layers1 layers2 layers3 warm --out results/depth
 
 Writes OUT/depth.json (every timing, the host kind) and OUT/depth.md. Heads are read from RUNS/<variant> (or the
 kept copy `training/checkpoints/<variant>` when the run folder is gone). Run from the repository root, as a module.

@@ -577,22 +577,32 @@ def checkpoint_from_kept(kept: Path, output_dir: Path) -> str:
     its weights in float32 (from the kept bf16), its config and the kept trainer state, marked complete. It holds no
     optimizer, scheduler or RNG files: the Trainer starts the optimizer afresh, [`ScheduleCatchUpCallback`] moves
     the schedule to step N, and the data position follows from the step as in any resume."""
-    from safetensors.torch import load_file, save_file
-
-    state = json.loads((kept / TRAINER_STATE_NAME).read_text())
-    step = int(state["global_step"])
+    step = int(json.loads((kept / TRAINER_STATE_NAME).read_text())["global_step"])
     folder = output_dir / f"checkpoint-{step}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    for weights in kept.glob("*.safetensors"):
-        tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in load_file(weights).items()}
-        save_file(tensors, folder / weights.name, metadata={"format": "pt"})
-    config = json.loads((kept / "config.json").read_text())
-    config["dtype"] = "float32"
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copy2(kept / TRAINER_STATE_NAME, folder / TRAINER_STATE_NAME)
+    for path in [*kept.glob("*.safetensors"), kept / "config.json", kept / TRAINER_STATE_NAME]:
+        shutil.copy2(path, folder / path.name)
+    cast_head_files(folder, torch.float32)
     write_checkpoint_marker(folder, step)
     return str(folder)
+
+
+def cast_head_files(folder: Path, dtype: torch.dtype, drop: tuple = ()) -> None:
+    """Casts the floating weights of every `*.safetensors` in `folder` to `dtype`, in place, and makes its config
+    say so (`dtype`), leaving out the config keys `drop`."""
+    from safetensors.torch import load_file, save_file
+
+    for weights in folder.glob("*.safetensors"):
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(weights).items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        for key in drop:
+            config.pop(key, None)
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 class KeepOnSaveCallback(TrainerCallback):
@@ -616,8 +626,6 @@ def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
     package's code: the installed `modeling_jetspec` loads it) to `folder`
     with its weights cast to bf16 (half the float32 size) and the run's arguments as `training_args.json`,
     atomically: a temporary folder renamed into place, so a killed run never leaves half a head there."""
-    from safetensors.torch import load_file, save_file
-
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -639,17 +647,9 @@ def keep_head(out: Path, folder: Path, run_config: dict) -> Path:
             CHECKPOINT_MARKER,
         ),
     )
-    for weights in staging.glob("*.safetensors"):
-        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(weights).items()}
-        save_file(tensors, weights, metadata={"format": "pt"})
-    config_path = staging / "config.json"
-    if config_path.is_file():  # the config says what the weights now are
-        config = json.loads(config_path.read_text())
-        config["dtype"] = "bfloat16"
-        # no code files here: a config naming them (`auto_map`) would send `trust_remote_code` looking for them; the
-        # installed package loads the folder (`import modeling_jetspec`, then `AutoModel.from_pretrained`)
-        config.pop("auto_map", None)
-        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    # no code files here: a config naming them (`auto_map`) would send `trust_remote_code` looking for them; the
+    # installed package loads the folder (`import modeling_jetspec`, then `AutoModel.from_pretrained`)
+    cast_head_files(staging, torch.bfloat16, drop=("auto_map",))
     (staging / "training_args.json").write_text(json.dumps(run_config, indent=1, default=str) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
