@@ -257,7 +257,8 @@ def room_for(entries: int) -> int:
 
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values live in buffers that grow when full: `update` writes the new entries
-    in place after the past and returns views, `crop` shortens the views. `DynamicLayer.update` concatenates the whole
+    in place after the past and returns views, `crop` shortens the views. The room past the entries is zero-filled
+    (a kernel that reads a masked block past a view multiplies its values by 0; unset memory can hold NaN). `DynamicLayer.update` concatenates the whole
     past with every new entry (`torch.cat`), a copy of the layer's cache per forward that grows with the history; the
     tree loop's verify forward appends n + 1 entries and its compaction crops back every round.
 
@@ -291,7 +292,7 @@ class GrowingLayer(DynamicLayer):
         if self._storage[0] is None or self._storage[0].dim() < 2:  # the first entries, in buffers with room after
             start, added = 0, key_states.shape[-2]
             self._storage = tuple(
-                new.new_empty(*new.shape[:-2], room_for(added), new.shape[-1]) for new in (key_states, value_states)
+                new.new_zeros(*new.shape[:-2], room_for(added), new.shape[-1]) for new in (key_states, value_states)
             )
         else:
             start, added = self._length, key_states.shape[-2]
@@ -299,7 +300,7 @@ class GrowingLayer(DynamicLayer):
             capacity = room_for(start + added)
             grown = []
             for old, new in zip(self._storage, (key_states, value_states)):
-                buffer = old.new_empty(*new.shape[:-2], capacity, new.shape[-1])
+                buffer = old.new_zeros(*new.shape[:-2], capacity, new.shape[-1])
                 buffer[..., :start, :] = old[..., :start, :]
                 grown.append(buffer)
             self._storage = tuple(grown)

@@ -322,6 +322,25 @@ def test_growing_layer_equals_dynamic_layer_op_for_op():
     assert torch.equal(layer.keys, theirs.layers[0].keys)
 
 
+@torch.no_grad()
+def test_growing_layer_room_holds_zeros_or_its_own_entries_never_unset_memory():
+    """A fused attention kernel may read a cache view's storage a whole block past its end and mask those scores
+    (inductor's compiled flex_attention on an AVX-512 host did): the masked weight is an exact 0, and 0 * NaN from
+    unset memory is NaN. The CI run of the compiled flex test decoded every token after the first round as id 0 (the
+    argmax of NaN logits) while the room was allocated with `new_empty`. The room past the entries holds zeros, or
+    entries cropped earlier, after the first write and after every growth."""
+    layer = compat.growing_cache()
+    g = torch.Generator().manual_seed(1)
+    for count in (5, 300, 2):  # the first buffers, a growth, a write in place
+        layer.update(torch.randn(2, 2, count, 4, generator=g), torch.randn(2, 2, count, 4, generator=g), 0)
+        grown = layer.layers[0]
+        for buffer in grown._storage:
+            room = buffer[..., grown._length :, :]
+            assert room.numel() > 0 and torch.equal(room, torch.zeros_like(room))
+    layer.crop(-3)
+    assert all(torch.isfinite(buffer).all() for buffer in layer.layers[0]._storage)
+
+
 def test_key_value_groups_is_the_attention_layers_query_heads_per_key_value_head():
     target = tiny_target("llama")  # 4 query heads over 2 key/value heads
     attention = target.model.layers[0].self_attn

@@ -182,3 +182,21 @@ def test_the_head_attends_in_the_room_after_its_context():
         ids = torch.tensor([[5, head.config.mask_id, head.config.mask_id]])
         positions = torch.arange(8, 11)[None]
         assert torch.equal(head.draft(ids, positions, context).logits, head.draft(ids, positions, copy).logits)
+
+
+@torch.no_grad()
+def test_a_flex_attention_target_keeps_transformers_own_cache_layer():
+    """The tree loop's target cache grows in place (`GrowingLayer`, views of larger buffers) except under
+    flex_attention: inductor's compiled flex kernel decoded NaN from such views on the CI host (every token after
+    the first round came out as id 0), so a flex target keeps whole tensors in `DynamicLayer`s."""
+    from transformers.cache_utils import DynamicLayer
+
+    from modeling_jetspec.compat import GrowingLayer
+
+    ids, mask = prompts(2)
+    for attention, layer_type in (("sdpa", GrowingLayer), ("flex_attention", DynamicLayer)):
+        target = tiny_target("llama", attn_implementation=attention)
+        state, _ = verifiers.TreeVerifier(target, tiny_head(target)).prefill(ids, mask)
+        assert {type(layer) for layer in state.cache.layers} == {layer_type}, attention
+        if layer_type is DynamicLayer:
+            assert all(layer.keys.is_contiguous() and layer.values.is_contiguous() for layer in state.cache.layers)
