@@ -208,6 +208,7 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
         ),
         "reverse_kl": ablation_row("causal", 4.0, loss="rkl", offline=scored(1.5, 1.6)),
         "data_0.5M": ablation_row("causal", 4.0, acc=0.19, train_answer_tokens=500_123),
+        "data_all": ablation_row("causal", 4.0, acc=0.31, offline=scored(1.25, 1.5), train_answer_tokens=2_800_000),
     }
     (tmp_path / "a.json").write_text(json.dumps(ablation))
     keys = {"head": "runs/x", "rows": 10, "by_key": {"entropy": scored(1.125, 1.5)["by_key"]["None"]}}
@@ -243,7 +244,11 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
     assert row("| entropy | 4.76x |")[2:4] == ["1.125", "1.225"]
     assert row("| logprob | 8.15x |")[2:] == ["not run yet"] * 8
     assert row("| 0.5M |")[1:5] == ["data_0.5M", "500,123", "100", "0.190"]
-    assert row("| raw ShareGPT replies |")[2:] == ["not run yet"] * 3
+    # raw replies were never committed: the table says so; the regenerated row is the all-data variant's
+    assert row("| raw ShareGPT replies |")[2:] == ["no raw replies here"] * 3
+    everything = row("| all (2M+) |")
+    assert row("| the target's own answers (`data_all`) |")[2:] == [everything[4], everything[5], everything[8]]
+    assert everything[4] == "0.310"
     assert text.startswith("# Results\n\nkept\n") and text.count("<!-- claims:begin -->") == 1
     assert "Nothing in this section has been run yet" not in text
     # written again, the section is replaced, not appended; with no results, every cell of ours is empty
