@@ -9,6 +9,9 @@
 #
 # MINUTES (default 15) is the training wall-clock of each claims variant; DEPTH_MINUTES (default 30) of each depth
 # variant. Host kind and dtype are recorded in every result (jetspec.host).
+# Each --minutes variant's steps come from a 12-step pace probe: run nothing else on the cores while a probe runs
+# (a probe beside other work gives that variant fewer steps than the rest at the same minutes). Pausing the
+# campaign (kill -STOP / -CONT) is safe, but the paused time counts in that row's seconds_per_step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STORE=${STORE:-cache/smollm2-135m}
