@@ -30,7 +30,15 @@ import torch
 from jetspec.host import host_kind
 from jetspec.targets import load_target
 from modeling_jetspec import JetSpecDraftModel
-from training.evaluate_head import evaluate, forward_features, held_out_rows, prepare_rows, store_features, tree_shape
+from training.evaluate_head import (
+    decode_rows,
+    evaluate,
+    forward_features,
+    held_out_rows,
+    prepare_rows,
+    store_features,
+    tree_shape,
+)
 from training.feature_store import FeatureStore
 
 
@@ -38,28 +46,18 @@ FP32_FILES = ["training/data/smollm2-135m-mix-fp32.npz", "training/data/smollm2-
 
 
 def real_generate(target, head, rows: list, max_new_tokens: int) -> list:
-    """Per row: real float32 `generate` with the head at batch 1, its rounds and tokens, and whether its answer is the
-    stored one."""
+    """Per row: real float32 `generate` with the head at batch 1 (`evaluate_head.decode_rows`), its rounds and
+    tokens, and whether its answer is the stored one."""
     out = []
-    for row in rows:
+    for row, decoded in zip(rows, decode_rows(target, head, rows, max_new_tokens)):
         prompt_length = int(row["prompt_length"])
-        ids = torch.tensor([row["input_ids"][:prompt_length]])
-        result = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            assistant_model=head,
-            return_dict_in_generate=True,
-        )
-        answer = result.sequences[0, prompt_length:].tolist()
+        answer = decoded["answer"]
         stored = list(row["input_ids"][prompt_length : prompt_length + len(answer)])
-        stats = result.jetspec_stats
         out.append(
             {
-                "id": str(row["id"]),
-                "rounds": stats.row_rounds,
-                "tokens": stats.round_tokens,
+                "id": decoded["id"],
+                "rounds": decoded["rounds"],
+                "tokens": decoded["tokens"],
                 "same_text": answer == stored,
             }
         )

@@ -171,6 +171,27 @@ def test_offline_rounds_equal_real_generate(setting, monkeypatch):
         assert tally.sources["lookup"] + tally.sources["both"] > 0
 
 
+def test_decode_rows_is_the_reference_the_replay_meets():
+    """`decode_rows` (what run_trainer's measured tau and scripts/offline_vs_generate call) writes each row's own
+    greedy answer again, and its rounds, tokens and depths per row are the offline replay's at the head's defaults."""
+    target = sharp_target()
+    rows = greedy_rows(target, count=3)
+    head = tiny_head(target, tree_width=4, **LOOKUP)
+    decoded = evaluate_head.decode_rows(target, head, rows, NEW_TOKENS)
+    assert [d["id"] for d in decoded] == [row["id"] for row in rows]
+    for row, d in zip(rows, decoded):
+        assert d["answer"] == row["input_ids"][row["prompt_length"] : row["prompt_length"] + NEW_TOKENS]
+        assert d["tokens"] == NEW_TOKENS - 1  # every token after the prefill's came from a verify round
+    head.attach_target(target)
+    prepared, skipped = prepare_rows(rows, forward_features(target, head), NEW_TOKENS, head.config.tree_depth)
+    assert not skipped
+    tally = evaluate(head, prepared, tree_shape(head), batch_size=3)
+    by_id = {entry[0]: entry[1:] for entry in tally.per_row}
+    for d in decoded:
+        rounds, tokens, depths = by_id[d["id"]]
+        assert (rounds, tokens, list(depths)) == (d["rounds"], d["tokens"], d["accepted_at_depth"])
+
+
 def test_first_round_target_logprob_comes_from_the_final_states():
     """The top-ranked path's target log-prob, over its prefix on the answer, equals the target's own log-probs."""
     target = sharp_target()

@@ -100,6 +100,36 @@ def held_out_rows(data: list, eval_fraction: float = 0.02, seed: int = 0, rows: 
     return held
 
 
+def decode_rows(target, head, rows, max_new_tokens: int) -> list[dict]:
+    """The reference the replay is checked against: real greedy `generate(..., assistant_model=head)` at batch 1 on
+    each row's prompt, with the head's defaults. Per row: `id`, `answer` (the new tokens), `rounds` and `tokens`
+    (verify rounds and the tokens they committed) and `accepted_at_depth` (`JetSpecStats`)."""
+    out = []
+    head.eval()
+    for row in rows:
+        prompt_length = int(row["prompt_length"])
+        ids = torch.tensor([list(row["input_ids"][:prompt_length])], device=target.device)
+        result = target.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            assistant_model=head,
+            return_dict_in_generate=True,
+        )
+        stats = result.jetspec_stats
+        out.append(
+            {
+                "id": str(row["id"]),
+                "answer": result.sequences[0, prompt_length:].tolist(),
+                "rounds": stats.row_rounds,
+                "tokens": stats.round_tokens,
+                "accepted_at_depth": list(stats.accepted_at_depth),
+            }
+        )
+    return out
+
+
 def store_features(store) -> Callable:
     """A features function over a [`training.feature_store.FeatureStore`]: `fetch(rows, needed)` returns per row
     `(features, final, stored)`: the first `min(needed, stored)` positions (bf16) and how many the store holds;

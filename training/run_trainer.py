@@ -47,7 +47,7 @@ from jetspec.targets import load_target, resolve_dtype  # noqa: E402
 from modeling_jetspec import JetSpecDraftModel  # noqa: E402
 from modeling_jetspec.configuration_jetspec import BLOCK_ATTENTIONS  # noqa: E402
 from training.draft_vocab import answer_token_counts, frequent_tokens  # noqa: E402
-from training.evaluate_head import OfflineTauCallback  # noqa: E402
+from training.evaluate_head import OfflineTauCallback, decode_rows  # noqa: E402
 from training.feature_store import FeatureStore  # noqa: E402
 from training.lookup_prior import measure_lookup_prior  # noqa: E402
 from training.rows import (  # noqa: E402
@@ -464,27 +464,15 @@ def describe_rows(dataset) -> str:
 
 
 def measure_tau(head, target, rows, max_new_tokens: int) -> dict:
-    """Decode the prompts of `rows` one at a time with the head; tokens per target verify forward, and per depth."""
-    rounds, tokens, depth_counts = 0, 0, None
-    head.eval()
-    for row in rows:
-        ids = torch.tensor([row["input_ids"][: row["prompt_length"]]], device=target.device)
-        out = target.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            assistant_model=head,
-            return_dict_in_generate=True,
-        )
-        stats = out.jetspec_stats
-        rounds, tokens = rounds + stats.row_rounds, tokens + stats.round_tokens
-        counts = list(stats.accepted_at_depth)
-        depth_counts = counts if depth_counts is None else [a + b for a, b in zip(depth_counts, counts)]
+    """Decode the prompts of `rows` one at a time with the head (`evaluate_head.decode_rows`); tokens per target
+    verify forward, and per depth."""
+    decoded = decode_rows(target, head, rows, max_new_tokens)
+    rounds, tokens = sum(r["rounds"] for r in decoded), sum(r["tokens"] for r in decoded)
+    depth_counts = [sum(counts) for counts in zip(*(r["accepted_at_depth"] for r in decoded))]
     return {
         "tau": tokens / max(rounds, 1),
         "rounds": rounds,
-        "acceptance_per_depth": [c / max(rounds, 1) for c in depth_counts or []],
+        "acceptance_per_depth": [c / max(rounds, 1) for c in depth_counts],
     }
 
 
