@@ -7,7 +7,7 @@ mask (the tree-causal one), so each round copied the whole key/value cache of ev
 heads over 3 key/value heads, float32, AVX2) the round's growth from 256 to 4,096 tokens of history fell from +203 to
 +123 ms with the copy gone (`scripts/long_rounds.py`, `docs/results.md`, "A round against the history").
 
-[`grouped_attention`] makes the target's attention layers run [`sdpa_grouped`] during the verify forward only
+The verifier makes the target's attention layers run [`sdpa_grouped`] during the verify forward only
 (registered in transformers' `AttentionInterface` as [`GROUPED_SDPA`]): the same `scaled_dot_product_attention`
 call on the same query, keys, values and mask, with `enable_gqa=True` instead of the copy. Every case it does not
 cover (no mask, no grouping, a position bias, a soft cap, a paged cache, attention sinks) goes to transformers' own
@@ -20,15 +20,13 @@ decoding step. The output equals plain `generate` token for token, as `tests/tes
 the test architectures, batch sizes and tree shapes.
 """
 
-import contextlib
-
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .compat import decoder_attention_implementation, key_value_groups, set_attention_implementation
+from .compat import decoder_attention_implementation, key_value_groups
 
-__all__ = ["GROUPED_SDPA", "grouped_attention", "sdpa_grouped", "uses_grouped_attention"]
+__all__ = ["GROUPED_SDPA", "sdpa_grouped", "uses_grouped_attention"]
 
 GROUPED_SDPA = "jetspec_sdpa_grouped"
 # keyword arguments of transformers' sdpa function that change what it computes beyond the plain masked call
@@ -62,17 +60,3 @@ def uses_grouped_attention(target) -> bool:
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return decoder_attention_implementation(target) == "sdpa" and heads is not None and kv_heads < heads
-
-
-@contextlib.contextmanager
-def grouped_attention(target, enabled: bool = True):
-    """Inside the block the target's attention layers run [`sdpa_grouped`] when `enabled` (the verifier decides
-    once per call with [`uses_grouped_attention`]); the implementation they ran before is restored on leaving."""
-    if not enabled:
-        yield
-        return
-    before = set_attention_implementation(target, GROUPED_SDPA)
-    try:
-        yield
-    finally:
-        set_attention_implementation(target, before)

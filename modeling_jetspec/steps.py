@@ -32,7 +32,7 @@ from .calibration import calibrated_children, node_source
 from .columns import Columns
 from .compat import attn_implementation, kv_layer_entries
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
-from .grouped_attention import grouped_attention
+from .verify_attention import attention_function
 from .linear_forms import LinearForms, linear_forms
 from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
 from .stopping import stop_marks
@@ -210,7 +210,7 @@ def verify(
     trees: DraftTrees,
     windows: dict | None = None,
     forms: LinearForms | None = None,
-    grouped: bool = False,
+    attention: str | None = None,
 ):
     """The target reads root + n nodes of every tree in one forward, under the tree-causal mask, after its cache.
 
@@ -218,8 +218,10 @@ def verify(
         windows (`dict`, *optional*): the sliding windows of the verify mask, from [`verify_windows`].
         forms (`LinearForms`, *optional*): the form of the target's linear layers in this forward
             (`linear_forms.py`, the call's `verify_linear`); `None`: the model as it is.
-        grouped (`bool`): run the attention layers with grouped keys/values read in place, not copied
-            (`grouped_attention.py`; the verifier decides with `uses_grouped_attention`).
+        attention (`str`, *optional*): the attention function the target's layers run in this forward (a name in
+            `AttentionInterface`): grouped keys/values read in place (`grouped_attention.py`), flex_attention
+            uncompiled on CPU (`verify_attention.py`); `None`: the target's own. The verifier decides once per call
+            (`verify_attention.verify_attention_of`).
 
     Returns:
         `(logits, features)`: the target's logits after every node, `(A, n + 1, V)` in the target's dtype (greedy
@@ -239,7 +241,7 @@ def verify(
         flex=flex,
         kept=kept_masks(state),
     )
-    with linear_forms(target, forms), grouped_attention(target, grouped):
+    with linear_forms(target, forms), attention_function(target, attention):
         out = target(
             input_ids=torch.cat([state.anchors[:, None], trees.tokens], dim=1),  # (A, n + 1)
             attention_mask=attention_mask,

@@ -16,13 +16,13 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .compat import GrowingLayer, decoder_attention_implementation, growing_cache
-from .grouped_attention import uses_grouped_attention
 from .hybrid import HybridVerifier, is_hybrid
 from .reclaim import reclaim
 from .linear_forms import LinearForms, check_verify_linear
 from .state import DraftTrees, RoundState, TreeShape, Verifier
 from .steps import compact, draft, prefill, verify
 from .timing import median_seconds
+from .verify_attention import verify_attention_of
 
 __all__ = [
     "TREE_LAYER_TYPES",
@@ -49,14 +49,14 @@ class TreeVerifier:
     def __init__(self, target, head, verify_linear: str = "auto"):
         self.target, self.head, self.windows = target, head, verify_windows(target)
         self.forms = LinearForms(verify_linear)  # the form of the target's linears in the verify
-        self.grouped = uses_grouped_attention(target)  # grouped keys/values read in place in the verify
+        self.attention = verify_attention_of(target)  # the attention function of the verify forward
         self.target_forwards = 0  # one per prefill, one per verify
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
         """[`prefill`] into a new cache of keys/values; see there."""
         # keys/values in buffers with room: a verify appends in place instead of copying the past (`GrowingLayer`).
         # flex_attention keeps transformers' own layer, whole tensors: inductor's compiled flex kernel decoded NaN
-        # (every later token id 0) with views of larger buffers on the CI host; not reproduced on this AVX2 host
+        # (every later token id 0) with views of larger buffers on the CI host (the CPU kernel fault of verify_attention)
         growing = decoder_attention_implementation(self.target) != "flex_attention"
         state, logits = prefill(
             self.head, self.target, input_ids, attention_mask, growing_cache() if growing else DynamicCache()
@@ -73,7 +73,7 @@ class TreeVerifier:
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """[`verify`]. Returns the trees verified (another verifier may verify a part of them, e.g. one path) with
         their logits and features."""
-        logits, features = verify(self.target, self.head, state, trees, self.windows, self.forms, self.grouped)
+        logits, features = verify(self.target, self.head, state, trees, self.windows, self.forms, self.attention)
         self.target_forwards += 1
         return trees, logits, features
 
