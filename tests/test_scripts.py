@@ -370,3 +370,27 @@ def test_transformers_loop_counts_every_route_against_plain_greedy(tmp_path):
         assert route["prompts"] == 3 and route["equal"] == 3  # 1 prompt per suite
         assert route["tokens"] == 30 and route["forwards"] >= 3  # at least a prefill per prompt
         assert route["tau"] == round(30 / route["forwards"], 3)
+
+
+def test_compile_trial_runs_the_same_training_eager_and_compiled(tmp_path, capsys):
+    """Both runs train the same rows from the same seed, the second through the Trainer's `torch_compile` (the
+    `eager` dynamo backend here: the inductor build takes minutes), and the verdict follows from their numbers."""
+    config = ablation_config(tmp_path)
+    compile_trial = load_script("compile_trial")
+    out = tmp_path / "trial"
+    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "3", "--skip", "1"]
+    result = compile_trial.main(argv + ["--backend", "eager", "--out", str(out)])
+    eager, compiled = result["runs"]["eager"], result["runs"]["compiled"]
+    assert (eager["torch_compile"], compiled["torch_compile"]) == (False, True)
+    assert eager["steps"] == compiled["steps"] == 3 and eager["precision"] == compiled["precision"]
+    # the eager backend runs the same operations: the same rows and seed give the same held-out loss
+    assert compiled["eval_loss"] == pytest.approx(eager["eval_loss"], rel=1e-4)
+    verdict = result["verdict"]
+    assert verdict["loss_within_tolerance"] and verdict["keep"] == verdict["faster"]
+    assert verdict["speedup"] == pytest.approx(eager["seconds_per_step"] / compiled["seconds_per_step"])
+    assert json.loads((out / "compile_trial.json").read_text()) == result
+    assert ("do not keep" in (out / "compile_trial.md").read_text()) != verdict["keep"]
+    with pytest.raises(ValueError, match="expected 0 <= --skip < --steps"):
+        compile_trial.main(argv[:-2] + ["--skip", "3", "--out", str(out)])
+    with pytest.raises(ValueError, match="feature store folder"):
+        compile_trial.main(["--config", str(config), "--store", str(tmp_path / "none"), "--out", str(out)])
