@@ -12,16 +12,17 @@
 # - depth (DEPTH_MINUTES, default 30): equal wall-clock, because a deeper head costs more per step; its four rows
 #   and the draft cost c must come from one host, so this stage runs first and whole in one session. Each variant's
 #   steps come from a 12-step pace probe: run nothing else on the cores while a probe runs.
-# - claims and data (CLAIMS_STEPS, default 1800): equal steps. Their variants cost the same per step (one layer,
+# - claims and data (CLAIMS_STEPS, default 2400): equal steps. Their variants cost the same per step (one layer,
 #   the same blocks; only the loss, gamma or block mask changes), so equal steps is equal compute on any host, and a
-#   table begun on one host can be finished on another. 1,800 steps is 15 minutes at the 0.5 s/step of a 1-layer
-#   head in bf16 on the Intel AMX host (2026-12-04); about 33 minutes on the AVX2-only host in float32.
+#   table begun on one host can be finished on another. 2,400 steps is 15 minutes at the 0.375 s/step of the 1-layer
+#   head in bf16 on the Intel AMX host (the layers1 pace probe, 2026-12-04); about 44 minutes on the AVX2-only host in
+#   float32 (1.09 s/step).
 # Host kind and dtype are recorded in every result (jetspec.host). Pausing the campaign (kill -STOP / -CONT) is safe,
 # but the paused time counts in that row's seconds_per_step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STORE=${STORE:-cache/smollm2-135m}
-CLAIMS_STEPS=${CLAIMS_STEPS:-1800}
+CLAIMS_STEPS=${CLAIMS_STEPS:-2400}
 DEPTH_MINUTES=${DEPTH_MINUTES:-30}
 STAGES=${STAGES:-"depth claims tree_keys data tables"}
 ablate() { python -m scripts.ablate_head --store "$STORE" "$@"; }

@@ -114,7 +114,7 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         lines += [
             '**Nothing in this section has been run yet.** Every cell of ours says "not run yet"; the paper\'s '
             "figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
-            "wall-clock). `scripts/claims_campaign.sh` fills it, resumable (1,800 steps of training per variant, "
+            "wall-clock). `scripts/claims_campaign.sh` fills it, resumable (2,400 steps of training per variant, "
             "the same on any host, about 15 minutes on the Intel AMX host; ten variants in the first command and "
             "three in the third, plus each variant's offline scoring); its commands:",
             "",
@@ -131,11 +131,11 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         ]
     lines += [
         "```bash",
-        "python -m scripts.ablate_head --store cache/smollm2-135m --steps 1800 --out results/claims --runs runs/claims \\",
+        "python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims --runs runs/claims \\",
         "    --variants gamma4 gamma0 gamma7 bidir_gamma0 bidir_gamma4 bidir_gamma7 sft reverse_kl kl_tv topk_rank",
         "python -m scripts.ablate_head --store cache/smollm2-135m --out results/claims-tree-keys \\",
         "    --tree_keys logprob entropy mixed gap --head runs/claims/gamma4",
-        "python -m scripts.ablate_head --store cache/smollm2-135m --steps 1800 --out results/claims-data \\",
+        "python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-data \\",
         "    --runs runs/claims-data --variants data_all data_1M data_0.5M",
         "python -m scripts.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \\",
         "    --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md",
