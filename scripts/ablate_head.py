@@ -96,8 +96,11 @@ VARIANTS = {
 }
 UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a variant removes (no flag says None)
 DATA_VARIANT = re.compile(r"^data_(all|\d+(?:\.\d+)?[KkMm]?)$")  # data_<answer tokens>: data_300, data_0.5M, data_all
-PROBE_STEPS = 12  # the probe times its steps after the first PROBE_SKIP, which carry one-off costs
-PROBE_SKIP = 3
+# The probe times its steps after the first PROBE_SKIP, which carry one-off costs (and, with group_by_length, the
+# longest batch first). Batches vary in width, so a short probe is noisy: 12 steps gave a 2-layer head 0.99 s/step
+# where its run then took 0.63 (Intel AMX host), so it trained 19 of its 30 minutes; 40 steps average more widths.
+PROBE_STEPS = 40
+PROBE_SKIP = 5
 DEFAULT_BUDGETS = "8,16,32,64"
 DEFAULT_LOOKUP_SETTINGS = REPO / "jetspec" / "heads" / "smollm2-135m"
 TREE_KEYS = ("logprob", "entropy", "mixed", "gap")

@@ -50,6 +50,13 @@ def expected_speedup(tau: float | None, verify_ratio: float, c: float) -> float 
     return None if tau is None else tau / (verify_ratio + c)
 
 
+def train_minutes(row: dict) -> float | None:
+    """The minutes a variant really trained (its steps at its measured pace), beside the budget it was given."""
+    if row.get("seconds_per_step") is None or row.get("steps") is None:
+        return None
+    return row["seconds_per_step"] * row["steps"] / 60
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ablation", required=True, help="ablation.json of scripts/ablate_head.py")
@@ -122,6 +129,7 @@ def main(argv=None) -> dict:
                 "change": row.get("change"),
                 "minutes": row.get("minutes"),
                 "steps": row.get("steps"),
+                "train_minutes": train_minutes(row),
                 "eval_loss": row.get("eval_loss"),
                 "acc_per_depth": row.get("acc_per_depth"),
                 "tau_defaults": tau_on,
@@ -158,14 +166,15 @@ def depth_markdown(result: dict) -> str:
         f"Host kind {result['host_kind']}, {result['dtype']} ({result['dtype_reason']}); tree-{result['budget']}, "
         f"a {result['prompt_tokens']}-token context.",
         "",
-        "| head | layers | minutes (steps) | held-out acc d1 / d2 | offline tau, defaults | tau, head alone "
+        "| head | layers | budget min (steps) | trained min | held-out acc d1 / d2 | offline tau, defaults | tau, head alone "
         "| c | t(B)/t(1) | expected speedup |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in result["rows"]:
         acc = row["acc_per_depth"] or [None, None]
         lines.append(
             f"| {row['variant']} | {row['head_layers']} | {f(row['minutes'], 'g')} ({row['steps']}) "
+            f"| {f(row['train_minutes'], '.1f')} "
             f"| {f(acc[0])} / {f(acc[1])} | {f(row['tau_defaults'])} | {f(row['tau_head_alone'])} "
             f"| {f(row['c'])} | {f(row['verify_ratio'])} | {f(row['expected_speedup'], '.2f')}x |"
         )

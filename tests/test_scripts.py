@@ -156,6 +156,8 @@ def test_depth_table_times_each_trained_head_beside_its_offline_tau(tmp_path, ca
     base = rows["baseline"]
     assert base["expected_speedup"] == pytest.approx(2.5 / (base["verify_ratio"] + base["c"]))
     assert rows["layers2"]["tau_defaults"] is None and rows["layers2"]["expected_speedup"] is None
+    # the minutes each really trained: its steps at its measured pace
+    assert base["train_minutes"] == pytest.approx(2 * summary["baseline"]["seconds_per_step"] / 60)
     assert json.loads((tmp_path / "depth" / "depth.json").read_text())["rows"][0]["variant"] == "baseline"
     table = (tmp_path / "depth" / "depth.md").read_text()
     assert "| baseline | 1 |" in table and "| layers2 | 2 |" in table and "| 2.500 |" in table
