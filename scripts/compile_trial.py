@@ -86,32 +86,21 @@ def check_args(args) -> None:
 
 def arguments(args, mode: str) -> list[str]:
     """run_trainer's command line of one run: the config, with evaluation only at the last step and nothing kept."""
-    argv = [
-        args.config,
-        "--feature_store",
-        args.store,
-        "--cache_features",
-        "false",
-        "--max_steps",
-        str(args.steps),
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        str(args.steps),
-        "--save_strategy",
-        "no",
-        "--max_train_minutes",
-        "1000",
-        "--measure_tau_prompts",
-        "0",
-        "--keep_head_dir",
-        "none",
-        "--output_dir",
-        str(Path(args.out) / "runs" / mode),
-    ]
+    overrides = {
+        "feature_store": args.store,
+        "cache_features": "false",
+        "max_steps": args.steps,
+        "eval_strategy": "steps",
+        "eval_steps": args.steps,  # held-out loss once, at the last step
+        "save_strategy": "no",
+        "max_train_minutes": 1000,  # the steps end the run, not the config's clock
+        "measure_tau_prompts": 0,
+        "keep_head_dir": "none",
+        "output_dir": Path(args.out) / "runs" / mode,
+    }
     if mode == "compiled":
-        argv += ["--torch_compile", "true", "--torch_compile_backend", args.backend]
-    return argv
+        overrides.update(torch_compile="true", torch_compile_backend=args.backend)
+    return [args.config] + [item for key, value in overrides.items() for item in (f"--{key}", str(value))]
 
 
 def verdict(rows: dict, tolerance: float) -> dict:
