@@ -107,16 +107,20 @@ TREE_KEYS = ("logprob", "entropy", "mixed", "gap")
 
 
 class StepTimer(TrainerCallback):
-    """Wall-clock time at the end of every optimizer step."""
+    """Wall-clock time at the start of training and at the end of every optimizer step."""
 
     def __init__(self):
-        self.ends = []
+        self.start, self.ends = None, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
 
-    def seconds_per_step(self) -> float:
-        steady = self.ends[PROBE_SKIP - 1 :]
+    def seconds_per_step(self, skip: int = PROBE_SKIP) -> float:
+        """Mean time of the steps after the first `skip` (which carry one-off costs); needs more steps than that."""
+        steady = ([self.start] + self.ends)[skip:]
         return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 

@@ -11,7 +11,7 @@
 # Budgets, chosen so that the tables stay comparable when the machine changes between working sessions:
 # - depth (DEPTH_MINUTES, default 30): equal wall-clock, because a deeper head costs more per step; its four rows
 #   and the draft cost c must come from one host, so this stage runs first and whole in one session. Each variant's
-#   steps come from a 12-step pace probe: run nothing else on the cores while a probe runs.
+#   steps come from a 40-step pace probe: run nothing else on the cores while a probe runs.
 # - claims and data (CLAIMS_STEPS, default 2400): equal steps. Their variants cost the same per step (one layer,
 #   the same blocks; only the loss, gamma or block mask changes), so equal steps is equal compute on any host, and a
 #   table begun on one host can be finished on another. 2,400 steps is 15 minutes at the 0.375 s/step of the 1-layer

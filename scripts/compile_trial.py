@@ -18,45 +18,35 @@ else on the cores meanwhile.
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from jetspec.host import host_kind  # noqa: E402
+from scripts.ablate_head import StepTimer  # noqa: E402
 from training import run_trainer  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "training" / "configs" / "smollm2-135m.yaml"
 MODES = ("eager", "compiled")
 
 
-class StepClock(TrainerCallback):
-    """Wall-clock time at the end of every optimizer step, from the start of training."""
+class StepClock(StepTimer):
+    """The step clock of the pace probes, and the precision and compilation the trainer resolved for the run."""
 
     def __init__(self):
-        self.start, self.ends, self.precision, self.compiled = None, [], None, None
+        super().__init__()
+        self.precision, self.compiled = None, None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+        super().on_train_begin(args, state, control, **kwargs)
         self.precision = "bf16 autocast" if args.bf16 else "float32"  # as the trainer resolved train_precision
         self.compiled = bool(args.torch_compile)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-
-    def seconds_per_step(self, skip: int) -> float:
-        """Mean step time after the first `skip` steps (all steps where there are no more than that)."""
-        if len(self.ends) > skip + 1:
-            return (self.ends[-1] - self.ends[skip]) / (len(self.ends) - 1 - skip)
-        return (self.ends[-1] - self.start) / len(self.ends)
-
     def first_seconds(self, skip: int) -> float:
         """Seconds of the first `skip` steps (where compilation happens)."""
-        return self.ends[min(skip, len(self.ends)) - 1] - self.start
+        return ([self.start] + self.ends)[skip] - self.start
 
 
 def build_parser() -> argparse.ArgumentParser:
