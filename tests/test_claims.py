@@ -283,3 +283,26 @@ def test_gpu_check_ratios_are_measured_on_both_sides(monkeypatch):
     assert ratios == {1: 1.5, 2: 2.5, 4: 4.5}
     with pytest.raises(ValueError, match="including 1"):
         gpu_check.verify_ratios(target, head, [2, 4])
+
+
+def test_all_data_row_is_the_reference_run_when_data_all_was_not_trained(tmp_path):
+    """data_all's flags are gamma4's: without a data_all row the data table's all-data row (and the regenerated-data
+    row) show the forward-KL reference run, never a variant of another loss, gamma or data cap."""
+    tables = load_script("results_tables")
+    ablation = {
+        "gamma4": ablation_row("causal", 4.0, acc=0.41, offline=scored(2.0, 2.5), train_answer_tokens=2_700_000),
+        "data_1M": ablation_row("causal", 4.0, acc=0.30, train_answer_tokens=1_000_321),
+    }
+    (tmp_path / "a.json").write_text(json.dumps(ablation))
+    doc = tmp_path / "results.md"
+    tables.main(["--ablation", str(tmp_path / "a.json"), "--write", str(doc)])
+    lines = doc.read_text().splitlines()
+    [everything] = [line for line in lines if line.startswith("| all (2M+) |")]
+    assert [cell.strip() for cell in everything.strip("|").split("|")][1:5] == ["gamma4", "2,700,000", "100", "0.410"]
+    assert any(line.startswith("| the target's own answers (`gamma4`) |") for line in lines)
+    # a gamma4 row with a data cap is not the reference: the cell stays empty
+    ablation["gamma4"]["settings"]["max_train_answer_tokens"] = 500_000
+    (tmp_path / "a.json").write_text(json.dumps(ablation))
+    tables.main(["--ablation", str(tmp_path / "a.json"), "--write", str(doc)])
+    [everything] = [line for line in doc.read_text().splitlines() if line.startswith("| all (2M+) |")]
+    assert "gamma4" not in everything and "not run yet" in everything
