@@ -33,10 +33,13 @@ resident memory (`ru_maxrss`): `rss_before_mib` after the model, the plain greed
         --drafters random always sometimes --modes tree --weights-gb 18
 
 `--run-timeout S` stops an isolated run after S seconds and prints it as unfinished (at this model's bound a batch-32
-tree round runs a forward per few leaf paths, which takes long on a CPU).
+tree round runs a forward per few leaf paths, which takes long on a CPU). `--reference-dir DIR` keeps each plain
+greedy reference there (named by the model's weights digest, transformers' version, batch and lengths) and reuses it:
+at batch 32 x 1,024 tokens the reference alone is most of a run, and every isolated run needs it.
 """
 
 import argparse
+import hashlib
 import json
 import resource
 import subprocess
@@ -44,6 +47,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -128,6 +132,9 @@ def parse(argv=None) -> argparse.Namespace:
         default=None,
         help="with --isolate: stop a run after this many seconds and report it unfinished (the next one runs)",
     )
+    parser.add_argument(
+        "--reference-dir", default=None, help="keep and reuse each plain greedy reference in this folder"
+    )
     parser.add_argument("--one", nargs=4, metavar=("BATCH", "NEW", "DRAFTER", "MODE"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -156,10 +163,39 @@ def drafter_head(target, drafter: str, plain: torch.Tensor):
     return head
 
 
+def prompt_ids(args, batch: int) -> torch.Tensor:
+    return torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
+
+
+def plain_reference(args, target, batch: int, new: int) -> torch.Tensor:
+    """Plain greedy `generate` of `new` tokens per row, read from `--reference-dir` when it holds this model's (same
+    weights, same transformers) and written there atomically otherwise."""
+    ids = prompt_ids(args, batch)
+    path = None
+    if args.reference_dir:
+        digest = hashlib.sha256(transformers.__version__.encode())
+        for name, tensor in sorted(target.state_dict().items()):
+            digest.update(name.encode() + tensor.detach().float().contiguous().numpy().tobytes())
+        name = f"plain-{digest.hexdigest()[:16]}-p{args.prompt_length}-b{batch}-n{new}.pt"
+        path = Path(args.reference_dir) / name
+        if path.is_file():
+            plain = torch.load(path)
+            if torch.equal(plain[:, : ids.shape[1]], ids):
+                return plain
+    with torch.no_grad():
+        plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(plain, partial)
+        partial.replace(path)
+    return plain
+
+
 def run(args, target, batch: int, new: int, drafter: str, mode: str, plain=None, rounds=None) -> dict:
     """One call of `new` tokens per row at `batch`, checked against plain greedy (`plain`, computed when not given);
     its rounds, tau and forwards."""
-    ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
+    ids = prompt_ids(args, batch)
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
     with torch.no_grad():
         plain = target.generate(**kwargs) if plain is None else plain
@@ -187,9 +223,7 @@ def run(args, target, batch: int, new: int, drafter: str, mode: str, plain=None,
 def run_alone(args, target, batch: int, new: int, drafter: str, mode: str) -> dict:
     """[`run`] after the plain reference and a warm-up call of 2 tokens, with the process's peak resident memory
     before and after the measured call."""
-    ids = torch.randint(1, args.vocab, (batch, args.prompt_length), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        plain = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)
+    plain = plain_reference(args, target, batch, new)
     run(args, target, batch, 2, drafter, mode)  # lazy imports and allocations common to every call
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = run(args, target, batch, new, drafter, mode, plain)
@@ -227,11 +261,7 @@ def main(argv=None) -> None:
     rounds, plains = RoundForwards(), {}
     for b, n, d, m in combos:
         if (b, n) not in plains:
-            ids = torch.randint(1, args.vocab, (b, args.prompt_length), generator=torch.Generator().manual_seed(1))
-            with torch.no_grad():
-                plains[b, n] = target.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
-                )
+            plains[b, n] = plain_reference(args, target, b, n)
         print(json.dumps(run(args, target, b, n, d, m, plains[b, n], rounds)), flush=True)
 
 

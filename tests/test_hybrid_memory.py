@@ -143,3 +143,24 @@ def test_hybrid_forwards_isolates_runs_and_reports_one_cut_by_its_timeout(tmp_pa
         "mode": "chain",
         "unfinished": "stopped after 0.01 s",
     }
+
+
+def test_hybrid_forwards_reuses_a_kept_plain_reference(tmp_path):
+    """--reference-dir: the first isolated run writes the plain greedy reference there, the next runs read it (no
+    second file) and are still checked against it; a reference whose prompt is not this run's is recomputed."""
+    import torch
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "hybrid_forwards.py"
+    common = [sys.executable, str(script), "--layers", "4", "--isolate", "--batch", "1", "--new-tokens", "3"]
+    common += ["--drafters", "always", "--reference-dir", str(tmp_path / "refs")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*common, "--modes", "chain", "tree"], capture_output=True, text=True, env=env, timeout=600)
+    lines = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
+    assert [line["mode"] for line in lines] == ["chain", "tree"] and all(line["equal_to_greedy"] for line in lines)
+    (kept,) = (tmp_path / "refs").iterdir()
+    reference = torch.load(kept)
+    assert reference.shape == (1, 16 + 3) and kept.name.endswith("-p16-b1-n3.pt")
+    torch.save(torch.zeros_like(reference), kept)  # not this run's prompt: recomputed and written again
+    done = subprocess.run([*common, "--modes", "chain"], capture_output=True, text=True, env=env, timeout=600)
+    (line,) = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
+    assert line["equal_to_greedy"] and torch.equal(torch.load(kept), reference)
