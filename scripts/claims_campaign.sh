@@ -7,6 +7,7 @@
 #
 #   nice -n 5 bash scripts/claims_campaign.sh > runs/claims-campaign.log 2>&1 &
 #   STAGES="claims tree_keys data tables" nice -n 5 bash scripts/claims_campaign.sh ...   # some stages only
+#   CLAIMS_VARIANTS="gamma0 kl_tv" STAGES=claims bash scripts/claims_campaign.sh ...     # some claims variants only
 #
 # Budgets, chosen so that the tables stay comparable when the machine changes between working sessions:
 # - depth (DEPTH_MINUTES, default 30): equal wall-clock, because a deeper head costs more per step; its four rows
@@ -34,10 +35,12 @@ if stage depth; then
     python -m scripts.depth_table --ablation results/depth/ablation.json --runs runs/depth \
         --variants layers1 layers2 layers3 warm --out results/depth
 fi
-# 2. causal against bidirectional block at gamma 0, 4 and 7 (gamma4 is also the forward-KL reference), then the losses
+# 2. the causal block at gamma 0, 4 and 7 (gamma4 is also the forward-KL reference) and the losses first: they pick
+#    the long run's recipe (issue 39), which can start once they are in; then the bidirectional block at gamma 0, 4, 7
+CLAIMS_VARIANTS=${CLAIMS_VARIANTS:-"gamma4 gamma0 gamma7 kl_tv topk_rank sft reverse_kl bidir_gamma0 bidir_gamma4 bidir_gamma7"}
 if stage claims; then
-    ablate --steps "$CLAIMS_STEPS" --out results/claims --runs runs/claims \
-        --variants gamma4 gamma0 gamma7 bidir_gamma0 bidir_gamma4 bidir_gamma7 sft reverse_kl kl_tv topk_rank
+    # shellcheck disable=SC2086  # one word per variant
+    ablate --steps "$CLAIMS_STEPS" --out results/claims --runs runs/claims --variants $CLAIMS_VARIANTS
 fi
 # 3. the tree key, scored on one head (the forward-KL reference) on the same rows
 if stage tree_keys; then
