@@ -29,11 +29,13 @@ STAGES=${STAGES:-"depth claims tree_keys data tables"}
 ablate() { python -m scripts.ablate_head --store "$STORE" "$@"; }
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 
-# 1. head depth at equal compute: 1, 2 and 3 layers from a new head, and the shipped head warm-started
+# 1. head depth at equal compute: 1, 2 and 3 layers from a new head, the shipped head warm-started, and the 1-layer
+#    head with a block of 16 (issue 38 item 4's block size 8 against 16: its draft costs more per step)
 if stage depth; then
-    ablate --minutes "$DEPTH_MINUTES" --out results/depth --runs runs/depth --variants layers1 layers2 layers3 warm
+    ablate --minutes "$DEPTH_MINUTES" --out results/depth --runs runs/depth \
+        --variants layers1 layers2 layers3 warm block16
     python -m scripts.depth_table --ablation results/depth/ablation.json --runs runs/depth \
-        --variants layers1 layers2 layers3 warm --out results/depth
+        --variants layers1 layers2 layers3 warm block16 --out results/depth
 fi
 # 2. the causal block at gamma 0, 4 and 7 (gamma4 is also the forward-KL reference) and the losses first: they pick
 #    the long run's recipe (issue 39), which can start once they are in; then the bidirectional block at gamma 0, 4, 7

@@ -127,6 +127,7 @@ def main(argv=None) -> dict:
                 "variant": name,
                 "head": str(checked["heads"][name]),
                 "head_layers": head.config.num_hidden_layers,
+                "block_size": head.config.block_size,
                 "change": row.get("change"),
                 "minutes": row.get("minutes"),
                 "steps": row.get("steps"),
@@ -172,14 +173,15 @@ def depth_markdown(result: dict) -> str:
         f"Host kind {result['host_kind']}, {result['dtype']} ({result['dtype_reason']}); tree-{result['budget']}, "
         f"a {result['prompt_tokens']}-token context.",
         "",
-        "| head | layers | budget min (steps) | trained min | held-out acc d1 / d2 | offline tau, defaults | tau, head alone "
+        "| head | layers | block | budget min (steps) | trained min | held-out acc d1 / d2 | offline tau, defaults | tau, head alone "
         "| c | t(B)/t(1) | expected speedup |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in result["rows"]:
         acc = row["acc_per_depth"] or [None, None]
         lines.append(
-            f"| {row['variant']} | {row['head_layers']} | {f(row['minutes'], 'g')} ({row['steps']}) "
+            f"| {row['variant']} | {row['head_layers']} | {row.get('block_size', '-')} "
+            f"| {f(row['minutes'], 'g')} ({row['steps']}) "
             f"| {f(row['train_minutes'], '.1f')} "
             f"| {f(acc[0])} / {f(acc[1])} | {f(row['tau_defaults'])} | {f(row['tau_head_alone'])} "
             f"| {f(row['c'])} | {f(row['verify_ratio'])} | {f(row['expected_speedup'], '.2f')}x |"

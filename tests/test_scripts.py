@@ -163,7 +163,7 @@ def test_depth_table_times_each_trained_head_beside_its_offline_tau(tmp_path, ca
     assert base["train_minutes"] == pytest.approx(2 * summary["baseline"]["seconds_per_step"] / 60)
     assert json.loads((tmp_path / "depth" / "depth.json").read_text())["rows"][0]["variant"] == "baseline"
     table = (tmp_path / "depth" / "depth.md").read_text()
-    assert "| baseline | 1 |" in table and "| layers2 | 2 |" in table and "| 2.500 |" in table
+    assert "| baseline | 1 | 6 |" in table and "| layers2 | 2 | 6 |" in table and "| 2.500 |" in table
     with pytest.raises(ValueError, match="expected every variant"):
         depth_table.main(argv[:5] + ["layers3"] + argv[6:])
 
