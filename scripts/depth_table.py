@@ -180,7 +180,7 @@ def depth_markdown(result: dict) -> str:
     for row in result["rows"]:
         acc = row["acc_per_depth"] or [None, None]
         lines.append(
-            f"| {row['variant']} | {row['head_layers']} | {row.get('block_size', '-')} "
+            f"| {row['variant']} | {row['head_layers']} | {row['block_size']} "
             f"| {f(row['minutes'], 'g')} ({row['steps']}) "
             f"| {f(row['train_minutes'], '.1f')} "
             f"| {f(acc[0])} / {f(acc[1])} | {f(row['tau_defaults'])} | {f(row['tau_head_alone'])} "

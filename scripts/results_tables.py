@@ -42,11 +42,25 @@ TREE_KEYS = [
     ("mixed", "falls as the entropy weight grows (ours: one weight, log-prob minus entropy)"),
     ("gap", "not in the paper"),
 ]
+
+
+def is_reference(settings: dict) -> bool:
+    """The forward-KL reference recipe: forward KL, gamma 4, a causal block, every answer token."""
+    return (
+        settings.get("loss", "fkl") == "fkl"
+        and float(settings.get("gamma") or 0) == 4
+        and settings.get("block_attention", "causal") == "causal"
+        and not settings.get("max_train_answer_tokens")
+    )
+
+
+# (label, variant names, check of the recorded settings); data_all's flags are the forward-KL reference's (gamma4),
+# so that run serves the all-data row, trained once
+ALL_DATA = ("all (2M+)", ("data_all", "gamma4", "fkl", "baseline"), is_reference)
 DATA = [
-    ("0.5M", ("data_0.5M", "data_500K", "data_500000")),
-    ("1M", ("data_1M", "data_1000K", "data_1000000")),
-    # data_all's flags are the forward-KL reference's (gamma4): one run serves both rows, trained once
-    ("all (2M+)", ("data_all", "gamma4", "fkl", "baseline")),
+    ("0.5M", ("data_0.5M", "data_500K", "data_500000"), None),
+    ("1M", ("data_1M", "data_1000K", "data_1000000"), None),
+    ALL_DATA,
 ]
 
 
@@ -61,16 +75,6 @@ def find(results: dict, names, check=None):
         if row is not None and (check is None or check(row.get("settings") or {})):
             return name, row
     return None, None
-
-
-def is_reference(settings: dict) -> bool:
-    """The forward-KL reference recipe: forward KL, gamma 4, a causal block, every answer token."""
-    return (
-        settings.get("loss", "fkl") == "fkl"
-        and float(settings.get("gamma") or 0) == 4
-        and settings.get("block_attention", "causal") == "causal"
-        and not settings.get("max_train_answer_tokens")
-    )
 
 
 def offline(row, side: str = "lookup_off", budget: str = REFERENCE_BUDGET, key: str = "None") -> dict:
@@ -319,8 +323,8 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         "",
     ]
     rows = []
-    for label, names in DATA:
-        name, row = find(results, names, None if label != "all (2M+)" else is_reference)
+    for label, names, check in DATA:
+        name, row = find(results, names, check)
         tokens = row.get("train_answer_tokens") if row else None
         rows.append(
             [
@@ -356,7 +360,7 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         "The second row is the all-data variant of the table above, trained on the target's own answers.",
         "",
     ]
-    name, row = find(results, dict(DATA)["all (2M+)"], is_reference)
+    name, row = find(results, *ALL_DATA[1:])
     own = [*agreement(row), taus(row, "lookup_off")[BUDGETS.index(REFERENCE_BUDGET)]]
     lines += table(
         ["data", "paper", "agreement d1", "chain tau", "tau@32 off"],

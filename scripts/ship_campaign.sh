@@ -42,8 +42,10 @@ fi
 if stage offline; then
     [[ -f "$OUT/offline-defaults.json" ]] || evaluate --head "$SHIPPED" "$NEW" --rows 100 --lookup on \
         --calibration none --json "$OUT/offline-defaults.json"
-    [[ -f "$OUT/offline-calibrated.json" || ! -f "$OUT/calibration-map.json" ]] || evaluate --head "$NEW" \
-        --rows 100 --lookup on --calibration "$OUT/calibration-map.json" --json "$OUT/offline-calibrated.json"
+    if [[ -f "$OUT/calibration-map.json" && ! -f "$OUT/offline-calibrated.json" ]]; then
+        evaluate --head "$NEW" --rows 100 --lookup on --calibration "$OUT/calibration-map.json" \
+            --json "$OUT/offline-calibrated.json"
+    fi
     [[ -f "$OUT/offline-head-alone.json" ]] || evaluate --head "$SHIPPED" "$NEW" --rows 100 --lookup off \
         --calibration none --json "$OUT/offline-head-alone.json"
 fi
