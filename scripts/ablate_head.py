@@ -94,7 +94,12 @@ VARIANTS = {
     "bidir_gamma0": ["--block_attention", "bidirectional"],
     "bidir_gamma7": ["--block_attention", "bidirectional", "--gamma", "7"],
 }
-UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a variant removes (no flag says None)
+UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}
+# raw against regenerated data: the same ShareGPT prompts (training rows of the config's split), answered by ShareGPT's
+# own first reply or by the target, cut to the same answer tokens per row (`scripts/raw_answers.py` writes both
+# files); each trains on its file alone and is judged on the config's own held-out rows (`--eval_data`)
+PAIRED_DIR = REPO / "cache" / "raw-vs-regen"
+PAIRED = {"raw_sharegpt": "raw.npz", "regen_sharegpt": "regen.npz"}  # config keys a variant removes (no flag says None)
 DATA_VARIANT = re.compile(r"^data_(all|\d+(?:\.\d+)?[KkMm]?)$")  # data_<answer tokens>: data_300, data_0.5M, data_all
 # The probe times its steps after the first PROBE_SKIP, which carry one-off costs (and, with group_by_length, the
 # longest batch first). Batches vary in width, so a short probe is noisy: 12 steps gave a 2-layer head 0.99 s/step
@@ -142,7 +147,10 @@ def data_tokens(name: str) -> int | None:
 
 
 def variant_flags(name: str) -> list:
-    """The trainer flags of a variant: its one change."""
+    """The trainer flags of a variant: its one change (for a paired-data variant, its training file; `arguments`
+    adds the evaluation data)."""
+    if name in PAIRED:
+        return ["--data", str(PAIRED_DIR / PAIRED[name])]
     if name in VARIANTS:
         return list(VARIANTS[name])
     tokens = data_tokens(name)
@@ -151,9 +159,14 @@ def variant_flags(name: str) -> list:
 
 def check_variants(names: list) -> list:
     for name in names:
-        if name not in VARIANTS and not DATA_VARIANT.match(name):
+        if name in PAIRED and not (PAIRED_DIR / PAIRED[name]).is_file():
             raise ValueError(
-                f"expected variants among {sorted(VARIANTS)} or data_<answer tokens> (data_0.5M, "
+                f"expected {PAIRED_DIR / PAIRED[name]} for variant {name}, got no such file: write it with "
+                f"`python -m scripts.raw_answers --out {PAIRED_DIR}`"
+            )
+        if name not in VARIANTS and name not in PAIRED and not DATA_VARIANT.match(name):
+            raise ValueError(
+                f"expected variants among {sorted([*VARIANTS, *PAIRED])} or data_<answer tokens> (data_0.5M, "
                 f"data_all, ...), got {name!r}"
             )
         variant_flags(name)
@@ -181,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         default=None,
-        help=f"among {', '.join(sorted(VARIANTS))}, or data_<answer tokens> (default: baseline)",
+        help=f"among {', '.join(sorted([*VARIANTS, *PAIRED]))}, or data_<answer tokens> (default: baseline)",
     )
     offline = parser.add_argument_group("offline scoring (training.evaluate_head) of every trained head")
     offline.add_argument("--offline", default="on", choices=["on", "off"], help="score each trained head offline")
@@ -397,6 +410,8 @@ def main(argv=None) -> dict:
             common += ["--data", *args.data]
         if args.eval_fraction is not None:
             common += ["--eval_fraction", str(args.eval_fraction)]
+        if name in PAIRED:  # judged on the held-out rows of the data every other variant trains on
+            common += ["--eval_data", *(args.data or yaml.safe_load(Path(args.config).read_text())["data"])]
         return common + variant_flags(name)
 
     def settings_of(name: str) -> dict:
@@ -411,11 +426,13 @@ def main(argv=None) -> dict:
             "gamma": train_args.gamma,
             "block_attention": head_args.block_attention or "causal",
             "max_train_answer_tokens": data_args.max_train_answer_tokens,
+            "eval_data": data_args.eval_data,
         }
 
     def score(name: str, settings: dict, head_dir, tree_keys=(None,)) -> dict:
+        rows_of = settings.get("eval_data") or settings["data"]  # the held-out rows the run was judged on
         compact, full = scorer.score(
-            head_dir, settings["target"], settings["data"], settings["eval_fraction"], settings["seed"], tree_keys
+            head_dir, settings["target"], rows_of, settings["eval_fraction"], settings["seed"], tree_keys
         )
         (out / "offline").mkdir(exist_ok=True)
         (out / "offline" / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")

@@ -6,7 +6,7 @@
 # 20+ minutes keep their heads) at every stop.
 #
 #   nice -n 5 bash scripts/claims_campaign.sh > runs/claims-campaign.log 2>&1 &
-#   STAGES="claims tree_keys data tables" nice -n 5 bash scripts/claims_campaign.sh ...   # some stages only
+#   STAGES="claims tree_keys data raw tables" nice -n 5 bash scripts/claims_campaign.sh ...   # some stages only
 #   CLAIMS_VARIANTS="gamma0 kl_tv" STAGES=claims bash scripts/claims_campaign.sh ...     # some claims variants only
 #
 # Budgets, chosen so that the tables stay comparable when the machine changes between working sessions:
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 STORE=${STORE:-cache/smollm2-135m}
 CLAIMS_STEPS=${CLAIMS_STEPS:-2400}
 DEPTH_MINUTES=${DEPTH_MINUTES:-30}
-STAGES=${STAGES:-"depth claims tree_keys data tables"}
+STAGES=${STAGES:-"depth claims tree_keys data raw tables"}
 ablate() { python -m scripts.ablate_head --store "$STORE" "$@"; }
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 
@@ -54,7 +54,19 @@ if stage data; then
     ablate --steps "$CLAIMS_STEPS" --out results/claims-data --runs runs/claims-data \
         --variants data_1M data_0.5M
 fi
+# 5. raw against regenerated data: the same ShareGPT prompts, ShareGPT's replies or the target's answers cut to the
+#    same tokens per row (written once; the raw rows' target features are added to the store, a few minutes)
+if stage raw; then
+    [[ -f cache/raw-vs-regen/raw.npz ]] || python -m scripts.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
+    python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out "$STORE" --max_length 512
+    ablate --steps "$CLAIMS_STEPS" --out results/claims-raw --runs runs/claims-raw \
+        --variants raw_sharegpt regen_sharegpt
+fi
 if stage tables; then
-    python -m scripts.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \
+    ablations=()
+    for f in results/claims/ablation.json results/claims-data/ablation.json results/claims-raw/ablation.json; do
+        [[ -f "$f" ]] && ablations+=("$f")
+    done
+    python -m scripts.results_tables --ablation "${ablations[@]}" \
         --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md
 fi

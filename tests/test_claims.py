@@ -209,6 +209,8 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
         "reverse_kl": ablation_row("causal", 4.0, loss="rkl", offline=scored(1.5, 1.6)),
         "data_0.5M": ablation_row("causal", 4.0, acc=0.19, train_answer_tokens=500_123),
         "data_all": ablation_row("causal", 4.0, acc=0.31, offline=scored(1.25, 1.5), train_answer_tokens=2_800_000),
+        "raw_sharegpt": ablation_row("causal", 4.0, acc=0.15, offline=scored(0.8, 1.5), train_answer_tokens=500_236),
+        "regen_sharegpt": ablation_row("causal", 4.0, acc=0.18, offline=scored(1.05, 1.5), train_answer_tokens=500_236),
     }
     (tmp_path / "a.json").write_text(json.dumps(ablation))
     keys = {"head": "runs/x", "rows": 10, "by_key": {"entropy": scored(1.125, 1.5)["by_key"]["None"]}}
@@ -244,11 +246,13 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
     assert row("| entropy | 4.76x |")[2:4] == ["1.125", "1.225"]
     assert row("| logprob | 8.15x |")[2:] == ["not run yet"] * 8
     assert row("| 0.5M |")[1:5] == ["data_0.5M", "500,123", "100", "0.190"]
-    # raw replies were never committed: the table says so; the regenerated row is the all-data variant's
-    assert row("| raw ShareGPT replies |")[2:] == ["no raw replies here"] * 3
-    everything = row("| all (2M+) |")
-    assert row("| the target's own answers (`data_all`) |")[2:] == [everything[4], everything[5], everything[8]]
-    assert everything[4] == "0.310"
+    assert row("| all (2M+) |")[4] == "0.310"
+    # raw against regenerated: the paired variants' rows, the raw one read against the regenerated one
+    raw = row("| ShareGPT's own replies (raw) |")
+    assert raw[1:6] == ["below regenerated", "raw_sharegpt", "500,236", "0.150", "1.500"]
+    assert raw[-1] == f"{100 * (1.0 / 1.25 - 1):+.1f}%"  # tau@32 off: 1.0 against 1.25
+    regen = row("| the target's own answers (regenerated) |")
+    assert regen[2:5] == ["regen_sharegpt", "500,236", "0.180"] and regen[-1] == "reference"
     assert text.startswith("# Results\n\nkept\n") and text.count("<!-- claims:begin -->") == 1
     assert "Nothing in this section has been run yet" not in text
     # written again, the section is replaced, not appended; with no results, every cell of ours is empty
@@ -299,10 +303,156 @@ def test_all_data_row_is_the_reference_run_when_data_all_was_not_trained(tmp_pat
     lines = doc.read_text().splitlines()
     [everything] = [line for line in lines if line.startswith("| all (2M+) |")]
     assert [cell.strip() for cell in everything.strip("|").split("|")][1:5] == ["gamma4", "2,700,000", "100", "0.410"]
-    assert any(line.startswith("| the target's own answers (`gamma4`) |") for line in lines)
     # a gamma4 row with a data cap is not the reference: the cell stays empty
     ablation["gamma4"]["settings"]["max_train_answer_tokens"] = 500_000
     (tmp_path / "a.json").write_text(json.dumps(ablation))
     tables.main(["--ablation", str(tmp_path / "a.json"), "--write", str(doc)])
     [everything] = [line for line in doc.read_text().splitlines() if line.startswith("| all (2M+) |")]
     assert "gamma4" not in everything and "not run yet" in everything
+
+
+def test_eval_data_judges_a_run_on_another_datasets_held_out_rows(tmp_path):
+    """With --eval_data the training rows are --data's own training side and the evaluation rows the held-out side of
+    the other data's split (same fraction and seed); a row sharing an id with an evaluation row is never trained on."""
+    from training.rows import held_draw
+    from training.run_trainer import DataArguments, load_data
+
+    rows = synthetic_rows()
+    rows.save_to_disk(str(tmp_path / "rows"))
+    other = datasets.Dataset.from_list([{**r, "id": f"raw:{r['id']}"} for r in rows])
+    other.save_to_disk(str(tmp_path / "other"))
+    _, held = load_data(DataArguments(data=[str(tmp_path / "rows")], eval_fraction=0.25), seed=0)
+    own_train, _ = load_data(DataArguments(data=[str(tmp_path / "other")], eval_fraction=0.25), seed=0)
+    args = DataArguments(data=[str(tmp_path / "other")], eval_data=str(tmp_path / "rows"), eval_fraction=0.25)
+    train, evaluated = load_data(args, seed=0)
+    assert evaluated["id"] == held["id"] and train["id"] == own_train["id"]
+    assert args.sources() == [str(tmp_path / "other"), str(tmp_path / "rows")]
+    # a split with no draw below the fraction holds out its lowest-draw row: row-i's is row 0..39's lowest; in a
+    # larger dataset with a row drawn below 0.01 that row would be a training row, and it is kept out
+    lowest = min(rows["id"], key=lambda name: held_draw(name, 0))
+    extra = {"id": "extra-69", "input_ids": [1, 2, 3, 4, 5, 6], "prompt_length": 4}
+    assert held_draw("extra-69", 0) < 0.01 <= held_draw(lowest, 0)
+    datasets.concatenate_datasets([rows, datasets.Dataset.from_list([extra], features=rows.features)]).save_to_disk(
+        str(tmp_path / "larger")
+    )
+    for streaming in (False, True):
+        args = DataArguments(
+            data=[str(tmp_path / "larger")], eval_data=[str(tmp_path / "rows")], eval_fraction=0.01, streaming=streaming
+        )
+        train, evaluated = load_data(args, seed=0)
+        assert evaluated["id"] == [lowest]
+        trained = [row["id"] for row in train] if streaming else train["id"]
+        assert lowest not in trained and "extra-69" not in trained and len(trained) == 39
+    with pytest.raises(ValueError, match="eval_fraction > 0 with --eval_data"):
+        DataArguments(data=["x"], eval_data=["y"], eval_fraction=0.0)
+
+
+def test_paired_data_variants_train_on_their_file_and_are_judged_on_the_configs_held_out_rows(tmp_path):
+    """raw_sharegpt and regen_sharegpt train on their own files (features from the same store) and are scored on the
+    same held-out rows as a variant of the config's data."""
+    from test_scripts import regenerated_rows, sharp_target
+    from training.answers import write_compact
+    from training.feature_store import build_feature_store
+
+    config = ablation_config(tmp_path)
+    target = sharp_target()
+    rows = regenerated_rows(target)  # the rows ablation_config wrote and stored
+    train_ids = set(split_train_eval(datasets.Dataset.from_list(rows), 0.25, 0)[0]["id"])
+    regen = [{k: r[k] for k in ("id", "input_ids", "prompt_length")} for r in rows if r["id"] in train_ids]
+    raw = [
+        {
+            **r,
+            "id": f"raw:{r['id']}",
+            "input_ids": r["input_ids"][: r["prompt_length"]]
+            + r["input_ids"][: r["prompt_length"] - 1 : -1][: len(r["input_ids"]) - r["prompt_length"]],
+        }
+        for r in regen
+    ]
+    assert all(len(a["input_ids"]) == len(b["input_ids"]) for a, b in zip(raw, regen))
+    paired = tmp_path / "paired"
+    paired.mkdir()
+    write_compact(paired / "regen.npz", regen, {})
+    write_compact(paired / "raw.npz", raw, {})
+    build_feature_store(target, tiny_head(target).config.target_layer_ids, raw, tmp_path / "store", progress=False)
+    ablate_head = load_script("ablate_head")
+    ablate_head.PAIRED_DIR = paired
+    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--budgets", "4", "--eval_new_tokens", "8"]
+    argv += [
+        "--lookup_settings",
+        "none",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+        "--runs",
+        str(tmp_path / "runs"),
+    ]
+    summary = ablate_head.main(argv + ["--variants", "raw_sharegpt", "regen_sharegpt", "fkl"])
+    config_data = summary["fkl"]["settings"]["data"]
+    for name, file in (("raw_sharegpt", "raw.npz"), ("regen_sharegpt", "regen.npz")):
+        settings = summary[name]["settings"]
+        assert settings["data"] == [str(paired / file)] and settings["eval_data"] == config_data
+        assert summary[name]["offline"]["rows_crc"] == summary["fkl"]["offline"]["rows_crc"]
+    assert summary["fkl"]["settings"]["eval_data"] is None
+    ablate_head.PAIRED_DIR = tmp_path / "nowhere"
+    with pytest.raises(ValueError, match="scripts.raw_answers"):
+        ablate_head.main(argv + ["--variants", "raw_sharegpt"])
+
+
+def test_raw_answers_pairs_each_prompt_with_the_corpus_reply_cut_to_the_targets_answer(tmp_path):
+    """Only training rows (under both ids) whose prompt tokens match the conversation's first turn and whose reply is
+    at least as long as the target's answer; the reply cut to that length, in both files the same prompts and
+    answer tokens per row; the cap on answer tokens reached in the draw's order."""
+    from test_bench import char_tokenizer
+
+    from jetspec.targets import apply_chat_template
+    from training.rows import held_draw
+
+    raw_answers = load_script("raw_answers")
+    tok = char_tokenizer()
+    eos = tok.eos_token_id
+
+    def encode(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    rows, exchanges = [], {}
+    for i in range(40):
+        prompt = f"question {i}?"
+        answer = encode(f"ans{i}" + "z" * (i % 7)) + [eos]
+        rows.append(
+            {
+                "id": f"sharegpt-c{i}",
+                "input_ids": encode(apply_chat_template(tok, prompt)) + answer,
+                "prompt_length": len(encode(apply_chat_template(tok, prompt))),
+            }
+        )
+        reply = f"reply number {i} " * (1 + i % 3)
+        if i % 10 == 3:
+            reply = "no"  # shorter than the target's answer
+        if i % 10 == 5:
+            prompt = f"another question {i}?"  # the conversation's turn is not the row's prompt
+        if i % 10 != 7:  # no conversation for these
+            exchanges[f"c{i}"] = (f"  {prompt} ", reply)
+    rows.append({"id": "math-1", "input_ids": [5, 6, 7, 8], "prompt_length": 2})  # not a ShareGPT row
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "rows"))
+    regen, raw, counts = raw_answers.build([str(tmp_path / "rows")], exchanges, tok, 10**6, 0.1, 0, eos)
+    by_id = {r["id"]: r for r in rows}
+    assert counts["sharegpt_rows"] == 40 and counts["rows"] == len(regen) == len(raw) > 0
+    assert (
+        counts["no_reply"] + counts["prompt_differs"] + counts["reply_shorter"] + counts["held_out"] + counts["paired"]
+        == 40
+    )
+    assert counts["prompt_differs"] >= 1 and counts["reply_shorter"] >= 1 and counts["no_reply"] >= 1
+    for a, b in zip(regen, raw):
+        assert b["id"] == "raw:" + a["id"] and a == {k: by_id[a["id"]][k] for k in ("id", "input_ids", "prompt_length")}
+        p = a["prompt_length"]
+        assert b["prompt_length"] == p and b["input_ids"][:p] == a["input_ids"][:p]
+        assert len(b["input_ids"]) == len(a["input_ids"])
+        reply = encode(exchanges[a["id"][len("sharegpt-") :]][1]) + [eos]
+        assert b["input_ids"][p:] == reply[: len(a["input_ids"]) - p]
+        assert held_draw(a["id"], 0) >= 0.1 and held_draw(b["id"], 0) >= 0.1  # training rows under both ids
+    answers = [len(r["input_ids"]) - r["prompt_length"] for r in regen]
+    assert counts["answer_tokens"] == sum(answers)
+    capped, _, c = raw_answers.build([str(tmp_path / "rows")], exchanges, tok, 30, 0.1, 0, eos)
+    assert [r["id"] for r in capped] == [r["id"] for r in regen][: len(capped)]  # a prefix of the same draw
+    assert 30 <= c["answer_tokens"] < 30 + max(answers)

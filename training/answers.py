@@ -945,6 +945,21 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
         for row in load_regenerated(out_dir)
         if row["id"] not in previous_ids
     ]
+    return {**write_compact(path, rows, settings), "failed": failed_prompts(out_dir)}
+
+
+def write_compact(path: Union[str, os.PathLike], rows: list[dict], settings: dict) -> dict[str, Any]:
+    """
+    Writes `rows` (dicts with `id`, `input_ids` and `prompt_length`) as a compact file, the layout
+    [`training.rows.load_compact`] reads: token ids as uint16 (uint32 for ids of 65,536 or more), one offset and
+    prompt length per row, the row ids, and `settings` as JSON. Compressed, written atomically.
+
+    Returns:
+        `dict[str, Any]`: `{"rows", "tokens", "answer_tokens", "settings"}`.
+    """
+    path = Path(path)
+    if path.suffix != COMPACT_SUFFIX:
+        raise ValueError(f"expected a {COMPACT_SUFFIX} file to write, got {path}")
     ids = [row["input_ids"] for row in rows]
     flat = [token for row in ids for token in row]
     dtype = np.uint16 if max(flat, default=0) < 2**16 else np.uint32
@@ -960,10 +975,4 @@ def save_compact(out_dir: Union[str, os.PathLike], path: Union[str, os.PathLike]
     np.savez_compressed(tmp, **arrays)
     os.replace(tmp, path)
     answer_tokens = int(lengths.sum() - arrays["prompt_length"].sum())
-    return {
-        "rows": len(ids),
-        "tokens": len(flat),
-        "answer_tokens": answer_tokens,
-        "settings": settings,
-        "failed": failed_prompts(out_dir),
-    }
+    return {"rows": len(ids), "tokens": len(flat), "answer_tokens": answer_tokens, "settings": settings}

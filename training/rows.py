@@ -312,14 +312,14 @@ def _row_name(row: dict) -> str:
     return str(row["id"]) if "id" in row else str(row["input_ids"])
 
 
-def _held_draw(name: str, seed: int) -> float:
+def held_draw(name: str, seed: int) -> float:
     """A uniform draw in [0, 1) fixed by the row's name and the seed: rows below `eval_fraction` are held out."""
     return zlib.crc32(f"{seed}:{name}".encode("utf-8")) / 2**32
 
 
 def _is_training_row(row: dict, eval_fraction: float, seed: int, forced: Optional[str]) -> bool:
     name = _row_name(row)
-    return _held_draw(name, seed) >= eval_fraction and name != forced
+    return held_draw(name, seed) >= eval_fraction and name != forced
 
 
 def split_train_eval(dataset, eval_fraction: float, seed: int, stream_eval_rows: int = 1000):
@@ -348,7 +348,7 @@ def split_train_eval(dataset, eval_fraction: float, seed: int, stream_eval_rows:
     if eval_fraction == 0:
         return dataset, None
     names = dataset["id"] if "id" in dataset.column_names else [str(ids) for ids in dataset["input_ids"]]
-    draws = [_held_draw(name, seed) for name in names]
+    draws = [held_draw(name, seed) for name in names]
     held = [i for i, u in enumerate(draws) if u < eval_fraction] or [int(np.argmin(draws))]
     if len(held) >= len(dataset):
         raise ValueError(
@@ -368,7 +368,7 @@ def _split_stream(stream: datasets.IterableDataset, eval_fraction: float, seed: 
         return stream, None
     held, lowest = [], None
     for row in stream:
-        draw = _held_draw(_row_name(row), seed)
+        draw = held_draw(_row_name(row), seed)
         if draw < eval_fraction:
             held.append(row)
             if len(held) == eval_rows:

@@ -212,6 +212,14 @@ class DataArguments:
     eval_fraction: float = field(
         default=0.02, metadata={"help": "Fraction of the rows held out for evaluation (at least one if > 0)."}
     )
+    eval_data: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate on the held-out rows of these sources (the same split: eval_fraction, seed) instead "
+            "of --data's: train on one dataset, judge on another's fixed held-out rows. --data's own held-out "
+            "rows are still never trained on, nor is any row sharing an id with an evaluation row."
+        },
+    )
     stream_eval_rows: int = field(
         default=1000,
         metadata={"help": "With --streaming: evaluate on the first this many held-out rows of the stream."},
@@ -252,6 +260,19 @@ class DataArguments:
                     "expected no max_train_answer_tokens with --streaming (the cap draws from all training "
                     "rows), got both"
                 )
+        if isinstance(self.eval_data, str):
+            self.eval_data = [self.eval_data]
+        if self.eval_data is not None:
+            if not self.eval_data:
+                raise ValueError("expected at least one --eval_data source or none, got an empty list")
+            if self.eval_fraction == 0:
+                raise ValueError(
+                    "expected eval_fraction > 0 with --eval_data (its held-out rows are the evaluation set), got 0"
+                )
+
+    def sources(self) -> list[str]:
+        """Every source the run reads rows from: the training data, then the evaluation data when it differs."""
+        return list(self.data) + [s for s in self.eval_data or [] if s not in self.data]
 
 
 ARGUMENTS = (HeadArguments, DataArguments, JetSpecTrainingArguments)
@@ -420,13 +441,28 @@ def load_data(data_args: DataArguments, seed: int):
     """`(train, eval)` datasets of the regenerated rows `data_args.data` (eval is None without a held-out split).
     Streamed, `train` is an `IterableDataset` (shuffled in a buffer) and `eval` the stream's first held-out rows.
     With `max_train_answer_tokens`, `train` is the subset [`training.rows.answer_token_cap`] takes from the training
-    rows (the held-out rows are the same with or without it)."""
+    rows (the held-out rows are the same with or without it). With `eval_data`, `eval` is the held-out side of those
+    sources' split instead (same fraction and seed), and no training row shares an id with it."""
     train, held_out = split_train_eval(
         load_rows(data_args.data, streaming=data_args.streaming),
         data_args.eval_fraction,
         seed,
         data_args.stream_eval_rows,
     )
+    if data_args.eval_data is not None:
+        _, held_out = split_train_eval(
+            load_rows(data_args.eval_data, streaming=data_args.streaming),
+            data_args.eval_fraction,
+            seed,
+            data_args.stream_eval_rows,
+        )
+        # A row id falls on the same side of both splits (the same draw), except where a split holds out its
+        # lowest-draw row because none fell below the fraction: keep any evaluation row out of training
+        held_ids = set(held_out["id"])
+        if isinstance(train, datasets.IterableDataset):
+            train = train.filter(lambda row_id: row_id not in held_ids, input_columns=["id"])
+        elif held_ids & set(train["id"]):
+            train = train.select([i for i, row_id in enumerate(train["id"]) if row_id not in held_ids])
     if data_args.streaming and data_args.shuffle_buffer > 0:
         train = train.shuffle(seed=seed, buffer_size=data_args.shuffle_buffer)
     if data_args.max_train_answer_tokens is not None:
@@ -658,7 +694,7 @@ def main(argv=None, callbacks=None) -> dict:
     train_set, eval_set = load_data(data_args, args.seed)
     store = FeatureStore(data_args.feature_store) if data_args.feature_store is not None else None
     if store is not None and not data_args.streaming:
-        covered = check_store_coverage(store, data_args.data, args.max_length)
+        covered = check_store_coverage(store, data_args.sources(), args.max_length)
         print(f"jetspec: the feature store covers all {sum(covered.values())} rows of {len(covered)} data sources")
     dtype, reason = resolve_dtype(head_args.target_dtype)
     print(f"jetspec: target in {dtype} ({reason})")
