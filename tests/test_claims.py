@@ -376,17 +376,9 @@ def test_paired_data_variants_train_on_their_file_and_are_judged_on_the_configs_
     build_feature_store(target, tiny_head(target).config.target_layer_ids, raw, tmp_path / "store", progress=False)
     ablate_head = load_script("ablate_head")
     ablate_head.PAIRED_DIR = paired
+    runs = f"--steps 2 --out {tmp_path / 'out'} --runs {tmp_path / 'runs'} --lookup_settings none".split()
     argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--budgets", "4", "--eval_new_tokens", "8"]
-    argv += [
-        "--lookup_settings",
-        "none",
-        "--steps",
-        "2",
-        "--out",
-        str(tmp_path / "out"),
-        "--runs",
-        str(tmp_path / "runs"),
-    ]
+    argv += runs
     summary = ablate_head.main(argv + ["--variants", "raw_sharegpt", "regen_sharegpt", "fkl"])
     config_data = summary["fkl"]["settings"]["data"]
     for name, file in (("raw_sharegpt", "raw.npz"), ("regen_sharegpt", "regen.npz")):
