@@ -33,11 +33,17 @@ The paper's claims (issue 33; `scripts/results_tables.py` turns the results into
     # the tree key on one head, on the same rows
     python -m scripts.ablate_head --store cache/smollm2-135m --out results/claims-tree-keys \
         --tree_keys logprob entropy mixed gap --head runs/ablation/gamma4
+    # raw against regenerated data: the same prompts and answer tokens, ShareGPT's replies or the target's answers
+    python -m scripts.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
+    python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out cache/smollm2-135m --max_length 512
+    python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-raw \
+        --variants raw_sharegpt regen_sharegpt
 
 `data_<N>` (N as 300, 0.5M, 2M, or all) trains on the training rows holding about N answer tokens
 (`--max_train_answer_tokens`, [`training.rows.answer_token_cap`]: a fixed draw by row id, never a held-out row).
 With `--minutes`, the data variants share one step count, timed by the first of them measured, so they differ in
-data only. `--tree_keys K...` trains nothing: it scores the head `--head` under each tree key.
+data only. `raw_sharegpt` and `regen_sharegpt` train on their file of cache/raw-vs-regen/ alone and
+are judged on the config's held-out rows, like every other variant (`--eval_data`). `--tree_keys K...` trains nothing: it scores the head `--head` under each tree key.
 
 Results: OUT/ablation.json and OUT/ablation.md (OUT/tree_keys.json and .md for `--tree_keys`); each variant's
 evaluator output, every row included, in OUT/offline/<variant>.json; each variant's run (its head, logs and curve) in
