@@ -14,6 +14,9 @@
 # - offline: both heads on held-out rows 0-99 x 256 at the defaults (tree-8 + trie), the new head with and without
 #   its map, and the head alone (trie off): the store path issue 38 checked against real decoding.
 # - bench_fp32: both heads side by side in one float32 process (bit-exact text), 3 suites x 5 x 128, at the defaults.
+# - decide: `scripts/ship_decision.py` reads the three judgements into OUT/decision.json (ships only if offline tau and
+#   the float32 bench both put the new head ahead; the map kept only if it raises offline tau).
+# - ship (on request): the same, and when it ships, the new head replaces SHIPPED (then update the README's tables).
 # - bench_bf16 (after shipping): plain, prompt lookup, the head alone and the defaults, bf16, 3 suites x 10 x 256.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +26,7 @@ RUN=${RUN:-runs/smollm2-135m-long}
 NEW=${NEW:-training/checkpoints/smollm2-135m-long}
 SHIPPED=${SHIPPED:-jetspec/heads/smollm2-135m}
 OUT=${OUT:-results/long-run}
-STAGES=${STAGES:-"train calibrate offline bench_fp32"}
+STAGES=${STAGES:-"train calibrate offline bench_fp32 decide"}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 
@@ -52,6 +55,11 @@ fi
 if stage bench_fp32 && [[ ! -f "$OUT/bench-fp32/results.json" ]]; then
     jetspec bench --dtype float32 --limit 5 --max-new-tokens 128 --budgets 8 --methods plain,lookup \
         --head "$NEW" --baseline-head "$SHIPPED" --out "$OUT/bench-fp32"
+fi
+if stage decide || stage ship; then
+    apply=()
+    if stage ship; then apply=(--apply); fi
+    python -m scripts.ship_decision --results "$OUT" --new "$NEW" --shipped "$SHIPPED" "${apply[@]}"
 fi
 if stage bench_bf16 && [[ ! -f "$OUT/bench-bf16/results.json" ]]; then
     jetspec bench --dtype auto --limit 10 --max-new-tokens 256 --budgets 8 --methods plain,prompt_lookup,tree,lookup \

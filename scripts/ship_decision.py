@@ -1,0 +1,181 @@
+"""Whether a newly trained head replaces the shipped one, decided from the results `scripts/ship_campaign.sh` wrote,
+and the replacement itself (issue 39: "ship on identical text").
+
+    python -m scripts.ship_decision --results results/long-run --new training/checkpoints/smollm2-135m-long \
+        --shipped jetspec/heads/smollm2-135m            # prints and writes results/long-run/decision.json
+    python -m scripts.ship_decision ... --apply         # and, if it ships, replaces the shipped folder's head
+
+The new head ships only if both judgements on identical text put it ahead at the shipped operating point (the
+head's defaults: tree budget 8 with the trie of earlier continuations):
+
+- offline tau on the held-out shipping rows (`offline-defaults.json`, `training.evaluate_head`, the feature-store
+  path the recipe issue checked against real decoding);
+- the float32 bench with both heads side by side (`bench-fp32/results.json`, `jetspec bench --head NEW
+  --baseline-head SHIPPED`: tau at the defaults over every prompt, each output equal to plain greedy).
+
+Its calibration map (`calibration-map.json`) is kept only if offline tau with the map (`offline-calibrated.json`)
+is above offline tau without it. Every result names the weights it measured (`head_identity`); the decision refuses
+results whose weights are not the folders' current ones, so a rerun after shipping never compares a head with
+itself.
+
+`--apply` replaces the shipped folder's files with the new head's (config, weights, card, metrics, curve, log and
+its training arguments; the map in the config when kept; no `auto_map`, as for every local head folder), after
+checking that the result loads as a head. Whatever else the shipped folder held (the old head's other files, a
+`custom_generate/` copy) is removed, so the folder holds the one head.
+"""
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULTS_METHOD = "tree-8-lookup"  # the bench's name for budget 8 with the head's own lookup branch (the trie)
+SHIPPED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "README.md",
+    "metrics.json",
+    "learning_curve.png",
+    "training_log.json",
+    "training_args.json",
+)
+
+
+def _load(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"expected {path} (written by scripts/ship_campaign.sh), got no such file")
+    return json.loads(path.read_text())
+
+
+def _offline_tau(result: dict, head: str, path: Path, budget: str = "8") -> float:
+    heads = result.get("heads", {})
+    if head not in heads or budget not in heads[head]:
+        raise ValueError(f"expected head {head} at budget {budget} in {path}, got heads {sorted(heads)}")
+    return float(heads[head][budget]["tau"])
+
+
+def _check_identity(recorded: dict | None, folder: str, where: Path) -> None:
+    """The weights a result measured must be the folder's current weights."""
+    from jetspec.provenance import weights_digest
+
+    if not recorded or recorded.get("weights_sha256") is None:
+        raise ValueError(f"expected the weights of {folder} recorded in {where}, got none")
+    now = weights_digest(Path(folder))
+    if recorded["weights_sha256"] != now:
+        raise ValueError(
+            f"expected {where} to have measured the weights now in {folder} ({now[:12]}), got "
+            f"{recorded['weights_sha256'][:12]}: the folder changed since (a head shipped?), so the result no longer "
+            "describes it"
+        )
+
+
+def decide(results: Path, new: str, shipped: str) -> dict:
+    """The comparison of the two heads from the campaign's result files, and whether the new head ships."""
+    offline_path = results / "offline-defaults.json"
+    offline = _load(offline_path)
+    for head in (new, shipped):
+        _check_identity(offline.get("head_identity", {}).get(head), head, offline_path)
+    decision = {
+        "new": new,
+        "shipped": shipped,
+        "offline_tau": {
+            "new": _offline_tau(offline, new, offline_path),
+            "shipped": _offline_tau(offline, shipped, offline_path),
+        },
+        "offline_rows": offline.get("rows"),
+    }
+    alone_path = results / "offline-head-alone.json"
+    if alone_path.is_file():
+        alone = _load(alone_path)
+        decision["offline_tau_head_alone"] = {
+            "new": _offline_tau(alone, new, alone_path),
+            "shipped": _offline_tau(alone, shipped, alone_path),
+        }
+    calibrated_path = results / "offline-calibrated.json"
+    if calibrated_path.is_file():
+        calibrated = _load(calibrated_path)
+        _check_identity(calibrated.get("head_identity", {}).get(new), new, calibrated_path)
+        decision["offline_tau_calibrated"] = _offline_tau(calibrated, new, calibrated_path)
+    decision["keep_calibration"] = (
+        decision.get("offline_tau_calibrated", float("-inf")) > decision["offline_tau"]["new"]
+    )
+
+    bench_path = results / "bench-fp32" / "results.json"
+    bench = _load(bench_path)
+    _check_identity(bench.get("head_identity"), new, bench_path)
+    _check_identity(bench.get("baseline_head_identity"), shipped, bench_path)
+    everything = bench.get("aggregates", {}).get("all", {})
+    pair = {"new": DEFAULTS_METHOD, "shipped": f"{DEFAULTS_METHOD}@baseline"}
+    missing = [name for name in pair.values() if name not in everything]
+    if missing:
+        raise ValueError(f"expected the methods {sorted(pair.values())} in {bench_path}, missing {missing}")
+    for side, name in pair.items():
+        equality = everything[name].get("equality") or {}
+        if equality.get("mismatch", 0) or equality.get("exact", 0) != everything[name].get("prompts"):
+            raise ValueError(f"expected every output of {name} in {bench_path} equal to plain greedy, got {equality}")
+    decision["bench_fp32"] = {
+        side: {
+            "tau": everything[name]["tau_mean"],
+            "speedup_median": everything[name]["speedup_median"],
+            "prompts": everything[name]["prompts"],
+        }
+        for side, name in pair.items()
+    }
+    decision["host_kind"] = bench.get("machine", {}).get("host_kind")
+    decision["ships"] = (
+        decision["offline_tau"]["new"] > decision["offline_tau"]["shipped"]
+        and decision["bench_fp32"]["new"]["tau"] > decision["bench_fp32"]["shipped"]["tau"]
+    )
+    return decision
+
+
+def apply(decision: dict, results: Path) -> list[str]:
+    """Replaces the shipped folder's head with the new one (module docstring); the files written."""
+    from modeling_jetspec import JetSpecDraftModel
+
+    if not decision["ships"]:
+        raise ValueError(f"expected a decision to ship, got ships=False for {decision['new']}")
+    new, shipped = Path(decision["new"]), Path(decision["shipped"])
+    config = json.loads((new / "config.json").read_text())
+    config.pop("auto_map", None)  # a local folder holds no code: `import modeling_jetspec` registers the class
+    if decision["keep_calibration"]:
+        config["tree_calibration"] = json.loads((results / "calibration-map.json").read_text())
+    with tempfile.TemporaryDirectory(dir=shipped.parent) as tmp:
+        staged = Path(tmp) / shipped.name
+        staged.mkdir()
+        for name in SHIPPED_FILES:
+            if name != "config.json" and (new / name).is_file():
+                shutil.copy2(new / name, staged / name)
+        (staged / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        JetSpecDraftModel.from_pretrained(staged)  # loads as a head, else nothing is replaced
+        written = sorted(p.name for p in staged.iterdir())
+        for old in shipped.iterdir():  # the folder holds one head: the old one's files and folders go
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for name in written:
+            shutil.move(str(staged / name), shipped / name)
+    return written
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", default="results/long-run", help="the campaign's OUT folder")
+    parser.add_argument("--new", default="training/checkpoints/smollm2-135m-long")
+    parser.add_argument("--shipped", default="jetspec/heads/smollm2-135m")
+    parser.add_argument("--apply", action="store_true", help="replace the shipped head when the decision ships")
+    args = parser.parse_args(argv)
+    for name in ("new", "shipped"):
+        if not (Path(getattr(args, name)) / "config.json").is_file():
+            raise ValueError(f"expected --{name} to be a head folder holding config.json, got {getattr(args, name)}")
+    results = Path(args.results)
+    decision = decide(results, args.new, args.shipped)
+    (results / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
+    print(json.dumps(decision, indent=1))
+    if args.apply and decision["ships"]:
+        decision["written"] = apply(decision, results)
+        print(f"shipped {args.new} as {args.shipped}: {', '.join(decision['written'])}")
+    return decision
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""scripts/ship_decision.py: a new head ships only when offline tau and the float32 bench both put it ahead, on
+results that measured the folders' current weights; its map is kept only when it raises offline tau; --apply leaves
+the shipped folder holding the new head alone, loadable."""
+
+import json
+
+import pytest
+import torch
+
+from jetspec.provenance import weights_identity
+from modeling_jetspec import JetSpecDraftModel
+from modeling_jetspec.calibration import BINS
+from test_scripts import load_script
+from tiny import tiny_head, tiny_target
+
+MAP = {"1:head": [0.5] * BINS}  # a calibration map of the config's form (one depth and source)
+
+
+def write_results(out, new, shipped, offline=(3.2, 3.1), calibrated=None, bench=(2.6, 2.5), mismatch=0):
+    out.mkdir(parents=True, exist_ok=True)
+    ids = {h: weights_identity(h) for h in (new, shipped)}
+    heads = {new: {"8": {"tau": offline[0]}}, shipped: {"8": {"tau": offline[1]}}}
+    (out / "offline-defaults.json").write_text(json.dumps({"rows": 100, "heads": heads, "head_identity": ids}))
+    if calibrated is not None:
+        cal = {"heads": {new: {"8": {"tau": calibrated}}}, "head_identity": {new: ids[new]}}
+        (out / "offline-calibrated.json").write_text(json.dumps(cal))
+        (out / "calibration-map.json").write_text(json.dumps(MAP))
+
+    def method(tau):
+        return {
+            "prompts": 15,
+            "tau_mean": tau,
+            "speedup_median": tau / 2,
+            "equality": {"exact": 15 - mismatch, "tie": 0, "mismatch": mismatch},
+        }
+
+    (out / "bench-fp32").mkdir(exist_ok=True)
+    (out / "bench-fp32" / "results.json").write_text(
+        json.dumps(
+            {
+                "machine": {"host_kind": "test host"},
+                "head_identity": ids[new],
+                "baseline_head_identity": ids[shipped],
+                "aggregates": {"all": {"tree-8-lookup": method(bench[0]), "tree-8-lookup@baseline": method(bench[1])}},
+            }
+        )
+    )
+
+
+@pytest.fixture
+def heads(tmp_path):
+    target = tiny_target()
+    new, shipped = tmp_path / "new", tmp_path / "shipped"
+    tiny_head(target, seed=1).save_pretrained(new)
+    tiny_head(target, seed=2).save_pretrained(shipped)
+    (new / "metrics.json").write_text("{}")
+    (new / "trainer_state.json").write_text("{}")  # a kept head's resume state: not shipped
+    (shipped / "training_config.yaml").write_text("old: head\n")  # the old head's file: removed on shipping
+    return str(new), str(shipped), target
+
+
+def test_the_new_head_ships_only_when_both_judgements_put_it_ahead(tmp_path, heads):
+    ship = load_script("ship_decision")
+    new, shipped, _ = heads
+    for offline, bench, ships in (
+        ((3.2, 3.1), (2.6, 2.5), True),
+        ((3.0, 3.1), (2.6, 2.5), False),
+        ((3.2, 3.1), (2.4, 2.5), False),
+    ):
+        out = tmp_path / f"r{offline[0]}{bench[0]}"
+        write_results(out, new, shipped, offline, bench=bench)
+        decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
+        assert decision["ships"] is ships and decision["offline_tau"] == {"new": offline[0], "shipped": offline[1]}
+        assert decision["bench_fp32"]["new"]["tau"] == bench[0] and decision["keep_calibration"] is False
+        assert json.loads((out / "decision.json").read_text())["ships"] is ships
+    out = tmp_path / "mismatch"
+    write_results(out, new, shipped, mismatch=1)
+    with pytest.raises(ValueError, match="equal to plain greedy"):
+        ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
+
+
+def test_apply_replaces_the_shipped_head_and_a_rerun_refuses_stale_results(tmp_path, heads):
+    ship = load_script("ship_decision")
+    new, shipped, target = heads
+    out = tmp_path / "results"
+    write_results(out, new, shipped, calibrated=3.3)
+    decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--apply"])
+    assert decision["ships"] and decision["keep_calibration"]
+    expected = [name for name in ship.SHIPPED_FILES if (tmp_path / "new" / name).is_file()]
+    assert "model.safetensors" in expected and "trainer_state.json" not in expected
+    assert sorted(p.name for p in (tmp_path / "shipped").iterdir()) == sorted(expected)  # the old head's files gone
+    config = json.loads((tmp_path / "shipped" / "config.json").read_text())
+    assert config["tree_calibration"] == MAP and "auto_map" not in config
+    loaded = JetSpecDraftModel.from_pretrained(shipped)
+    for a, b in zip(loaded.state_dict().values(), JetSpecDraftModel.from_pretrained(new).state_dict().values()):
+        assert torch.equal(a, b)
+    # the shipped folder now holds other weights than the results measured: deciding again is refused
+    with pytest.raises(ValueError, match="no longer"):
+        ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
+
+
+def test_a_map_that_lowers_tau_is_dropped_and_missing_results_are_named(tmp_path, heads):
+    ship = load_script("ship_decision")
+    new, shipped, _ = heads
+    out = tmp_path / "results"
+    write_results(out, new, shipped, calibrated=3.1)
+    decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--apply"])
+    assert decision["ships"] and not decision["keep_calibration"]
+    assert (
+        "tree_calibration" not in json.loads((tmp_path / "shipped" / "config.json").read_text())
+        or json.loads((tmp_path / "shipped" / "config.json").read_text())["tree_calibration"] is None
+    )
+    with pytest.raises(ValueError, match="offline-defaults.json"):
+        ship.main(["--results", str(tmp_path / "empty"), "--new", new, "--shipped", new])
