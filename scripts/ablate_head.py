@@ -42,8 +42,9 @@ The paper's claims (issue 33; `scripts/results_tables.py` turns the results into
 `data_<N>` (N as 300, 0.5M, 2M, or all) trains on the training rows holding about N answer tokens
 (`--max_train_answer_tokens`, [`training.rows.answer_token_cap`]: a fixed draw by row id, never a held-out row).
 With `--minutes`, the data variants share one step count, timed by the first of them measured, so they differ in
-data only. `raw_sharegpt` and `regen_sharegpt` train on their file of cache/raw-vs-regen/ alone and
-are judged on the config's held-out rows, like every other variant (`--eval_data`). `--tree_keys K...` trains nothing: it scores the head `--head` under each tree key.
+data only. `raw_sharegpt` and `regen_sharegpt` train on their file of cache/raw-vs-regen/ alone and are judged on the
+config's held-out rows, like every other variant (`--eval_data`). `--tree_keys K...` trains nothing: it scores the
+head `--head` under each tree key.
 
 Results: OUT/ablation.json and OUT/ablation.md (OUT/tree_keys.json and .md for `--tree_keys`); each variant's
 evaluator output, every row included, in OUT/offline/<variant>.json; each variant's run (its head, logs and curve) in
@@ -100,12 +101,12 @@ VARIANTS = {
     "bidir_gamma0": ["--block_attention", "bidirectional"],
     "bidir_gamma7": ["--block_attention", "bidirectional", "--gamma", "7"],
 }
-UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}
+UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a variant removes (no flag says None)
 # raw against regenerated data: the same ShareGPT prompts (training rows of the config's split), answered by ShareGPT's
 # own first reply or by the target, cut to the same answer tokens per row (`scripts/raw_answers.py` writes both
 # files); each trains on its file alone and is judged on the config's own held-out rows (`--eval_data`)
 PAIRED_DIR = REPO / "cache" / "raw-vs-regen"
-PAIRED = {"raw_sharegpt": "raw.npz", "regen_sharegpt": "regen.npz"}  # config keys a variant removes (no flag says None)
+PAIRED = {"raw_sharegpt": "raw.npz", "regen_sharegpt": "regen.npz"}
 DATA_VARIANT = re.compile(r"^data_(all|\d+(?:\.\d+)?[KkMm]?)$")  # data_<answer tokens>: data_300, data_0.5M, data_all
 # The probe times its steps after the first PROBE_SKIP, which carry one-off costs (and, with group_by_length, the
 # longest batch first). Batches vary in width, so a short probe is noisy: 12 steps gave a 2-layer head 0.99 s/step
