@@ -67,6 +67,7 @@ if stage tables; then
     for f in results/claims/ablation.json results/claims-data/ablation.json results/claims-raw/ablation.json; do
         [[ -f "$f" ]] && ablations+=("$f")
     done
-    python -m scripts.results_tables --ablation "${ablations[@]}" \
-        --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md
+    tree_keys=()  # like the ablation files: only what has been run (results_tables refuses a missing file)
+    [[ -f results/claims-tree-keys/tree_keys.json ]] && tree_keys=(--tree_keys results/claims-tree-keys/tree_keys.json)
+    python -m scripts.results_tables --ablation "${ablations[@]}" "${tree_keys[@]}" --write docs/results.md
 fi

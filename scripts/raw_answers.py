@@ -18,7 +18,8 @@ turn is the raw answer. Rows are kept only where
   files;
 - the raw row's id (`raw:<id>`) is a training row of the split too, so neither file loses rows to the split.
 
-The kept rows are taken in a fixed order (a CRC-32 draw by id) until the target's answers hold `--answer_tokens`.
+The kept rows are capped at `--answer_tokens` of the target's answers by `training.rows.answer_token_cap` (a fixed
+draw by id and seed), in the data's order.
 Two compact files are written, with the same prompts and the same answer tokens per row:
 
 - `regen.npz`: the target's own answers, as committed (ids unchanged: their features are in the store already);
@@ -30,9 +31,9 @@ prompts' sources carry no replies in the same form.
 
 import argparse
 import json
-import zlib
 from pathlib import Path
 
+import datasets
 import yaml
 
 from scripts.build_prompt_suites import (
@@ -87,7 +88,7 @@ def build(
 ) -> tuple[list, list, dict]:
     """`(regen rows, raw rows, counts)`: the paired rows (module docstring), in the order they were drawn."""
     from jetspec.targets import apply_chat_template
-    from training.rows import held_draw, load_rows
+    from training.rows import answer_token_cap, held_draw, load_rows
 
     rows = load_rows(list(data))
     counts = {"sharegpt_rows": 0, "held_out": 0, "no_reply": 0, "prompt_differs": 0, "reply_shorter": 0}
@@ -121,16 +122,17 @@ def build(
             "prompt_length": prompt_length,
         }
         regen = {"id": row_id, "input_ids": ids, "prompt_length": prompt_length}
-        candidates.append((zlib.crc32(f"raw:{seed}:{row_id}".encode("utf-8")), regen, raw, answer))
+        candidates.append((regen, raw))
     counts["paired"] = len(candidates)
-    candidates.sort(key=lambda c: c[0])
-    regen_rows, raw_rows, taken = [], [], 0
-    for _, regen, raw, answer in candidates:
-        if taken >= answer_tokens:
-            break
-        regen_rows.append(regen)
-        raw_rows.append(raw)
-        taken += answer
+    if not candidates:
+        counts["rows"] = counts["answer_tokens"] = 0
+        return [], [], counts
+    # the project's cap by answer tokens (a draw fixed by id and seed, taken until the tokens reach the cap)
+    pool = datasets.Dataset.from_list([regen for regen, _ in candidates])
+    taken_rows, taken = answer_token_cap(pool, answer_tokens, seed)
+    chosen = set(taken_rows["id"])
+    regen_rows = [regen for regen, _ in candidates if regen["id"] in chosen]
+    raw_rows = [raw for regen, raw in candidates if regen["id"] in chosen]
     counts["rows"], counts["answer_tokens"] = len(regen_rows), taken
     return regen_rows, raw_rows, counts
 

@@ -371,9 +371,10 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         "rows as every other table (the target's own answers, `--eval_data`).",
         "",
     ]
-    rows, base = [], find(results, PAIRED[1][1])[1]
-    for label, names, paper in PAIRED:
-        name, row = find(results, names)
+    found = [find(results, names) for _, names, _ in PAIRED]
+    base = found[-1][1]  # the regenerated row: the reference
+    rows = []
+    for i, ((label, _, paper), (name, row)) in enumerate(zip(PAIRED, found)):
         tokens = row.get("train_answer_tokens") if row else None
         rows.append(
             [
@@ -383,7 +384,7 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
                 fmt(tokens, ",d") if row else NOT_RUN,
                 *agreement(row),
                 *taus(row, "lookup_off"),
-                relative(row, base) if name != PAIRED[1][1][0] else "reference",
+                "reference" if i == len(PAIRED) - 1 else relative(row, base),
             ]
         )
     lines += table(

@@ -55,16 +55,13 @@ def _offline_tau(result: dict, head: str, path: Path, budget: str = "8") -> floa
     return float(heads[head][budget]["tau"])
 
 
-def _check_identity(recorded: dict | None, folder: str, where: Path) -> None:
-    """The weights a result measured must be the folder's current weights."""
-    from jetspec.provenance import weights_digest
-
+def _check_identity(recorded: dict | None, folder: str, now: dict, where: Path) -> None:
+    """The weights a result measured must be the folder's current weights (`now`: folder -> digest)."""
     if not recorded or recorded.get("weights_sha256") is None:
         raise ValueError(f"expected the weights of {folder} recorded in {where}, got none")
-    now = weights_digest(Path(folder))
-    if recorded["weights_sha256"] != now:
+    if recorded["weights_sha256"] != now[folder]:
         raise ValueError(
-            f"expected {where} to have measured the weights now in {folder} ({now[:12]}), got "
+            f"expected {where} to have measured the weights now in {folder} ({now[folder][:12]}), got "
             f"{recorded['weights_sha256'][:12]}: the folder changed since (a head shipped?), so the result no longer "
             "describes it"
         )
@@ -72,10 +69,13 @@ def _check_identity(recorded: dict | None, folder: str, where: Path) -> None:
 
 def decide(results: Path, new: str, shipped: str) -> dict:
     """The comparison of the two heads from the campaign's result files, and whether the new head ships."""
+    from jetspec.provenance import weights_digest
+
+    now = {head: weights_digest(Path(head)) for head in (new, shipped)}  # each folder's weights, hashed once
     offline_path = results / "offline-defaults.json"
     offline = _load(offline_path)
     for head in (new, shipped):
-        _check_identity(offline.get("head_identity", {}).get(head), head, offline_path)
+        _check_identity(offline.get("head_identity", {}).get(head), head, now, offline_path)
     decision = {
         "new": new,
         "shipped": shipped,
@@ -95,7 +95,7 @@ def decide(results: Path, new: str, shipped: str) -> dict:
     calibrated_path = results / "offline-calibrated.json"
     if calibrated_path.is_file():
         calibrated = _load(calibrated_path)
-        _check_identity(calibrated.get("head_identity", {}).get(new), new, calibrated_path)
+        _check_identity(calibrated.get("head_identity", {}).get(new), new, now, calibrated_path)
         decision["offline_tau_calibrated"] = _offline_tau(calibrated, new, calibrated_path)
     decision["keep_calibration"] = (
         decision.get("offline_tau_calibrated", float("-inf")) > decision["offline_tau"]["new"]
@@ -103,8 +103,8 @@ def decide(results: Path, new: str, shipped: str) -> dict:
 
     bench_path = results / "bench-fp32" / "results.json"
     bench = _load(bench_path)
-    _check_identity(bench.get("head_identity"), new, bench_path)
-    _check_identity(bench.get("baseline_head_identity"), shipped, bench_path)
+    _check_identity(bench.get("head_identity"), new, now, bench_path)
+    _check_identity(bench.get("baseline_head_identity"), shipped, now, bench_path)
     everything = bench.get("aggregates", {}).get("all", {})
     pair = {"new": DEFAULTS_METHOD, "shipped": f"{DEFAULTS_METHOD}@baseline"}
     missing = [name for name in pair.values() if name not in everything]

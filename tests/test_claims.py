@@ -446,5 +446,5 @@ def test_raw_answers_pairs_each_prompt_with_the_corpus_reply_cut_to_the_targets_
     answers = [len(r["input_ids"]) - r["prompt_length"] for r in regen]
     assert counts["answer_tokens"] == sum(answers)
     capped, _, c = raw_answers.build([str(tmp_path / "rows")], exchanges, tok, 30, 0.1, 0, eos)
-    assert [r["id"] for r in capped] == [r["id"] for r in regen][: len(capped)]  # a prefix of the same draw
+    assert {r["id"] for r in capped} < {r["id"] for r in regen}  # the same draw, cut earlier
     assert 30 <= c["answer_tokens"] < 30 + max(answers)
