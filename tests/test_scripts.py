@@ -399,3 +399,28 @@ def test_compile_trial_runs_the_same_training_eager_and_compiled(tmp_path, capsy
         compile_trial.main(argv[:-2] + ["--skip", "3", "--out", str(out)])
     with pytest.raises(ValueError, match="feature store folder"):
         compile_trial.main(["--config", str(config), "--store", str(tmp_path / "none"), "--out", str(out)])
+
+
+def test_eval_curve_keeps_one_row_per_step_and_rewrites_its_own_table(tmp_path):
+    curve = load_script("eval_curve")
+    history = [
+        {"loss": 2.5, "step": 10},
+        {"eval_acc_depth_1": 0.5, "eval_acc_depth_2": 0.25, "eval_loss": 2.4, "step": 1800},
+        {"eval_acc_depth_1": 0.4, "eval_acc_depth_2": 0.2, "eval_loss": 2.6, "eval_tau_chain": 1.5, "step": 0},
+        {"eval_acc_depth_1": 0.55, "eval_acc_depth_2": 0.3, "eval_loss": 2.3, "step": 1800},  # logged again on resume
+    ]
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"log_history": history}))
+    doc = tmp_path / "results.md"
+    doc.write_text("before\n<!-- curve -->\n\nafter\n")
+    first = curve.main([str(state), "--write", str(doc), "--marker", "curve"])
+    rows = first.splitlines()[2:]
+    assert rows == ["| 0 | 40.0% | 20.0% | 2.600 | 1.500 |", "| 1,800 | 55.0% | 30.0% | 2.300 | - |"]
+    history.append({"eval_acc_depth_1": 0.6, "eval_acc_depth_2": 0.35, "eval_loss": 2.2, "step": 3600})
+    state.write_text(json.dumps({"log_history": history}))
+    second = curve.main([str(state), "--write", str(doc), "--marker", "curve"])
+    assert doc.read_text() == "before\n<!-- curve -->\n\n" + second + "\nafter\n"  # one table, the newer one
+    with pytest.raises(ValueError, match="evaluation entries"):
+        curve.eval_rows([{"loss": 1.0, "step": 1}])
+    with pytest.raises(ValueError, match="expected the line"):
+        curve.write_after_marker(doc, "elsewhere", second)
