@@ -103,8 +103,9 @@ def decide(results: Path, new: str, shipped: str) -> dict:
 
     bench_path = results / "bench-fp32" / "results.json"
     bench = _load(bench_path)
-    _check_identity(bench.get("head_identity"), new, now, bench_path)
-    _check_identity(bench.get("baseline_head_identity"), shipped, now, bench_path)
+    settings = bench.get("config", {})  # `jetspec bench` records the heads' weights with its settings
+    _check_identity(settings.get("head_identity"), new, now, bench_path)
+    _check_identity(settings.get("baseline_head_identity"), shipped, now, bench_path)
     everything = bench.get("aggregates", {}).get("all", {})
     pair = {"new": DEFAULTS_METHOD, "shipped": f"{DEFAULTS_METHOD}@baseline"}
     missing = [name for name in pair.values() if name not in everything]

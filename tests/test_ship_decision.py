@@ -39,8 +39,7 @@ def write_results(out, new, shipped, offline=(3.2, 3.1), calibrated=None, bench=
         json.dumps(
             {
                 "machine": {"host_kind": "test host"},
-                "head_identity": ids[new],
-                "baseline_head_identity": ids[shipped],
+                "config": {"head_identity": ids[new], "baseline_head_identity": ids[shipped]},
                 "aggregates": {"all": {"tree-8-lookup": method(bench[0]), "tree-8-lookup@baseline": method(bench[1])}},
             }
         )
