@@ -1,5 +1,5 @@
 """The held-out curve of a training run as a markdown table: one row per evaluation the Trainer logged (agreement with
-the target at depths 1 and 2, evaluation loss, the chain's real tau), read from a `trainer_state.json` (a checkpoint's,
+the target at depths 1 and 2, evaluation loss, and the chain tau those agreements imply, not a decoded one), read from a `trainer_state.json` (a checkpoint's,
 or the one a kept head carries) or a shipped head's `training_log.json`.
 
     python -m scripts.eval_curve training/checkpoints/smollm2-135m-long/trainer_state.json
