@@ -19,6 +19,7 @@ def _fmt(value, digits: int = 2, suffix: str = "") -> str:
 def markdown(results: dict) -> str:
     """The `results.md` report: settings, costs, one table per suite (and `all`), then the plots."""
     lines = _settings_lines(results)
+    lines += summary_table(results["aggregates"])
     if results["costs"] is not None:
         lines += _cost_lines(results["costs"])
     for group, methods in results["aggregates"].items():
@@ -71,6 +72,32 @@ def _cost_lines(costs: dict) -> list[str]:
     entries = [(f"tree-{b}", v) for b, v in costs["verify"].items()] + [("chain", costs["chain"])]
     for name, v in entries:
         lines.append(f"| {name} | {v['nodes']} | {v['seconds'] * 1e3:.2f} | {v['ratio_to_step']:.2f} |")
+    return lines
+
+
+def summary_table(aggregates: dict) -> list[str]:
+    """The short table (the one a README quotes): a row per method, speedup median over plain greedy per suite and
+    over all prompts, tau in parentheses where the method drafts, and `=/tie` over all prompts."""
+    groups = [g for g in aggregates if g != "all"] + (["all"] if "all" in aggregates else [])
+    everything = aggregates.get("all") or aggregates[groups[0]]
+    lines = [
+        "",
+        "## Summary",
+        "",
+        "| method | =/tie | " + " | ".join(groups) + " |",
+        "| --- | ---: |" + " --- |" * len(groups),
+    ]
+    for name, a in everything.items():
+        label = f"{name} ({a['tokens_per_s_median']:.1f} tok/s)" if name == "plain" else name
+        cells = []
+        for group in groups:
+            m = aggregates[group].get(name)
+            if m is None:
+                cells.append("-")
+                continue
+            tau = m.get("tau_mean")
+            cells.append(f"{m['speedup_median']:.2f}x" + ("" if tau is None else f" ({tau:.2f})"))
+        lines.append(f"| {label} | {a['equality']['exact']}/{a['equality']['tie']} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -27,6 +27,7 @@ NEW=${NEW:-training/checkpoints/smollm2-135m-long}
 SHIPPED=${SHIPPED:-jetspec/heads/smollm2-135m}
 OUT=${OUT:-results/long-run}
 STAGES=${STAGES:-"train calibrate offline bench_fp32 decide"}
+BF16_BUDGETS=${BF16_BUDGETS:-8}  # comma-separated; a change of the default budget is judged here, by bf16 speed
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 
@@ -62,6 +63,6 @@ if stage decide || stage ship; then
     python -m scripts.ship_decision --results "$OUT" --new "$NEW" --shipped "$SHIPPED" "${apply[@]}"
 fi
 if stage bench_bf16 && [[ ! -f "$OUT/bench-bf16/results.json" ]]; then
-    jetspec bench --dtype auto --limit 10 --max-new-tokens 256 --budgets 8 --methods plain,prompt_lookup,tree,lookup \
+    jetspec bench --dtype auto --limit 10 --max-new-tokens 256 --budgets "$BF16_BUDGETS" --methods plain,prompt_lookup,tree,lookup \
         --head "$SHIPPED" --out "$OUT/bench-bf16"
 fi

@@ -23,6 +23,7 @@ from jetspec.bench import (
     portable_name,
     run_benchmark,
 )
+from jetspec.report import summary_table
 from jetspec.equality import LosslessError, Verdict
 from jetspec.prompts import SUITES
 from modeling_jetspec import JetSpecDraftModel, JetSpecStats
@@ -305,6 +306,25 @@ def test_groups_hold_each_suite_and_all():
     ]
     groups = aggregate_groups(rows, [Method("plain", "plain")], ["gsm8k", "mtbench"], costs=None)
     assert {g: figures["plain"]["prompts"] for g, figures in groups.items()} == {"gsm8k": 1, "mtbench": 2, "all": 3}
+
+
+def test_summary_quotes_each_suites_speedup_and_tau():
+    """The short table of results.md: per suite and over all prompts, the speedup median and (head methods) tau of
+    the aggregates it reads, plain's own tokens/s, and `=/tie` over all prompts."""
+    stats = JetSpecStats(target_forwards=3, rounds=2, row_rounds=2, round_tokens=8, accepted_at_depth=[2, 1])
+    rows = [
+        make_row("plain", 2.0, 1.0, suite="gsm8k"),
+        make_row("plain", 4.0, 1.0, suite="mtbench"),
+        make_row("tree-4", 1.0, 2.0, suite="gsm8k", stats=stats),
+        make_row("tree-4", 1.0, 3.0, kind="tie", suite="mtbench", stats=stats),
+    ]
+    methods = [Method("plain", "plain"), Method("tree-4", "tree", uses_head=True, budget=4)]
+    groups = aggregate_groups(rows, methods, ["gsm8k", "mtbench"], costs=None)
+    lines = summary_table(groups)
+    assert lines[3] == "| method | =/tie | gsm8k | mtbench | all |"
+    # plain: 10 tokens in 2 s and 4 s, median 3.75 tok/s; tree-4: tau 8 round tokens / 2 rounds = 4 on each prompt
+    assert lines[5] == "| plain (3.8 tok/s) | 2/0 | 1.00x | 1.00x | 1.00x |"
+    assert lines[6] == "| tree-4 | 1/1 | 2.00x (4.00) | 3.00x (4.00) | 2.50x (4.00) |"
 
 
 def test_rows_list_only_what_they_measured():

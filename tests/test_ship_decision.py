@@ -2,21 +2,34 @@
 results that measured the folders' current weights; its map is kept only when it raises offline tau; --apply leaves
 the shipped folder holding the new head alone, loadable."""
 
+import copy
 import json
 
 import pytest
 import torch
 
+from jetspec.bench import BenchConfig, run_benchmark
 from jetspec.provenance import weights_identity
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.calibration import BINS
+from test_bench import char_tokenizer
 from test_scripts import load_script
 from tiny import tiny_head, tiny_target
 
 MAP = {"1:head": [0.5] * BINS}  # a calibration map of the config's form (one depth and source)
 
 
-def write_results(out, new, shipped, offline=(3.2, 3.1), calibrated=None, bench=(2.6, 2.5), mismatch=0):
+def bench_results(folder, new, shipped, target, suites=("gsm8k", "mtbench")) -> dict:
+    """A float32 bench of both heads side by side, by `jetspec.bench` itself: the layout `ship_decision` reads is the
+    one the bench writes (a hand-made copy once drifted from it: the heads' identities live under `config`)."""
+    config = BenchConfig(list(suites), [8], 4, limit=1, methods=("plain", "lookup"), warmup=False, cost_repeats=1)
+    head, baseline = (JetSpecDraftModel.from_pretrained(folder) for folder in (new, shipped))
+    return run_benchmark(target, char_tokenizer(), head, config, folder, progress=False, baseline_head=baseline)
+
+
+def write_results(out, new, shipped, bench_run, offline=(3.2, 3.1), calibrated=None, bench=(2.6, 2.5), mismatch=0):
+    """The campaign's results folder: offline figures as given, the real bench's results with its taus set to `bench`
+    (and `mismatch` outputs of the new head's method turned into mismatches)."""
     out.mkdir(parents=True, exist_ok=True)
     ids = {h: weights_identity(h) for h in (new, shipped)}
     heads = {new: {"8": {"tau": offline[0]}}, shipped: {"8": {"tau": offline[1]}}}
@@ -25,25 +38,16 @@ def write_results(out, new, shipped, offline=(3.2, 3.1), calibrated=None, bench=
         cal = {"heads": {new: {"8": {"tau": calibrated}}}, "head_identity": {new: ids[new]}}
         (out / "offline-calibrated.json").write_text(json.dumps(cal))
         (out / "calibration-map.json").write_text(json.dumps(MAP))
-
-    def method(tau):
-        return {
-            "prompts": 15,
-            "tau_mean": tau,
-            "speedup_median": tau / 2,
-            "equality": {"exact": 15 - mismatch, "tie": 0, "mismatch": mismatch},
-        }
-
+    results = copy.deepcopy(bench_run)
+    groups = results["aggregates"]
+    everything = groups["all"] if "all" in groups else groups[results["config"]["suites"][0]]
+    for name, tau in zip(("tree-8-lookup", "tree-8-lookup@baseline"), bench):
+        everything[name]["tau_mean"] = tau
+    equality = everything["tree-8-lookup"]["equality"]
+    equality["exact"] -= mismatch
+    equality["mismatch"] += mismatch
     (out / "bench-fp32").mkdir(exist_ok=True)
-    (out / "bench-fp32" / "results.json").write_text(
-        json.dumps(
-            {
-                "machine": {"host_kind": "test host"},
-                "config": {"head_identity": ids[new], "baseline_head_identity": ids[shipped]},
-                "aggregates": {"all": {"tree-8-lookup": method(bench[0]), "tree-8-lookup@baseline": method(bench[1])}},
-            }
-        )
-    )
+    (out / "bench-fp32" / "results.json").write_text(json.dumps(results))
 
 
 @pytest.fixture
@@ -55,25 +59,31 @@ def heads(tmp_path):
     (new / "metrics.json").write_text("{}")
     (new / "trainer_state.json").write_text("{}")  # a kept head's resume state: not shipped
     (shipped / "training_config.yaml").write_text("old: head\n")  # the old head's file: removed on shipping
-    return str(new), str(shipped), target
+    new, shipped = str(new), str(shipped)
+    return new, shipped, bench_results(tmp_path / "bench", new, shipped, target), target
 
 
 def test_the_new_head_ships_only_when_both_judgements_put_it_ahead(tmp_path, heads):
     ship = load_script("ship_decision")
-    new, shipped, _ = heads
+    new, shipped, bench_run, target = heads
     for offline, bench, ships in (
         ((3.2, 3.1), (2.6, 2.5), True),
         ((3.0, 3.1), (2.6, 2.5), False),
         ((3.2, 3.1), (2.4, 2.5), False),
     ):
         out = tmp_path / f"r{offline[0]}{bench[0]}"
-        write_results(out, new, shipped, offline, bench=bench)
+        write_results(out, new, shipped, bench_run, offline, bench=bench)
         decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
         assert decision["ships"] is ships and decision["offline_tau"] == {"new": offline[0], "shipped": offline[1]}
         assert decision["bench_fp32"]["new"]["tau"] == bench[0] and decision["keep_calibration"] is False
         assert json.loads((out / "decision.json").read_text())["ships"] is ships
+    # a bench of one suite has no `all` group: that suite is every prompt
+    one_suite = bench_results(tmp_path / "bench-one", new, shipped, target, suites=("gsm8k",))
+    assert "all" not in one_suite["aggregates"]
+    write_results(out := tmp_path / "one-suite", new, shipped, one_suite)
+    assert ship.main(["--results", str(out), "--new", new, "--shipped", shipped])["bench_fp32"]["new"]["tau"] == 2.6
     out = tmp_path / "mismatch"
-    write_results(out, new, shipped, mismatch=1)
+    write_results(out, new, shipped, bench_run, mismatch=1)
     with pytest.raises(ValueError, match="equal to plain greedy"):
         ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
     with pytest.raises(ValueError, match="offline-defaults.json"):
@@ -83,9 +93,9 @@ def test_the_new_head_ships_only_when_both_judgements_put_it_ahead(tmp_path, hea
 @pytest.mark.parametrize("calibrated, kept", [(3.3, True), (3.1, False)])
 def test_apply_replaces_the_shipped_head_with_the_map_only_where_it_raises_tau(tmp_path, heads, calibrated, kept):
     ship = load_script("ship_decision")
-    new, shipped, _ = heads
+    new, shipped, bench_run, _ = heads
     out = tmp_path / "results"
-    write_results(out, new, shipped, calibrated=calibrated)  # offline tau without the map: 3.2
+    write_results(out, new, shipped, bench_run, calibrated=calibrated)  # offline tau without the map: 3.2
     decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--apply"])
     assert decision["ships"] and decision["keep_calibration"] is kept
     expected = [name for name in ship.SHIPPED_FILES if (tmp_path / "new" / name).is_file()]
