@@ -69,6 +69,14 @@ class LinearForms:
     def __init__(self, mode: str = "auto", probe=probe_form):
         self.mode, self.probe = check_verify_linear(mode), probe
         self.table, self.new, self.key = None, False, None
+        self.modules = None  # the target's linears this call patches, listed on its first verify
+
+    def linears(self, target) -> list:
+        """`target`'s `torch.nn.Linear` modules (exact type, forward not already replaced on the instance, e.g. by
+        accelerate's hooks), listed once per call: walking a deep model's modules costs milliseconds every round."""
+        if self.modules is None:
+            self.modules = [m for m in target.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)]
+        return self.modules
 
     def active(self, target) -> bool:
         """Whether the verify patches the target's linears at all."""
@@ -110,7 +118,7 @@ def linear_forms(target, forms: LinearForms | None):
     if forms is None or not forms.active(target):
         yield
         return
-    patched = [m for m in target.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)]
+    patched = forms.linears(target)
     for module in patched:
         module.forward = functools.partial(_forward, module, forms)
     try:

@@ -306,7 +306,10 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
 def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     a, n1 = logits.shape[:2]
     device = logits.device
-    choice = logits.argmax(-1)  # (A, n + 1), in the logits' own dtype: no fp32 copy of the vocabulary
+    # (A, n + 1), in the logits' own dtype (no fp32 copy of the vocabulary). `max(-1).indices` is argmax, the first
+    # maximal index on ties as documented for both, but CPU kernels reduce it several times faster over a vocabulary
+    # (bf16 (1, 9, 49152): 0.4 ms against 3.7 ms, one thread, Intel AMX host)
+    choice = logits.max(-1).indices
     matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
         [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
     )
