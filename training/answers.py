@@ -37,9 +37,10 @@ from typing import Any, Optional, Union
 
 import datasets
 import numpy as np
+import psutil
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from jetspec.targets import apply_chat_template
 
@@ -69,6 +70,7 @@ SERVER_DTYPE = "server"  # the `dtype` setting of rows a completions server wrot
 # what a manifest written before a setting existed ran with
 OLDER_SETTINGS = {"continuous": False, "sort_pool": 0, "cache_implementation": None}
 CACHE_IMPLEMENTATIONS = (None, "static")
+CONTINUOUS_MEMORY_SHARE = 0.5  # of the memory available now, for continuous batching's paged cache on a CPU
 
 
 def _prompt_of(record: Any, where: str) -> str:
@@ -237,6 +239,19 @@ def _static_answers(
         yield batch, answers, states
 
 
+def _paged_cache_config(model: PreTrainedModel, share: float = CONTINUOUS_MEMORY_SHARE) -> ContinuousBatchingConfig:
+    """Continuous batching's paged cache sized from the memory this machine has free now. On a CPU transformers sizes
+    it as a share of the machine's total memory less this process's own, as if nothing else ran: beside another
+    process (a paused training run holding 11 GB of 23) that cache alone exhausted the memory and the kernel killed
+    the process. Here the cache gets `share` of the memory available now, expressed in transformers' own measure."""
+    if model.device.type != "cpu":
+        return ContinuousBatchingConfig()  # accelerators: transformers reads the device's free memory itself
+    memory = psutil.virtual_memory()
+    total, available, own = memory.total, memory.available, psutil.Process().memory_info().rss
+    free_by_transformers = max(total - own, 1)  # what transformers calls free on a CPU
+    return ContinuousBatchingConfig(max_memory_percent=max(min(share * available / free_by_transformers, 0.9), 0.01))
+
+
 def _continuous_answers(
     model: PreTrainedModel,
     shard: list[dict[str, Any]],
@@ -249,7 +264,12 @@ def _continuous_answers(
     as one batch, in its order."""
     eos_ids = _eos_ids(model)
     config = GenerationConfig(pad_token_id=pad_token_id, eos_token_id=sorted(eos_ids) or None, **generate_kwargs)
-    outputs = model.generate_batch([row["prompt_ids"] for row in shard], generation_config=config, warmup=False)
+    outputs = model.generate_batch(
+        [row["prompt_ids"] for row in shard],
+        generation_config=config,
+        continuous_batching_config=_paged_cache_config(model),
+        warmup=False,
+    )
     results = list(outputs.values())
     failed = [r.request_id for r in results if r.error is not None]
     if len(results) != len(shard) or failed:
