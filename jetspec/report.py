@@ -75,11 +75,19 @@ def _cost_lines(costs: dict) -> list[str]:
     return lines
 
 
+def every_prompt(aggregates: dict) -> dict:
+    """The group of `aggregates` over every prompt: `all` when the bench ran several suites, else its one suite
+    (`{}` when there is neither)."""
+    if "all" in aggregates:
+        return aggregates["all"]
+    return next(iter(aggregates.values())) if len(aggregates) == 1 else {}
+
+
 def summary_table(aggregates: dict) -> list[str]:
     """The short table (the one a README quotes): a row per method, speedup median over plain greedy per suite and
     over all prompts, tau in parentheses where the method drafts, and `=/tie` over all prompts."""
     groups = [g for g in aggregates if g != "all"] + (["all"] if "all" in aggregates else [])
-    everything = aggregates.get("all") or aggregates[groups[0]]
+    everything = every_prompt(aggregates)
     lines = [
         "",
         "## Summary",

@@ -30,6 +30,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from jetspec.report import every_prompt
+
 DEFAULTS_METHOD = "tree-8-lookup"  # the bench's name for budget 8 with the head's own lookup branch (the trie)
 SHIPPED_FILES = (
     "config.json",
@@ -106,9 +108,7 @@ def decide(results: Path, new: str, shipped: str) -> dict:
     settings = bench.get("config", {})  # `jetspec bench` records the heads' weights with its settings
     _check_identity(settings.get("head_identity"), new, now, bench_path)
     _check_identity(settings.get("baseline_head_identity"), shipped, now, bench_path)
-    groups = bench.get("aggregates", {})
-    # every prompt: the bench writes `all` when it ran several suites, else its one suite is every prompt
-    everything = groups.get("all") or (next(iter(groups.values())) if len(groups) == 1 else {})
+    everything = every_prompt(bench.get("aggregates", {}))
     pair = {"new": DEFAULTS_METHOD, "shipped": f"{DEFAULTS_METHOD}@baseline"}
     missing = [name for name in pair.values() if name not in everything]
     if missing:

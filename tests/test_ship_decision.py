@@ -10,6 +10,7 @@ import torch
 
 from jetspec.bench import BenchConfig, run_benchmark
 from jetspec.provenance import weights_identity
+from jetspec.report import every_prompt
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.calibration import BINS
 from test_bench import char_tokenizer
@@ -23,7 +24,7 @@ def bench_results(folder, new, shipped, target, suites=("gsm8k", "mtbench")) -> 
     """A float32 bench of both heads side by side, by `jetspec.bench` itself: the layout `ship_decision` reads is the
     one the bench writes (a hand-made copy once drifted from it: the heads' identities live under `config`)."""
     config = BenchConfig(list(suites), [8], 4, limit=1, methods=("plain", "lookup"), warmup=False, cost_repeats=1)
-    head, baseline = (JetSpecDraftModel.from_pretrained(folder) for folder in (new, shipped))
+    head, baseline = (JetSpecDraftModel.from_pretrained(path) for path in (new, shipped))
     return run_benchmark(target, char_tokenizer(), head, config, folder, progress=False, baseline_head=baseline)
 
 
@@ -39,8 +40,7 @@ def write_results(out, new, shipped, bench_run, offline=(3.2, 3.1), calibrated=N
         (out / "offline-calibrated.json").write_text(json.dumps(cal))
         (out / "calibration-map.json").write_text(json.dumps(MAP))
     results = copy.deepcopy(bench_run)
-    groups = results["aggregates"]
-    everything = groups["all"] if "all" in groups else groups[results["config"]["suites"][0]]
+    everything = every_prompt(results["aggregates"])
     for name, tau in zip(("tree-8-lookup", "tree-8-lookup@baseline"), bench):
         everything[name]["tau_mean"] = tau
     equality = everything["tree-8-lookup"]["equality"]
