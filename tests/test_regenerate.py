@@ -530,3 +530,29 @@ def test_regenerate_command_splits_by_hand_and_exports_the_union(model, tokenize
     regenerate(model, tokenizer, read_prompts(prompt_file), tmp_path / "one", **RUN)
     packed = load_compact(tmp_path / "rows.npz")
     assert rows_by_id(packed) == rows_by_id(load_regenerated(tmp_path / "one").select_columns(packed.column_names))
+
+
+def test_continuous_batching_sizes_its_cache_from_the_memory_available_now(monkeypatch):
+    """On a CPU transformers sizes the paged cache as a share of total memory less this process's own, as if nothing
+    else ran. With another process holding most of the memory, the cache it is given must stay within half of what
+    is available now, measured the way transformers measures it."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    import psutil
+    from transformers.generation.continuous_batching.utils import get_device_and_memory_breakdown
+
+    from training.answers import _paged_cache_config
+
+    gib = 1024**3
+    memory = namedtuple("memory", "total available")
+    own = SimpleNamespace(memory_info=lambda: SimpleNamespace(rss=1 * gib))
+    cpu_model = SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(psutil, "Process", lambda *args: own)
+    for available in (12 * gib, 3 * gib):  # another process holds 11 GB (the paused campaign), then 20 GB, of 23
+        monkeypatch.setattr(psutil, "virtual_memory", lambda available=available: memory(23 * gib, available))
+        config = _paged_cache_config(cpu_model)
+        _, total, reserved, allocated = get_device_and_memory_breakdown()
+        given = (total - max(reserved, allocated)) * config.max_memory_percent  # transformers' get_available_memory
+        assert given == pytest.approx(0.5 * available, rel=1e-6)
+        assert given < 0.9 * (total - allocated)  # transformers' own CPU default would take more than is free

@@ -41,6 +41,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.continuous_batching.utils import get_device_and_memory_breakdown
 
 from jetspec.targets import apply_chat_template
 
@@ -241,15 +242,16 @@ def _static_answers(
 
 def _paged_cache_config(model: PreTrainedModel, share: float = CONTINUOUS_MEMORY_SHARE) -> ContinuousBatchingConfig:
     """Continuous batching's paged cache sized from the memory this machine has free now. On a CPU transformers sizes
-    it as a share of the machine's total memory less this process's own, as if nothing else ran: beside another
-    process (a paused training run holding 11 GB of 23) that cache alone exhausted the memory and the kernel killed
-    the process. Here the cache gets `share` of the memory available now, expressed in transformers' own measure."""
+    it as a share of the machine's total memory (capped to the process's NUMA nodes) less this process's own, as if
+    nothing else ran: beside another process (a paused training run holding 11 GB of 23) that cache alone exhausted
+    the memory and the kernel killed the process. Here the cache gets `share` of the memory available now, expressed
+    as the share of transformers' own measure (`get_device_and_memory_breakdown`) that `max_memory_percent` takes."""
     if model.device.type != "cpu":
         return ContinuousBatchingConfig()  # accelerators: transformers reads the device's free memory itself
-    memory = psutil.virtual_memory()
-    total, available, own = memory.total, memory.available, psutil.Process().memory_info().rss
-    free_by_transformers = max(total - own, 1)  # what transformers calls free on a CPU
-    return ContinuousBatchingConfig(max_memory_percent=max(min(share * available / free_by_transformers, 0.9), 0.01))
+    _, total, reserved, allocated = get_device_and_memory_breakdown()
+    free_by_transformers = max(total - max(reserved, allocated), 1)
+    percent = share * psutil.virtual_memory().available / free_by_transformers
+    return ContinuousBatchingConfig(max_memory_percent=max(min(percent, 0.9), 0.01))
 
 
 def _continuous_answers(
