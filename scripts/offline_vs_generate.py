@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from jetspec.host import host_kind
+from jetspec.provenance import weights_identity
 from jetspec.targets import load_target
 from modeling_jetspec import JetSpecDraftModel
 from training.evaluate_head import (
@@ -110,6 +111,7 @@ def main(argv=None) -> dict:
     report = {
         "host": host_kind().name,
         "head": args.head,
+        "head_identity": weights_identity(args.head),  # the folder's weights, whatever it holds later
         "data": args.data,
         "max_new_tokens": args.max_new_tokens,
         "feature_store": args.feature_store,
