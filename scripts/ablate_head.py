@@ -46,8 +46,9 @@ data only. `raw_sharegpt` and `regen_sharegpt` train on their file of cache/raw-
 config's held-out rows, like every other variant (`--eval_data`). `--tree_keys K...` trains nothing: it scores the
 head `--head` under each tree key.
 
-Results: OUT/ablation.json and OUT/ablation.md (OUT/tree_keys.json and .md for `--tree_keys`); each variant's
-evaluator output, every row included, in OUT/offline/<variant>.json; each variant's run (its head, logs and curve) in
+Results: OUT/ablation.json and OUT/ablation.md (OUT/tree_keys.json and .md for `--tree_keys`, written after each
+key: a rerun scores only the keys missing); each variant's evaluator output, every row included, in
+OUT/offline/<variant>.json (OUT/offline/tree_keys-<head>-<key>.json); each variant's run (its head, logs and curve) in
 RUNS/<variant>; the results name the host kind (jetspec.host). Run from the repository root, as a module
 (`training/` is not an installed package).
 """
@@ -446,18 +447,24 @@ def main(argv=None) -> dict:
         return compact
 
     if args.tree_keys is not None:
-        done = out / "tree_keys.json"
-        if done.is_file():  # scored before with these settings: skipped (a rerun of a campaign resumes)
-            before = json.loads(done.read_text())
-            wanted = {"head": str(args.head), **scorer.settings()}
-            if all(before.get(k) == v for k, v in wanted.items()) and set(before.get("by_key", {})) == set(
-                map(str, args.tree_keys)
-            ):
-                print(f"ablation: tree keys of {args.head} already scored, skipped")
-                return before
-        return tree_key_mode(
-            args, out, score(f"tree_keys-{Path(args.head).name}", settings_of("baseline"), args.head, args.tree_keys)
-        )
+        # one key at a time, the file written after each: a rerun (a campaign resumed after a stop) scores only the
+        # keys not yet scored with these settings, and returns the ones asked for, in the order asked
+        done, keys = out / "tree_keys.json", [str(k) for k in args.tree_keys]
+        wanted = {"head": str(args.head), **scorer.settings()}
+        before = json.loads(done.read_text()) if done.is_file() else {}
+        kept = before.get("by_key", {}) if all(before.get(k) == v for k, v in wanted.items()) else {}
+        if all(key in kept for key in keys):
+            print(f"ablation: tree keys of {args.head} already scored, skipped")
+            return {**before, "by_key": {key: kept[key] for key in keys}}
+        result = None
+        for key in args.tree_keys:
+            if str(key) in kept:
+                print(f"ablation: tree key {key} of {args.head} already scored, kept")
+                continue
+            scored = score(f"tree_keys-{Path(args.head).name}-{key}", settings_of("baseline"), args.head, (key,))
+            kept[str(key)] = scored["by_key"][str(key)]
+            result = tree_key_mode(args, out, {**scored, "by_key": {k: kept[k] for k in keys if k in kept}})
+        return result
 
     summary_path = out / "ablation.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

@@ -147,7 +147,17 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
     assert keys["by_key"]["logprob"]["lookup_off"]["8"]["tau"] == direct["8"]["tau"]  # the head's key is logprob
     assert "| entropy |" in (tmp_path / "keys" / "tree_keys.md").read_text()
     assert ablate_head.main(key_argv) == keys  # scored with these settings: skipped on a rerun
-    assert ablate_head.main(key_argv[:-3] + ["--head", key_argv[-1]])["by_key"].keys() == {"logprob"}  # rescored
+    assert ablate_head.main(key_argv[:-3] + ["--head", key_argv[-1]])["by_key"].keys() == {"logprob"}  # the one asked
+    # a scoring cut off after its first key resumes there: the key written is kept as it is, the missing one scored
+    stored = json.loads((tmp_path / "keys" / "tree_keys.json").read_text())
+    assert list(stored["by_key"]) == ["logprob", "entropy"]
+    del stored["by_key"]["entropy"]
+    stored["by_key"]["logprob"]["lookup_off"]["8"]["tau"] = -1.0  # a marker: rescoring would overwrite it
+    (tmp_path / "keys" / "tree_keys.json").write_text(json.dumps(stored))
+    resumed = ablate_head.main(key_argv)
+    assert resumed["by_key"]["logprob"]["lookup_off"]["8"]["tau"] == -1.0
+    assert resumed["by_key"]["entropy"] == keys["by_key"]["entropy"]
+    assert json.loads((tmp_path / "keys" / "tree_keys.json").read_text())["by_key"] == resumed["by_key"]
 
 
 def test_ablate_head_refuses_bad_arguments_before_training(tmp_path):
