@@ -165,3 +165,15 @@ def test_a_source_without_the_training_columns_is_named(tmp_path):
             r"prompts\.jsonl, got \['id', 'prompt'\]",
         ):
             load_rows([str(path)], streaming=streaming)
+
+
+def test_a_prompt_in_two_sources_is_refused_by_name(tmp_path):
+    """No prompt twice: a file regenerated without --exclude naming the committed ones repeats their ids."""
+    rows = [{"id": f"p{i}", "input_ids": [1, 2, 3 + i], "prompt_length": 1} for i in range(6)]
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows[3:]))  # p3 in both
+    with pytest.raises(ValueError, match=r"got 'p3' in .*first\.jsonl and in .*second\.jsonl"):
+        load_rows([str(first), str(second)])
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
+    assert load_rows([str(first), str(second)])["id"] == [r["id"] for r in rows]

@@ -283,11 +283,28 @@ def load_rows(sources: list, streaming: bool = False):
     if not sources:
         raise ValueError("expected at least one regenerated data source, got none")
     parts = [_training_columns(load_source(source, streaming), source) for source in sources]
+    if not streaming:
+        check_each_prompt_once(parts, sources)
     dataset = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     empty = next(iter(dataset.take(1)), None) is None if streaming else len(dataset) == 0
     if empty:
         raise ValueError(f"expected regenerated rows in {list(sources)}, got an empty dataset")
     return dataset
+
+
+def check_each_prompt_once(parts: list, sources: list):
+    """A `ValueError` naming the id and its sources when a prompt id is in two sources (or twice in one): a prompt
+    trained on twice weighs double, and a file regenerated without `--exclude` naming every committed file repeats
+    prompts. Streams are not read ahead for this."""
+    first: dict = {}
+    for part, source in zip(parts, sources):
+        for row_id in part["id"]:
+            if row_id in first:
+                raise ValueError(
+                    f"expected each prompt id once across the data sources, got {row_id!r} in {first[row_id]} and "
+                    f"in {source} (regenerate with --exclude naming every committed file)"
+                )
+            first[row_id] = source
 
 
 def _training_columns(dataset, source):
