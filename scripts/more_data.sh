@@ -7,7 +7,11 @@
 #   nice -n 5 bash scripts/more_data.sh > runs/more-data.log 2>&1 &
 #
 # Resumable: the regeneration writes shards and skips the prompts already answered in $OUT_DIR; rerun the command
-# after a stop. Every committed file is excluded (no prompt twice; training refuses an id in two files). When it ends,
+# after a stop. Every committed file is excluded (no prompt twice; training refuses an id in two files). A stop on a
+# machine that may not come back: pack what is done (`python -m training.regenerate --out data/regen_rest --export
+# training/data/smollm2-135m-mix-rest.npz --export_only`) and commit it; if data/regen_rest comes back, rerun as is
+# (the final export is a superset of the committed file); if not, carry on into a second file,
+# `FILE=training/data/smollm2-135m-mix-rest2.npz OUT_DIR=data/regen_rest2`, which excludes the first. When it ends,
 # name $FILE in the training configs' `data:` lists and in every later regeneration's --exclude, and say in
 # training/data/README.md what it holds (rows and answer tokens are printed at the end).
 set -euo pipefail
