@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from jetspec.host import host_kind
 from jetspec.provenance import weights_identity
@@ -50,7 +51,10 @@ def real_generate(target, head, rows: list, max_new_tokens: int) -> list:
     """Per row: real float32 `generate` with the head at batch 1 (`evaluate_head.decode_rows`), its rounds and
     tokens, and whether its answer is the stored one."""
     out = []
-    for row, decoded in zip(rows, decode_rows(target, head, rows, max_new_tokens)):
+    decoded_rows = [
+        decode_rows(target, head, [row], max_new_tokens)[0] for row in tqdm(rows, desc="generate", unit="row")
+    ]
+    for row, decoded in zip(rows, decoded_rows):
         prompt_length = int(row["prompt_length"])
         answer = decoded["answer"]
         stored = list(row["input_ids"][prompt_length : prompt_length + len(answer)])
@@ -105,6 +109,7 @@ def main(argv=None) -> dict:
         sources["offline_bf16_target_features"] = forward_features(bf16_target, head)
     skipped = {}
     for name, fetch in sources.items():
+        print(f"{name}: replaying {len(rows)} rows", flush=True)  # each replay takes a minute or two on 2 cores
         prepared, skipped[name] = prepare_rows(rows, fetch, args.max_new_tokens, shape.depth)
         summary = evaluate(head, prepared, shape, first_round=False).summary()
         figures[name] = [{"id": e["id"], "rounds": e["rounds"], "tokens": e["tokens"]} for e in summary["per_row"]]

@@ -192,6 +192,29 @@ def test_decode_rows_is_the_reference_the_replay_meets():
         assert (rounds, tokens, list(depths)) == (d["rounds"], d["tokens"], d["accepted_at_depth"])
 
 
+def test_offline_vs_generate_keeps_rows_that_leave_their_stored_answer():
+    """scripts/offline_vs_generate's real figure: every row kept, a row whose stored answer differs from what real
+    decoding writes is flagged (not dropped), and tau is reported over all rows and over the rows equal to stored."""
+    from test_scripts import load_script
+
+    script = load_script("offline_vs_generate")
+    target = sharp_target()
+    rows = greedy_rows(target, count=3)
+    p = rows[1]["prompt_length"]
+    rows[1]["input_ids"][p + 4] = (rows[1]["input_ids"][p + 4] + 1) % VOCAB  # a stored answer real decoding leaves
+    head = tiny_head(target, tree_width=4, **LOOKUP)
+    real = script.real_generate(target, head, rows, NEW_TOKENS)
+    assert [(e["id"], e["same_text"]) for e in real] == [("row-0", True), ("row-1", False), ("row-2", True)]
+    reference = evaluate_head.decode_rows(target, head, rows, NEW_TOKENS)
+    assert [(e["rounds"], e["tokens"]) for e in real] == [(d["rounds"], d["tokens"]) for d in reference]
+    everything, kept = script.tau_of(real), script.tau_of(real, {"row-0", "row-2"})
+    assert (everything["rows"], kept["rows"]) == (3, 2)
+    assert (kept["tokens"], kept["rounds"]) == (
+        real[0]["tokens"] + real[2]["tokens"],
+        real[0]["rounds"] + real[2]["rounds"],
+    )
+
+
 def test_first_round_target_logprob_comes_from_the_final_states():
     """The top-ranked path's target log-prob, over its prefix on the answer, equals the target's own log-probs."""
     target = sharp_target()
