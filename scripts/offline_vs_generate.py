@@ -26,7 +26,6 @@ import json
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from jetspec.host import host_kind
 from jetspec.provenance import weights_identity
@@ -51,10 +50,7 @@ def real_generate(target, head, rows: list, max_new_tokens: int) -> list:
     """Per row: real float32 `generate` with the head at batch 1 (`evaluate_head.decode_rows`), its rounds and
     tokens, and whether its answer is the stored one."""
     out = []
-    decoded_rows = [
-        decode_rows(target, head, [row], max_new_tokens)[0] for row in tqdm(rows, desc="generate", unit="row")
-    ]
-    for row, decoded in zip(rows, decoded_rows):
+    for row, decoded in zip(rows, decode_rows(target, head, rows, max_new_tokens, progress=True)):
         prompt_length = int(row["prompt_length"])
         answer = decoded["answer"]
         stored = list(row["input_ids"][prompt_length : prompt_length + len(answer)])
