@@ -704,6 +704,11 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
         if bench.baseline_head is not None
         else None,
         "head_config": {k: getattr(head.config, k) for k in RECORDED_HEAD_CONFIG},
+        # whether each head ranked its tree through a calibration map of its config (a shipped head carries one)
+        "head_calibration_map": bool(getattr(head.config, "tree_calibration", None)),
+        "baseline_head_calibration_map": bool(getattr(bench.baseline_head.config, "tree_calibration", None))
+        if bench.baseline_head is not None
+        else None,
         "suites": config.suites,
         "budgets": config.budgets,
         "max_new_tokens": config.max_new_tokens,

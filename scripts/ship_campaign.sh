@@ -13,7 +13,9 @@
 # - calibrate: the new head's map, fitted on held-out rows 100 and after (never the shipping rows 0-99).
 # - offline: both heads on held-out rows 0-99 x 256 at the defaults (tree-8 + trie), the new head with and without
 #   its map, and the head alone (trie off): the store path issue 38 checked against real decoding.
-# - bench_fp32: both heads side by side in one float32 process (bit-exact text), 3 suites x 5 x 128, at the defaults.
+# - bench_fp32: both heads side by side in one float32 process (bit-exact text), 3 suites x 5 x 128, at the defaults,
+#   each as it would ship: the shipped folder with its own map, the new head as CANDIDATE (its weights, with its map
+#   where the offline stage keeps it; `scripts/ship_decision.py --candidate`).
 # - decide: `scripts/ship_decision.py` reads the three judgements into OUT/decision.json (ships only if offline tau and
 #   the float32 bench both put the new head ahead; the map kept only if it raises offline tau).
 # - ship (on request): the same, and when it ships, the new head replaces SHIPPED (then update the README's tables).
@@ -26,6 +28,7 @@ RUN=${RUN:-runs/smollm2-135m-long}
 NEW=${NEW:-training/checkpoints/smollm2-135m-long}
 SHIPPED=${SHIPPED:-jetspec/heads/smollm2-135m}
 OUT=${OUT:-results/long-run}
+CANDIDATE=${CANDIDATE:-$RUN-candidate}  # the new head as it would ship, rewritten before each float32 bench
 STAGES=${STAGES:-"train calibrate offline bench_fp32 decide"}
 BF16_BUDGETS=${BF16_BUDGETS:-8}  # comma-separated; a change of the default budget is judged here, by bf16 speed
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -54,8 +57,10 @@ if stage offline; then
         --calibration none --json "$OUT/offline-head-alone.json"
 fi
 if stage bench_fp32 && [[ ! -f "$OUT/bench-fp32/results.json" ]]; then
+    rm -rf "$CANDIDATE"
+    python -m scripts.ship_decision --results "$OUT" --new "$NEW" --shipped "$SHIPPED" --candidate "$CANDIDATE"
     jetspec bench --dtype float32 --limit 5 --max-new-tokens 128 --budgets 8 --methods plain,lookup \
-        --head "$NEW" --baseline-head "$SHIPPED" --out "$OUT/bench-fp32"
+        --head "$CANDIDATE" --baseline-head "$SHIPPED" --out "$OUT/bench-fp32"
 fi
 if stage decide || stage ship; then
     apply=()

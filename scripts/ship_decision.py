@@ -4,6 +4,8 @@ and the replacement itself (issue 39: "ship on identical text").
     python -m scripts.ship_decision --results results/long-run --new training/checkpoints/smollm2-135m-long \
         --shipped jetspec/heads/smollm2-135m            # prints and writes results/long-run/decision.json
     python -m scripts.ship_decision ... --apply         # and, if it ships, replaces the shipped folder's head
+    python -m scripts.ship_decision ... --candidate runs/long-run-candidate   # before the bench: the new head as
+                                                        # it would ship (offline results only), for `--head`
 
 The new head ships only if both judgements on identical text put it ahead at the shipped operating point (the
 head's defaults: tree budget 8 with the trie of earlier continuations):
@@ -14,7 +16,9 @@ head's defaults: tree budget 8 with the trie of earlier continuations):
   --baseline-head SHIPPED`: tau at the defaults over every prompt, each output equal to plain greedy).
 
 Its calibration map (`calibration-map.json`) is kept only if offline tau with the map (`offline-calibrated.json`)
-is above offline tau without it. Every result names the weights it measured (`head_identity`); the decision refuses
+is above offline tau without it. Offline, both heads run without a map; in the float32 bench each runs as it would
+ship: the shipped folder with the map its config holds, the new head as `--candidate DIR` writes it from the offline
+results alone (its map in the config where kept), so a shipped map never races an unmapped new head. Every result names the weights it measured (`head_identity`); the decision refuses
 results whose weights are not the folders' current ones, so a rerun after shipping never compares a head with
 itself.
 
@@ -69,11 +73,9 @@ def _check_identity(recorded: dict | None, folder: str, now: dict, where: Path) 
         )
 
 
-def decide(results: Path, new: str, shipped: str) -> dict:
-    """The comparison of the two heads from the campaign's result files, and whether the new head ships."""
-    from jetspec.provenance import weights_digest
-
-    now = {head: weights_digest(Path(head)) for head in (new, shipped)}  # each folder's weights, hashed once
+def offline_decision(results: Path, new: str, shipped: str, now: dict) -> dict:
+    """The offline half of the judgement: both heads' tau on the shipping rows (head alone too, where run) and
+    whether the new head's map is kept. `now` maps each folder to its current weights' digest."""
     offline_path = results / "offline-defaults.json"
     offline = _load(offline_path)
     for head in (new, shipped):
@@ -102,7 +104,15 @@ def decide(results: Path, new: str, shipped: str) -> dict:
     decision["keep_calibration"] = (
         decision.get("offline_tau_calibrated", float("-inf")) > decision["offline_tau"]["new"]
     )
+    return decision
 
+
+def decide(results: Path, new: str, shipped: str) -> dict:
+    """The comparison of the two heads from the campaign's result files, and whether the new head ships."""
+    from jetspec.provenance import weights_digest
+
+    now = {head: weights_digest(Path(head)) for head in (new, shipped)}  # each folder's weights, hashed once
+    decision = offline_decision(results, new, shipped, now)
     bench_path = results / "bench-fp32" / "results.json"
     bench = _load(bench_path)
     settings = bench.get("config", {})  # `jetspec bench` records the heads' weights with its settings
@@ -125,6 +135,11 @@ def decide(results: Path, new: str, shipped: str) -> dict:
         }
         for side, name in pair.items()
     }
+    # the folders the bench loaded (the new head's may be its candidate: same weights, its map where kept)
+    decision["bench_fp32_folders"] = {
+        side: {"folder": settings.get(key), "calibration_map": settings.get(f"{key}_calibration_map")}
+        for side, key in (("new", "head"), ("shipped", "baseline_head"))
+    }
     decision["host_kind"] = bench.get("machine", {}).get("host_kind")
     decision["ships"] = (
         decision["offline_tau"]["new"] > decision["offline_tau"]["shipped"]
@@ -133,26 +148,35 @@ def decide(results: Path, new: str, shipped: str) -> dict:
     return decision
 
 
-def apply(decision: dict, results: Path) -> list[str]:
-    """Replaces the shipped folder's head with the new one (module docstring); the files written."""
+def stage_head(new: Path, results: Path, keep_calibration: bool, dest: Path) -> list[str]:
+    """Writes the new head as it ships into the empty or new folder `dest`: its files of `SHIPPED_FILES`, its config
+    without `auto_map` (a local folder holds no code: `import modeling_jetspec` registers the class) and with the
+    campaign's map where kept; checks that it loads as a head. The names written."""
     from modeling_jetspec import JetSpecDraftModel
 
+    dest.mkdir(parents=True, exist_ok=True)
+    if any(dest.iterdir()):
+        raise ValueError(f"expected an empty folder to write the head into, got files in {dest}")
+    config = json.loads((new / "config.json").read_text())
+    config.pop("auto_map", None)
+    if keep_calibration:
+        config["tree_calibration"] = json.loads((results / "calibration-map.json").read_text())
+    for name in SHIPPED_FILES:
+        if name != "config.json" and (new / name).is_file():
+            shutil.copy2(new / name, dest / name)
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    JetSpecDraftModel.from_pretrained(dest)  # loads as a head, else the caller replaces nothing
+    return sorted(p.name for p in dest.iterdir())
+
+
+def apply(decision: dict, results: Path) -> list[str]:
+    """Replaces the shipped folder's head with the new one (module docstring); the files written."""
     if not decision["ships"]:
         raise ValueError(f"expected a decision to ship, got ships=False for {decision['new']}")
     new, shipped = Path(decision["new"]), Path(decision["shipped"])
-    config = json.loads((new / "config.json").read_text())
-    config.pop("auto_map", None)  # a local folder holds no code: `import modeling_jetspec` registers the class
-    if decision["keep_calibration"]:
-        config["tree_calibration"] = json.loads((results / "calibration-map.json").read_text())
     with tempfile.TemporaryDirectory(dir=shipped.parent) as tmp:
         staged = Path(tmp) / shipped.name
-        staged.mkdir()
-        for name in SHIPPED_FILES:
-            if name != "config.json" and (new / name).is_file():
-                shutil.copy2(new / name, staged / name)
-        (staged / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        JetSpecDraftModel.from_pretrained(staged)  # loads as a head, else nothing is replaced
-        written = sorted(p.name for p in staged.iterdir())
+        written = stage_head(new, results, decision["keep_calibration"], staged)
         for old in shipped.iterdir():  # the folder holds one head: the old one's files and folders go
             shutil.rmtree(old) if old.is_dir() else old.unlink()
         for name in written:
@@ -166,11 +190,28 @@ def main(argv=None) -> dict:
     parser.add_argument("--new", default="training/checkpoints/smollm2-135m-long")
     parser.add_argument("--shipped", default="jetspec/heads/smollm2-135m")
     parser.add_argument("--apply", action="store_true", help="replace the shipped head when the decision ships")
+    parser.add_argument(
+        "--candidate",
+        type=Path,
+        help="write the new head as it would ship (its map where the offline results keep it) into this empty "
+        "folder, for the float32 bench, and stop: needs only the offline results",
+    )
     args = parser.parse_args(argv)
     for name in ("new", "shipped"):
         if not (Path(getattr(args, name)) / "config.json").is_file():
             raise ValueError(f"expected --{name} to be a head folder holding config.json, got {getattr(args, name)}")
+    if args.candidate is not None and args.apply:
+        raise ValueError("expected one of --candidate (before the bench) and --apply (after it), got both")
     results = Path(args.results)
+    if args.candidate is not None:
+        from jetspec.provenance import weights_digest
+
+        now = {head: weights_digest(Path(head)) for head in (args.new, args.shipped)}
+        decision = offline_decision(results, args.new, args.shipped, now)
+        decision["candidate"] = str(args.candidate)
+        decision["written"] = stage_head(Path(args.new), results, decision["keep_calibration"], args.candidate)
+        print(json.dumps(decision, indent=1))
+        return decision
     decision = decide(results, args.new, args.shipped)
     (results / "decision.json").write_text(json.dumps(decision, indent=1) + "\n")
     print(json.dumps(decision, indent=1))

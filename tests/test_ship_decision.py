@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from jetspec.bench import BenchConfig, run_benchmark
+from jetspec.bench import BenchConfig, portable_name, run_benchmark
 from jetspec.provenance import weights_identity
 from jetspec.report import every_prompt
 from modeling_jetspec import JetSpecDraftModel
@@ -109,3 +109,35 @@ def test_apply_replaces_the_shipped_head_with_the_map_only_where_it_raises_tau(t
     # the shipped folder now holds other weights than the results measured: deciding again is refused
     with pytest.raises(ValueError, match="no longer"):
         ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
+
+
+@pytest.mark.parametrize("calibrated, kept", [(3.3, True), (3.1, False)])
+def test_candidate_is_the_new_head_as_it_would_ship_from_the_offline_results_alone(tmp_path, heads, calibrated, kept):
+    """Before the float32 bench: the new head's weights with its map where offline tau keeps it, so the bench races
+    it against the shipped head's own map; the decision then names the folders the bench loaded."""
+    ship = load_script("ship_decision")
+    new, shipped, bench_run, target = heads
+    out = tmp_path / "results"
+    write_results(out, new, shipped, bench_run, calibrated=calibrated)
+    (out / "bench-fp32" / "results.json").unlink()  # the bench runs after the candidate is written
+    candidate = tmp_path / "candidate"
+    staged = ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--candidate", str(candidate)])
+    assert staged["keep_calibration"] is kept and "ships" not in staged
+    assert json.loads((candidate / "config.json").read_text()).get("tree_calibration") == (MAP if kept else None)
+    loaded = JetSpecDraftModel.from_pretrained(candidate)
+    for a, b in zip(loaded.state_dict().values(), JetSpecDraftModel.from_pretrained(new).state_dict().values()):
+        assert torch.equal(a, b)
+    assert weights_identity(candidate)["weights_sha256"] == weights_identity(new)["weights_sha256"]
+    # the bench of the candidate against the shipped head counts as the new head's
+    write_results(
+        out, new, shipped, bench_results(tmp_path / "bench2", str(candidate), shipped, target), calibrated=calibrated
+    )
+    decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped])
+    assert decision["ships"] and decision["bench_fp32_folders"] == {
+        "new": {"folder": portable_name(str(candidate)), "calibration_map": kept},
+        "shipped": {"folder": portable_name(shipped), "calibration_map": False},
+    }
+    with pytest.raises(ValueError, match="empty folder"):  # never over an earlier candidate: the script clears it
+        ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--candidate", str(candidate)])
+    with pytest.raises(ValueError, match="got both"):
+        ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--candidate", "x", "--apply"])
