@@ -18,9 +18,9 @@ head's defaults: tree budget 8 with the trie of earlier continuations):
 Its calibration map (`calibration-map.json`) is kept only if offline tau with the map (`offline-calibrated.json`)
 is above offline tau without it. Offline, both heads run without a map; in the float32 bench each runs as it would
 ship: the shipped folder with the map its config holds, the new head as `--candidate DIR` writes it from the offline
-results alone (its map in the config where kept), so a shipped map never races an unmapped new head. Every result names the weights it measured (`head_identity`); the decision refuses
-results whose weights are not the folders' current ones, so a rerun after shipping never compares a head with
-itself.
+results alone (its map in the config where kept), so a shipped map never races an unmapped new head. Every result
+names the weights it measured (`head_identity`); the decision refuses results whose weights are not the folders'
+current ones, so a rerun after shipping never compares a head with itself.
 
 `--apply` replaces the shipped folder's files with the new head's (config, weights, card, metrics, curve, log and
 its training arguments; the map in the config when kept; no `auto_map`, as for every local head folder), after
