@@ -68,6 +68,6 @@ if stage decide || stage ship; then
     python -m scripts.ship_decision --results "$OUT" --new "$NEW" --shipped "$SHIPPED" "${apply[@]}"
 fi
 if stage bench_bf16 && [[ ! -f "$OUT/bench-bf16/results.json" ]]; then
-    jetspec bench --dtype auto --limit 10 --max-new-tokens 256 --budgets "$BF16_BUDGETS" --methods plain,prompt_lookup,tree,lookup \
-        --head "$SHIPPED" --out "$OUT/bench-bf16"
+    jetspec bench --dtype auto --limit 10 --max-new-tokens 256 --budgets "$BF16_BUDGETS" \
+        --methods plain,prompt_lookup,tree,lookup --head "$SHIPPED" --out "$OUT/bench-bf16"
 fi
