@@ -705,8 +705,8 @@ def _run_config(bench: Bench, config: BenchConfig, dtype_reason: Optional[str]) 
         else None,
         "head_config": {k: getattr(head.config, k) for k in RECORDED_HEAD_CONFIG},
         # whether each head ranked its tree through a calibration map of its config (a shipped head carries one)
-        "head_calibration_map": bool(getattr(head.config, "tree_calibration", None)),
-        "baseline_head_calibration_map": bool(getattr(bench.baseline_head.config, "tree_calibration", None))
+        "head_calibration_map": bool(head.config.tree_calibration),
+        "baseline_head_calibration_map": bool(bench.baseline_head.config.tree_calibration)
         if bench.baseline_head is not None
         else None,
         "suites": config.suites,

@@ -73,6 +73,13 @@ def _check_identity(recorded: dict | None, folder: str, now: dict, where: Path) 
         )
 
 
+def current_weights(*folders: str) -> dict:
+    """Each head folder's weights as they are now (folder -> digest), hashed once per judgement."""
+    from jetspec.provenance import weights_digest
+
+    return {folder: weights_digest(Path(folder)) for folder in folders}
+
+
 def offline_decision(results: Path, new: str, shipped: str, now: dict) -> dict:
     """The offline half of the judgement: both heads' tau on the shipping rows (head alone too, where run) and
     whether the new head's map is kept. `now` maps each folder to its current weights' digest."""
@@ -109,9 +116,7 @@ def offline_decision(results: Path, new: str, shipped: str, now: dict) -> dict:
 
 def decide(results: Path, new: str, shipped: str) -> dict:
     """The comparison of the two heads from the campaign's result files, and whether the new head ships."""
-    from jetspec.provenance import weights_digest
-
-    now = {head: weights_digest(Path(head)) for head in (new, shipped)}  # each folder's weights, hashed once
+    now = current_weights(new, shipped)
     decision = offline_decision(results, new, shipped, now)
     bench_path = results / "bench-fp32" / "results.json"
     bench = _load(bench_path)
@@ -204,10 +209,7 @@ def main(argv=None) -> dict:
         raise ValueError("expected one of --candidate (before the bench) and --apply (after it), got both")
     results = Path(args.results)
     if args.candidate is not None:
-        from jetspec.provenance import weights_digest
-
-        now = {head: weights_digest(Path(head)) for head in (args.new, args.shipped)}
-        decision = offline_decision(results, args.new, args.shipped, now)
+        decision = offline_decision(results, args.new, args.shipped, current_weights(args.new, args.shipped))
         decision["candidate"] = str(args.candidate)
         decision["written"] = stage_head(Path(args.new), results, decision["keep_calibration"], args.candidate)
         print(json.dumps(decision, indent=1))
