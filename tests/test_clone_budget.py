@@ -1,0 +1,156 @@
+"""The clone's budget (issue 55): the tree holds the shipped head and at most two kept heads a next run warm-starts
+from, their weights at most 40 MiB in all, and `results/` at most 8 MiB. Every other trained head leaves the tree,
+its weights digest, config and metrics recorded in `results/heads.json` (weights back with
+`git show <commit>:<folder>/model.safetensors`).
+
+Heads and per-row result files leave in stages: until a stage lands, `LEAVING` and `RESULTS_LEAVING` name what is
+still tracked and on its way out, and the budgets count everything else. A new weight file anywhere else fails."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jetspec.provenance import weights_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+WEIGHTS_BUDGET = 40 * MIB
+RESULTS_BUDGET = 8 * MIB
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+# The shipped head, and the two heads the next run warm-starts from.
+KEEP = (
+    "jetspec/heads/smollm2-135m",
+    "training/checkpoints/smollm2-135m-long",
+    "training/checkpoints/smollm2-135m-long2",
+)
+# Trained heads on their way out of the tree, each recorded in results/heads.json.
+LEAVING = tuple(
+    f"training/checkpoints/{name}"
+    for name in (
+        "bidir_gamma0",
+        "bidir_gamma4",
+        "block16",
+        "data_0.5M",
+        "gamma0",
+        "gamma4-919steps",
+        "kl_tv",
+        "layers1",
+        "layers2",
+        "layers3",
+        "retrain-s37",
+        "reverse_kl",
+        "topk_rank",
+        "warm",
+    )
+)
+# Per-row offline evaluations (about 1.2 MB each): to be compressed where a published decision cites them, else removed.
+RESULTS_LEAVING = (
+    "results/claims-avx2-minutes/offline/gamma0.json",
+    "results/claims-avx2-minutes/offline/gamma4.json",
+    "results/claims-avx2-minutes/superseded-gamma4-919-steps-offline.json",
+    "results/claims-data/offline/data_0.5M.json",
+    "results/claims-data/offline/data_1M.json",
+    "results/claims-raw/offline/raw_sharegpt.json",
+    "results/claims-raw/offline/regen_sharegpt.json",
+    "results/claims-tree-keys/offline/tree_keys-gamma4-entropy.json",
+    "results/claims-tree-keys/offline/tree_keys-gamma4-gap.json",
+    "results/claims-tree-keys/offline/tree_keys-gamma4-logprob.json",
+    "results/claims-tree-keys/offline/tree_keys-gamma4-mixed.json",
+    "results/claims/offline/bidir_gamma0.json",
+    "results/claims/offline/bidir_gamma4.json",
+    "results/claims/offline/bidir_gamma7.json",
+    "results/claims/offline/gamma0.json",
+    "results/claims/offline/gamma4.json",
+    "results/claims/offline/gamma7.json",
+    "results/claims/offline/kl_tv.json",
+    "results/claims/offline/reverse_kl.json",
+    "results/claims/offline/sft.json",
+    "results/claims/offline/topk_rank.json",
+    "results/depth/offline/block16.json",
+    "results/depth/offline/layers1.json",
+    "results/depth/offline/layers2.json",
+    "results/depth/offline/layers3.json",
+    "results/depth/offline/warm.json",
+)
+
+
+def tracked_sizes() -> dict:
+    """`{path: bytes}` of every tracked file present in the working tree (a file deleted but not yet committed
+    counts as gone)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the budget is on tracked files")
+    listing = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True, timeout=60
+    ).stdout.decode("utf-8")
+    sizes = {}
+    for path in filter(None, listing.split("\0")):
+        file = ROOT / path
+        if file.is_file():
+            sizes[path] = file.stat().st_size
+    return sizes
+
+
+def under(path: str, folders) -> bool:
+    return any(path.startswith(folder.rstrip("/") + "/") for folder in folders)
+
+
+def weight_problems(sizes: dict) -> list:
+    """What breaks the weights' budget in `{path: bytes}`: a weight file outside `KEEP` and `LEAVING`, or more than
+    `WEIGHTS_BUDGET` bytes of weights outside `LEAVING`."""
+    weights = {path: size for path, size in sizes.items() if path.endswith(WEIGHT_SUFFIXES)}
+    problems = [
+        f"{path}: a weight file outside KEEP and LEAVING" for path in weights if not under(path, KEEP + LEAVING)
+    ]
+    counted = sum(size for path, size in weights.items() if not under(path, LEAVING))
+    if counted > WEIGHTS_BUDGET:
+        problems.append(f"tracked weights outside LEAVING: {counted / MIB:.1f} MiB, over {WEIGHTS_BUDGET // MIB} MiB")
+    return problems
+
+
+def results_bytes(sizes: dict) -> int:
+    return sum(size for path, size in sizes.items() if path.startswith("results/") and path not in RESULTS_LEAVING)
+
+
+def test_the_listing_sees_the_shipped_head():
+    # a listing that saw nothing would pass every budget below
+    sizes = tracked_sizes()
+    assert sizes.get("jetspec/heads/smollm2-135m/model.safetensors", 0) > MIB
+    assert results_bytes(sizes) > 0
+
+
+def test_tracked_weights_fit_the_budget():
+    assert weight_problems(tracked_sizes()) == []
+
+
+def test_a_new_weight_file_breaks_the_budget():
+    sizes = tracked_sizes()
+    assert weight_problems(sizes) == []
+    # (a) a small new head anywhere outside KEEP fails by its place alone
+    assert weight_problems({**sizes, "training/checkpoints/next/model.safetensors": 1024})
+    assert weight_problems({**sizes, "runs/next/pytorch_model.bin": 1024})
+    # (b) inside KEEP, weights that push the total past the budget fail by their size
+    assert weight_problems({**sizes, "jetspec/heads/smollm2-135m/extra.safetensors": WEIGHTS_BUDGET})
+
+
+def test_every_leaving_head_is_recorded():
+    record = json.loads((ROOT / "results" / "heads.json").read_text(encoding="utf-8"))
+    commit = record["commit"]
+    for folder in LEAVING:
+        name = folder.rsplit("/", 1)[1]
+        assert name in record["heads"], f"{folder} leaves the tree but results/heads.json does not record it"
+        head = record["heads"][name]
+        assert re.fullmatch(r"[0-9a-f]{16}", head["weights_sha256"]), head["weights_sha256"]
+        assert head["checkout"] == f"git show {commit}:{folder}/model.safetensors > model.safetensors"
+        assert head["config"]["model_type"] == "jetspec"
+        assert (ROOT / head["metrics"]["file"]).is_file(), f"{name}: {head['metrics']['file']} is not in the tree"
+        if (ROOT / folder / "model.safetensors").is_file():  # still tracked: the record names these very weights
+            assert weights_digest(ROOT / folder) == head["weights_sha256"], folder
+
+
+def test_results_fit_the_budget():
+    size = results_bytes(tracked_sizes())
+    assert size <= RESULTS_BUDGET, f"results/ outside RESULTS_LEAVING: {size / MIB:.1f} MiB, over 8 MiB"
