@@ -273,3 +273,28 @@ def test_the_store_keeps_only_the_stored_layers_and_the_same_bytes_as_a_full_for
         want = stack_states(full.hidden_states, [1, 2])[0]
         got = torch.cat(store.get(row_key(row["id"]), len(row["input_ids"])), -1)
         assert torch.equal(got.view(torch.uint16), want.view(torch.uint16))
+
+
+def test_held_out_rows_can_be_stored_first_or_alone(tmp_path, monkeypatch):
+    """`--held_out only` stores exactly the trainer's held-out rows (what offline evaluation reads); `first` then
+    extends the same store with the rest, skipping the rows it holds."""
+    from test_evaluate_head import write_npz
+
+    from training import feature_store
+    from training.evaluate_head import held_out_rows
+
+    target = sharp_target()
+    rows = regenerated_rows(target, count=40)
+    data = str(write_npz(tmp_path / "rows.npz", rows))
+    monkeypatch.setattr(feature_store, "load_target", lambda *a, **k: (target, None))
+    common = ["--data", data, "--out", str(tmp_path / "store"), "--dtype", "float32", "--eval_fraction", "0.2"]
+    layers = ["--target_layer_ids", *map(str, tiny_head(target).config.target_layer_ids)]
+    store = feature_store.main([*common, *layers, "--held_out", "only"])
+    held = {row_key(i) for i in held_out_rows([data], 0.2, 0)["id"]}
+    assert 0 < len(held) < len(rows)
+    assert all(store.covers(key, 1) for key in held)
+    assert len(store) == len(held)
+    store = feature_store.main([*common, *layers, "--held_out", "first"])
+    assert len(store) == len(rows)
+    with pytest.raises(ValueError, match="expected --held_out among"):
+        feature_store.main([*common, "--held_out", "last"])

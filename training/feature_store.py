@@ -21,6 +21,8 @@ every chunk) is read as it is, and moved to the index file the first time a buil
         --out cache/smollm2-135m --max_length 512
 
 Building is resumable: rows already in the store are skipped, and a chunk counts once `index.bin` names it.
+`--held_out first` stores the trainer's held-out rows of all the data before the rest (`only`: just them), so the
+offline evaluator (`training.evaluate_head`, `training.tau_table`) can run while the store is still being built.
 """
 
 import json
@@ -43,6 +45,7 @@ META_NAME = "store.json"
 DATA_NAME = "features.bin"
 INDEX_NAME = "index.bin"
 STORE_FORMAT = 2
+HELD_OUT_MODES = ("with_the_rest", "first", "only")
 INDEX_RECORD = np.dtype([("key", "<i8"), ("start", "<i8"), ("length", "<i8")])  # 24 bytes per stored row
 
 
@@ -388,18 +391,36 @@ class StoreArguments:
     )
     max_length: int = field(default=512, metadata={"help": "Positions stored per row (the trainer's max_length)."})
     batch_tokens: int = field(default=8192, metadata={"help": "Padded tokens per target forward."})
+    held_out: str = field(
+        default="with_the_rest",
+        metadata={
+            "help": "The trainer's held-out rows of all --data together (--eval_fraction, --seed): 'first' stores them "
+            "before the rest, so offline evaluation can start on a store still being built; 'only' stores just them; "
+            "'with_the_rest' makes no difference between them."
+        },
+    )
+    eval_fraction: float = field(default=0.02, metadata={"help": "The trainer's eval_fraction (with --held_out)."})
+    seed: int = field(default=0, metadata={"help": "The trainer's seed of the split (with --held_out)."})
 
 
 def main(argv=None) -> FeatureStore:
     (args,) = HfArgumentParser(StoreArguments).parse_args_into_dataclasses(argv)
     if args.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"expected --dtype float32 or bfloat16, got {args.dtype!r}")
+    if args.held_out not in HELD_OUT_MODES:
+        raise ValueError(f"expected --held_out among {HELD_OUT_MODES}, got {args.held_out!r}")
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype))
     target.eval()
     config = target.config.get_text_config()
     layer_ids = args.target_layer_ids or default_target_layer_ids(config.num_hidden_layers)
-    for source in args.data:
-        rows = load_source(source)
+    sources = [load_source(source) for source in args.data]
+    if args.held_out != "with_the_rest":
+        from .evaluate_head import held_out_rows
+
+        sources.insert(0, held_out_rows(args.data, args.eval_fraction, args.seed))
+        if args.held_out == "only":
+            sources = sources[:1]
+    for rows in sources:  # rows already stored (the held-out ones, the second time) are skipped
         store = build_feature_store(
             target,
             layer_ids,
