@@ -56,7 +56,7 @@ SETTINGS = {
 }
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m", help="target alias, folder or Hub id (load_target)")
     parser.add_argument("--head", default=str(REPO / "jetspec/heads/smollm2-135m"))
@@ -66,21 +66,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=sorted(SETTINGS))
     parser.add_argument("--out", default="results/ablation-decoding")
-    args = parser.parse_args(argv)
-    dtype, reason = resolve_dtype(args.dtype)
-    target, tokenizer = load_target(args.target, dtype=dtype)
-    head = JetSpecDraftModel.from_pretrained(args.head, dtype=target.dtype).to(target.device).eval()
-    head.attach_target(target)
-    data = load_source(args.data)
-    _, held_out = split_train_eval(data.select_columns(TRAINING_COLUMNS), 0.02, 0)
-    rows = held_out.select(range(min(args.prompts, len(held_out))))
-    names = ["plain"] + list(args.settings)
-    common = {
-        "max_new_tokens": args.max_new_tokens,
-        "do_sample": False,
-        "pad_token_id": tokenizer.eos_token_id,
-        "return_dict_in_generate": True,
-    }
+    return parser
+
+
+def decode_rows(target, head, rows, names: list, common: dict) -> dict:
+    """Every setting of `names` (`"plain"` among them) on every row, after an untimed warm-up of each: per setting,
+    the speedup over plain, tau and whether the output equals plain's, one entry per row."""
     per = {name: {"speedup": [], "tau": [], "same_prefix": []} for name in names}
     warm = torch.tensor([rows[0]["input_ids"][: rows[0]["prompt_length"]]])
     for name in names:  # untimed warm-up of every setting
@@ -103,6 +94,45 @@ def main(argv=None) -> dict:
             rate, plain_rate = len(outputs[name]) / seconds[name], len(outputs["plain"]) / seconds["plain"]
             per[name]["speedup"].append(rate / plain_rate)
             per[name]["same_prefix"].append(bool(torch.equal(outputs[name][:n], outputs["plain"][:n])))
+    return per
+
+
+def markdown(summary: dict) -> str:
+    """OUT/decoding.md: the command and one line per setting."""
+    lines = [
+        f"# Decoding settings on {summary['prompts']} held-out regenerated prompts, {summary['max_new_tokens']} new "
+        f"tokens, {summary['dtype']}",
+        "",
+        f"`{summary['command']}`",
+        "",
+        "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in summary["results"].items():
+        tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
+        lines.append(
+            f"| {name} | {SETTINGS.get(name, {})} | {r['speedup_median']:.2f}x | {tau} | "
+            f"{r['outputs_equal_plain']}/{summary['prompts']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    dtype, reason = resolve_dtype(args.dtype)
+    target, tokenizer = load_target(args.target, dtype=dtype)
+    head = JetSpecDraftModel.from_pretrained(args.head, dtype=target.dtype).to(target.device).eval()
+    head.attach_target(target)
+    data = load_source(args.data)
+    _, held_out = split_train_eval(data.select_columns(TRAINING_COLUMNS), 0.02, 0)
+    rows = held_out.select(range(min(args.prompts, len(held_out))))
+    common = {
+        "max_new_tokens": args.max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": tokenizer.eos_token_id,
+        "return_dict_in_generate": True,
+    }
+    per = decode_rows(target, head, rows, ["plain"] + list(args.settings), common)
     summary = {
         "command": "python -m scripts.ablate_decoding " + " ".join(sys.argv[1:]),
         "dtype": str(dtype),
@@ -123,22 +153,9 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decoding.json").write_text(json.dumps(summary, indent=1) + "\n")
-    lines = [
-        f"# Decoding settings on {len(rows)} held-out regenerated prompts, {args.max_new_tokens} new tokens, {dtype}",
-        "",
-        f"`{summary['command']}`",
-        "",
-        "| setting | arguments | speedup over plain (median) | tau | outputs equal to plain |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in summary["results"].items():
-        tau = f"{r['tau_mean']:.2f}" if r["tau_mean"] is not None else "-"
-        lines.append(
-            f"| {name} | {SETTINGS.get(name, {})} | {r['speedup_median']:.2f}x | {tau} | "
-            f"{r['outputs_equal_plain']}/{len(rows)} |"
-        )
-    (out / "decoding.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = markdown(summary)
+    (out / "decoding.md").write_text(text + "\n")
+    print(text)
     return summary
 
 

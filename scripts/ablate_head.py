@@ -22,7 +22,7 @@ statistics (share of rows whose top-ranked path has a target log-prob below -20 
 `--offline off` trains only. A variant already measured at this budget is skipped; one measured without these
 offline settings is only scored again.
 
-The paper's claims (issue 33; `scripts/results_tables.py` turns the results into docs/results.md's tables):
+The paper's claims (issue 33; `scripts/campaigns/results_tables.py` turns the results into docs/results.md's tables):
 
     # causal against bidirectional block at gamma 0, 4 and 7, and the losses (gamma4 is the forward-KL reference)
     python -m scripts.ablate_head --store cache/smollm2-135m --minutes 8 --out results/claims \
@@ -34,7 +34,7 @@ The paper's claims (issue 33; `scripts/results_tables.py` turns the results into
     python -m scripts.ablate_head --store cache/smollm2-135m --out results/claims-tree-keys \
         --tree_keys logprob entropy mixed gap --head runs/ablation/gamma4
     # raw against regenerated data: the same prompts and answer tokens, ShareGPT's replies or the target's answers
-    python -m scripts.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
+    python -m scripts.campaigns.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
     python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out cache/smollm2-135m --max_length 512
     python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-raw \
         --variants raw_sharegpt regen_sharegpt
@@ -57,15 +57,14 @@ import argparse
 import json
 import re
 import time
-import zlib
 from pathlib import Path
 
-import torch
 import yaml
-from transformers import TrainerCallback
 
 from jetspec.host import host_kind
 from training import run_trainer
+from training.offline_scorer import OfflineScorer
+from training.step_timer import StepTimer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,8 +103,8 @@ VARIANTS = {
 }
 UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a variant removes (no flag says None)
 # raw against regenerated data: the same ShareGPT prompts (training rows of the config's split), answered by ShareGPT's
-# own first reply or by the target, cut to the same answer tokens per row (`scripts/raw_answers.py` writes both
-# files); each trains on its file alone and is judged on the config's own held-out rows (`--eval_data`)
+# own first reply or by the target, cut to the same answer tokens per row (`scripts/campaigns/raw_answers.py` writes
+# both files); each trains on its file alone and is judged on the config's own held-out rows (`--eval_data`)
 PAIRED_DIR = REPO / "cache" / "raw-vs-regen"
 PAIRED = {"raw_sharegpt": "raw.npz", "regen_sharegpt": "regen.npz"}
 DATA_VARIANT = re.compile(r"^data_(all|\d+(?:\.\d+)?[KkMm]?)$")  # data_<answer tokens>: data_300, data_0.5M, data_all
@@ -117,24 +116,6 @@ PROBE_SKIP = 5
 DEFAULT_BUDGETS = "8,16,32,64"
 DEFAULT_LOOKUP_SETTINGS = REPO / "jetspec" / "heads" / "smollm2-135m"
 TREE_KEYS = ("logprob", "entropy", "mixed", "gap")
-
-
-class StepTimer(TrainerCallback):
-    """Wall-clock time at the start of training and at the end of every optimizer step."""
-
-    def __init__(self):
-        self.start, self.ends = None, []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-
-    def seconds_per_step(self, skip: int = PROBE_SKIP) -> float:
-        """Mean time of the steps after the first `skip` (which carry one-off costs); needs more steps than that."""
-        steady = ([self.start] + self.ends)[skip:]
-        return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
 def data_tokens(name: str) -> int | None:
@@ -170,7 +151,7 @@ def check_variants(names: list) -> list:
         if name in PAIRED and not (PAIRED_DIR / PAIRED[name]).is_file():
             raise ValueError(
                 f"expected {PAIRED_DIR / PAIRED[name]} for variant {name}, got no such file: write it with "
-                f"`python -m scripts.raw_answers --out {PAIRED_DIR}`"
+                f"`python -m scripts.campaigns.raw_answers --out {PAIRED_DIR}`"
             )
         if name not in VARIANTS and name not in PAIRED and not DATA_VARIANT.match(name):
             raise ValueError(
@@ -259,107 +240,157 @@ def check_args(args) -> dict:
     return {"budgets": budgets, "lookup_settings": lookup, "variants": variants}
 
 
-class OfflineScorer:
-    """Scores heads with `training.evaluate_head` on the same held-out rows: the target (its embeddings and LM head)
-    and the prepared rows are loaded once per process."""
-
-    def __init__(self, store: str, budgets: list, rows: int, new_tokens: int, lookup_settings, batch_size: int):
-        from training.feature_store import FeatureStore
-
-        self.store = FeatureStore(store)
-        self.budgets, self.rows, self.new_tokens, self.batch_size = budgets, rows, new_tokens, batch_size
-        self.lookup_path = lookup_settings
-        self._targets, self._rows = {}, {}
-
-    def settings(self) -> dict:
-        """What a stored score depends on besides the head: rescored when any of it changes."""
-        return {
-            "eval_rows": self.rows,
-            "eval_new_tokens": self.new_tokens,
-            "budgets": self.budgets,
-            "lookup_settings": str(self.lookup_path),
-        }
-
-    def target(self, name: str):
-        if name not in self._targets:
-            from jetspec.targets import load_target
-
-            self._targets[name] = load_target(name, dtype=torch.float32)[0]
-        return self._targets[name]
-
-    def prepared(self, data: list, eval_fraction: float, seed: int, depth: int):
-        from training.evaluate_head import held_out_rows, prepare_rows, store_features
-
-        key = (tuple(map(str, data)), eval_fraction, seed, depth)
-        if key not in self._rows:
-            held = held_out_rows(data, eval_fraction, seed, self.rows)
-            self._rows[key] = prepare_rows(held, store_features(self.store), self.new_tokens, depth)
-        return self._rows[key]
-
-    def score(
-        self, head_dir, target: str, data: list, eval_fraction: float, seed: int, tree_keys=(None,)
-    ) -> tuple[dict, dict]:
-        """`(compact, full)`: per tree key (None: the head's), `lookup_on` / `lookup_off`, per budget."""
-        from modeling_jetspec import JetSpecDraftModel
-        from modeling_jetspec.configuration_jetspec import JetSpecConfig
-        from training.evaluate_head import run
-
-        head = JetSpecDraftModel.from_pretrained(head_dir, dtype=torch.float32).eval()
-        head.attach_target(self.target(target))
-        self.store.check(head.config.target_layer_ids, head.config.target_hidden_size)
-        lookup = JetSpecConfig.from_pretrained(self.lookup_path) if self.lookup_path else None
-        rows, skipped = self.prepared(data, eval_fraction, seed, head.config.tree_depth)
-        if not rows:
-            raise ValueError(
-                f"expected held-out rows in the feature store {self.store.path} to score, got none "
-                f"({len(skipped)} skipped)"
-            )
-        ids = [row.id for row in rows]
-        compact = {
-            "rows": len(rows),
-            "skipped": len(skipped),
-            "answer_tokens": sum(row.end - row.prompt_length for row in rows),
-            "rows_crc": zlib.crc32("\n".join(ids).encode("utf-8")),
-            **self.settings(),
-            "by_key": {},
-        }
-        full = {}
-        for key in tree_keys:
-            entry, full[str(key)] = {}, {}
-            for lookup_on in (True, False):
-                side = "lookup_on" if lookup_on else "lookup_off"
-                result = run(
-                    {"head": head}, rows, self.budgets, lookup_on, key, self.batch_size, lookup_settings=lookup
-                )["head"]
-                full[str(key)][side] = {str(b): s for b, s in result.items()}
-                entry[side] = {str(b): compact_summary(s) for b, s in result.items()}
-            compact["by_key"][str(key)] = entry
-        return compact, full
+def config_of(args, name: str, run: str) -> str:
+    """The config file of a variant: the given one, or a copy without the keys the variant removes."""
+    if name not in UNSET:
+        return args.config
+    values = yaml.safe_load(Path(args.config).read_text())
+    for key in UNSET[name]:
+        values.pop(key, None)
+    path = Path(args.runs) / f"{run}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+    return str(path)
 
 
-def compact_summary(summary: dict) -> dict:
-    """The evaluator's numbers of one budget without the per-row detail."""
-    first = summary["first_round"]
+def trainer_arguments(args, name: str, steps: int, run: str) -> list[str]:
+    """`run_trainer`'s command line for variant `name` trained `steps` steps into RUNS/`run`."""
+    common = [
+        config_of(args, name, run),
+        "--feature_store",
+        args.store,
+        "--cache_features",
+        "false",
+        "--max_steps",
+        str(steps),
+        "--eval_steps",
+        str(steps),
+        "--save_strategy",
+        "no",
+        "--max_train_minutes",
+        "1000",
+        "--measure_tau_prompts",
+        "0",
+        "--warmup_steps",
+        str(max(1, steps // 20)),
+        "--output_dir",
+        str(Path(args.runs) / run),
+    ]
+    if args.data:
+        common += ["--data", *args.data]
+    if args.eval_fraction is not None:
+        common += ["--eval_fraction", str(args.eval_fraction)]
+    if name in PAIRED:  # judged on the held-out rows of the data every other variant trains on
+        common += ["--eval_data", *(args.data or yaml.safe_load(Path(args.config).read_text())["data"])]
+    return common + variant_flags(name)
+
+
+def run_settings(args, name: str) -> dict:
+    """What the variant's run trains with, as the trainer parses it (its data, split, target and recipe)."""
+    head_args, data_args, train_args = run_trainer.parse_args(trainer_arguments(args, name, 1, name))
     return {
-        "tau": summary["tau"],
-        "rounds": summary["rounds"],
-        "rows": summary["rows"],
-        "acceptance_per_depth": summary["acceptance_per_depth"],
-        "accepted_by_source": summary["accepted_by_source"],
-        "scoring": summary["shape"]["scoring"],
-        "lookup": summary["shape"]["lookup"],
-        "first_round": {
-            k: first[k]
-            for k in (
-                "rows",
-                "rows_with_target_logprob",
-                "complete_paths",
-                "share_below_-20_nats",
-                "mean_inflation",
-                "mean_draft_score",
-            )
-        },
+        "target": head_args.target,
+        "data": list(data_args.data),
+        "eval_fraction": data_args.eval_fraction,
+        "seed": train_args.seed,
+        "loss": train_args.loss,
+        "gamma": train_args.gamma,
+        "block_attention": head_args.block_attention or "causal",
+        "max_train_answer_tokens": data_args.max_train_answer_tokens,
+        "eval_data": data_args.eval_data,
     }
+
+
+def score_head(scorer: OfflineScorer, out: Path, name: str, settings: dict, head_dir, tree_keys=(None,)) -> dict:
+    """Scores one head on the held-out rows its run was judged on; writes the full result to OUT/offline/NAME.json
+    and returns the compact one."""
+    rows_of = settings.get("eval_data") or settings["data"]
+    compact, full = scorer.score(
+        head_dir, settings["target"], rows_of, settings["eval_fraction"], settings["seed"], tree_keys
+    )
+    (out / "offline").mkdir(exist_ok=True)
+    (out / "offline" / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
+    return compact
+
+
+def score_tree_keys(args, scorer: OfflineScorer, out: Path) -> dict:
+    """`--tree_keys`: the head `--head` scored under each key, one key at a time, the file written after each: a rerun
+    (a campaign resumed after a stop) scores only the keys not yet scored with these settings, and returns the ones
+    asked for, in the order asked."""
+    done, keys = out / "tree_keys.json", [str(k) for k in args.tree_keys]
+    wanted = {"head": str(args.head), **scorer.settings()}
+    before = json.loads(done.read_text()) if done.is_file() else {}
+    kept = before.get("by_key", {}) if all(before.get(k) == v for k, v in wanted.items()) else {}
+    if all(key in kept for key in keys):
+        print(f"ablation: tree keys of {args.head} already scored, skipped")
+        return {**before, "by_key": {key: kept[key] for key in keys}}
+    result = None
+    for key in args.tree_keys:
+        if str(key) in kept:
+            print(f"ablation: tree key {key} of {args.head} already scored, kept")
+            continue
+        name = f"tree_keys-{Path(args.head).name}-{key}"
+        scored = score_head(scorer, out, name, run_settings(args, "baseline"), args.head, (key,))
+        kept[str(key)] = scored["by_key"][str(key)]
+        result = tree_key_mode(args, out, {**scored, "by_key": {k: kept[k] for k in keys if k in kept}})
+    return result
+
+
+def steps_for_minutes(args, name: str, summary: dict) -> int:
+    """The steps that fill `--minutes` for variant `name`: the data variants share the steps of the first one
+    measured (they differ in data only); any other variant is timed by a probe run of `PROBE_STEPS` steps."""
+    shared = []
+    if DATA_VARIANT.match(name):
+        shared = [
+            other
+            for other, r in summary.items()
+            if other != name and DATA_VARIANT.match(other) and r.get("minutes") == args.minutes
+        ]
+    if shared:
+        steps = summary[shared[0]]["steps"]
+        print(f"ablation: {name} takes the {steps} steps of {shared[0]} (data variants share steps)")
+        return steps
+    timer = StepTimer()
+    run_trainer.main(trainer_arguments(args, name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"], [timer])
+    pace = timer.seconds_per_step(PROBE_SKIP)
+    steps = max(1, int(args.minutes * 60 / pace))
+    print(f"ablation: {name} at {pace:.2f} s/step gets {steps} steps")
+    return steps
+
+
+def train_variant(args, name: str, summary: dict, budget: dict, settings: dict, host) -> dict:
+    """Trains variant `name` for its budget (steps, or the steps that fill `--minutes`) and returns its row."""
+    steps = steps_for_minutes(args, name, summary) if args.minutes is not None else args.steps
+    started = time.perf_counter()
+    metrics = run_trainer.main(trainer_arguments(args, name, steps, name))
+    depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
+    row = {
+        "change": " ".join(variant_flags(name) + [f"(no {key})" for key in UNSET.get(name, ())])
+        or "(committed config)",
+        "host_kind": host.name,
+        **budget,
+        "steps": steps,
+        "seconds_per_step": metrics["train_runtime"] / steps,
+        "wall_seconds": time.perf_counter() - started,
+        "eval_loss": metrics["eval_loss"],
+        "acc_per_depth": [metrics[f"eval_acc_depth_{d}"] for d in depths],
+        "tau_chain": metrics["eval_tau_chain"],
+        "settings": settings,
+    }
+    if "train_answer_tokens" in metrics:
+        row["train_answer_tokens"] = metrics["train_answer_tokens"]
+    return row
+
+
+def measured(row: dict | None, budget: dict, scorer: OfflineScorer | None) -> tuple[bool, bool]:
+    """Whether a stored row was trained at this budget, and scored with these offline settings (or needs none)."""
+    trained = row is not None and all(row.get(key) == value for key, value in budget.items())
+    scored = scorer is None or (
+        row is not None
+        and row.get("offline", {}).get("eval_rows") is not None
+        and all(row["offline"].get(k) == v for k, v in scorer.settings().items())
+    )
+    return trained, scored
 
 
 def main(argv=None) -> dict:
@@ -377,154 +408,25 @@ def main(argv=None) -> dict:
             checked["lookup_settings"],
             args.eval_batch_size,
         )
+    if args.tree_keys is not None:
+        return score_tree_keys(args, scorer, out)
     budget = {"minutes": args.minutes} if args.minutes is not None else {"steps": args.steps}
     host = host_kind()
-
-    def config_of(name: str, run: str) -> str:
-        """The config file of a variant: the given one, or a copy without the keys the variant removes."""
-        if name not in UNSET:
-            return args.config
-        values = yaml.safe_load(Path(args.config).read_text())
-        for key in UNSET[name]:
-            values.pop(key, None)
-        path = Path(args.runs) / f"{run}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(values, sort_keys=False))
-        return str(path)
-
-    def arguments(name: str, steps: int, run: str) -> list[str]:
-        common = [
-            config_of(name, run),
-            "--feature_store",
-            args.store,
-            "--cache_features",
-            "false",
-            "--max_steps",
-            str(steps),
-            "--eval_steps",
-            str(steps),
-            "--save_strategy",
-            "no",
-            "--max_train_minutes",
-            "1000",
-            "--measure_tau_prompts",
-            "0",
-            "--warmup_steps",
-            str(max(1, steps // 20)),
-            "--output_dir",
-            str(Path(args.runs) / run),
-        ]
-        if args.data:
-            common += ["--data", *args.data]
-        if args.eval_fraction is not None:
-            common += ["--eval_fraction", str(args.eval_fraction)]
-        if name in PAIRED:  # judged on the held-out rows of the data every other variant trains on
-            common += ["--eval_data", *(args.data or yaml.safe_load(Path(args.config).read_text())["data"])]
-        return common + variant_flags(name)
-
-    def settings_of(name: str) -> dict:
-        """What the variant's run trains with, as the trainer parses it (its data, split, target and recipe)."""
-        head_args, data_args, train_args = run_trainer.parse_args(arguments(name, 1, name))
-        return {
-            "target": head_args.target,
-            "data": list(data_args.data),
-            "eval_fraction": data_args.eval_fraction,
-            "seed": train_args.seed,
-            "loss": train_args.loss,
-            "gamma": train_args.gamma,
-            "block_attention": head_args.block_attention or "causal",
-            "max_train_answer_tokens": data_args.max_train_answer_tokens,
-            "eval_data": data_args.eval_data,
-        }
-
-    def score(name: str, settings: dict, head_dir, tree_keys=(None,)) -> dict:
-        rows_of = settings.get("eval_data") or settings["data"]  # the held-out rows the run was judged on
-        compact, full = scorer.score(
-            head_dir, settings["target"], rows_of, settings["eval_fraction"], settings["seed"], tree_keys
-        )
-        (out / "offline").mkdir(exist_ok=True)
-        (out / "offline" / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
-        return compact
-
-    if args.tree_keys is not None:
-        # one key at a time, the file written after each: a rerun (a campaign resumed after a stop) scores only the
-        # keys not yet scored with these settings, and returns the ones asked for, in the order asked
-        done, keys = out / "tree_keys.json", [str(k) for k in args.tree_keys]
-        wanted = {"head": str(args.head), **scorer.settings()}
-        before = json.loads(done.read_text()) if done.is_file() else {}
-        kept = before.get("by_key", {}) if all(before.get(k) == v for k, v in wanted.items()) else {}
-        if all(key in kept for key in keys):
-            print(f"ablation: tree keys of {args.head} already scored, skipped")
-            return {**before, "by_key": {key: kept[key] for key in keys}}
-        result = None
-        for key in args.tree_keys:
-            if str(key) in kept:
-                print(f"ablation: tree key {key} of {args.head} already scored, kept")
-                continue
-            scored = score(f"tree_keys-{Path(args.head).name}-{key}", settings_of("baseline"), args.head, (key,))
-            kept[str(key)] = scored["by_key"][str(key)]
-            result = tree_key_mode(args, out, {**scored, "by_key": {k: kept[k] for k in keys if k in kept}})
-        return result
-
     summary_path = out / "ablation.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     for name in checked["variants"]:
-        row = summary.get(name)
-        trained = row is not None and all(row.get(key) == value for key, value in budget.items())
-        scored = scorer is None or (
-            row is not None
-            and row.get("offline", {}).get("eval_rows") is not None
-            and all(row["offline"].get(k) == v for k, v in scorer.settings().items())
-        )
+        trained, scored = measured(summary.get(name), budget, scorer)
         if trained and scored:
             print(f"ablation: {name} already measured, skipped")
             continue
-        settings = settings_of(name)
+        settings = run_settings(args, name)
         if not trained:
-            steps = args.steps
-            if args.minutes is not None:
-                shared = (
-                    [
-                        other
-                        for other, r in summary.items()
-                        if other != name and DATA_VARIANT.match(other) and r.get("minutes") == args.minutes
-                    ]
-                    if DATA_VARIANT.match(name)
-                    else []
-                )
-                if shared:  # the data variants differ in data only: the first one measured set their steps
-                    steps = summary[shared[0]]["steps"]
-                    print(f"ablation: {name} takes the {steps} steps of {shared[0]} (data variants share steps)")
-                else:
-                    timer = StepTimer()
-                    run_trainer.main(arguments(name, PROBE_STEPS, f"{name}-probe") + ["--eval_strategy", "no"], [timer])
-                    pace = timer.seconds_per_step()
-                    steps = max(1, int(args.minutes * 60 / pace))
-                    print(f"ablation: {name} at {pace:.2f} s/step gets {steps} steps")
-            started = time.perf_counter()
-            metrics = run_trainer.main(arguments(name, steps, name))
-            depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
-            row = {
-                "change": " ".join(variant_flags(name) + [f"(no {key})" for key in UNSET.get(name, ())])
-                or "(committed config)",
-                "host_kind": host.name,
-                **budget,
-                "steps": steps,
-                "seconds_per_step": metrics["train_runtime"] / steps,
-                "wall_seconds": time.perf_counter() - started,
-                "eval_loss": metrics["eval_loss"],
-                "acc_per_depth": [metrics[f"eval_acc_depth_{d}"] for d in depths],
-                "tau_chain": metrics["eval_tau_chain"],
-                "settings": settings,
-            }
-            if "train_answer_tokens" in metrics:
-                row["train_answer_tokens"] = metrics["train_answer_tokens"]
-            summary[name] = row
+            summary[name] = train_variant(args, name, summary, budget, settings, host)
             summary_path.write_text(json.dumps(summary, indent=1) + "\n")
         if scorer is not None:
             row = summary[name]
             row.setdefault("settings", settings)
-            row["offline"] = score(name, settings, Path(args.runs) / name)
+            row["offline"] = score_head(scorer, out, name, settings, Path(args.runs) / name)
             summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     text = ablation_tables(summary, args.store, args.data)
     (out / "ablation.md").write_text(text)

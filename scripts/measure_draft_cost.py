@@ -1,9 +1,9 @@
 """Draft cost c = one head draft forward / one target decode step, measured side by side in one process.
 
-    python scripts/measure_draft_cost.py --target smollm2-135m --depth 7 --context 256
-    python scripts/measure_draft_cost.py --dtype bfloat16 --draft-vocab-sizes 49152,16384,8192,4096
+    python -m scripts.measure_draft_cost --target smollm2-135m --depth 7 --context 256
+    python -m scripts.measure_draft_cost --dtype bfloat16 --draft-vocab-sizes 49152,16384,8192,4096
 
-Random head weights are fine for cost. `--target tiny` uses a 2-layer random Llama (hidden 64, vocab 128).
+Random head weights are fine for cost. `--target tiny` uses `jetspec.tiny.tiny_target` (a 2-layer random Llama, hidden 64, vocab 128).
 With several draft vocabulary sizes, one head per size is timed, interleaved with the target step in the same
 process, so the ratios share the machine's state.
 """
@@ -12,7 +12,6 @@ import argparse
 import json
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from modeling_jetspec import JetSpecDraftModel
@@ -66,16 +65,9 @@ def main(argv=None) -> list[dict]:
         raise ValueError(f"expected --dtype float32 or bfloat16, got {args.dtype!r}")
     torch.manual_seed(0)
     if args.target == "tiny":
-        target = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=128,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            )
-        )
+        from jetspec.tiny import tiny_target
+
+        target = tiny_target("llama")
     else:
         from jetspec.targets import load_target
 

@@ -1,5 +1,5 @@
-"""Whether a newly trained head replaces the shipped one, decided from the results `scripts/ship_campaign.sh` wrote,
-and the replacement itself (issue 39: "ship on identical text").
+"""Whether a newly trained head replaces the shipped one, decided from the results that
+`scripts/campaigns/ship_campaign.sh` wrote, and the replacement itself (issue 39: "ship on identical text").
 
     python -m scripts.ship_decision --results results/long-run --new training/checkpoints/smollm2-135m-long \
         --shipped jetspec/heads/smollm2-135m            # prints and writes results/long-run/decision.json
@@ -22,35 +22,24 @@ results alone (its map in the config where kept), so a shipped map never races a
 names the weights it measured (`head_identity`); the decision refuses results whose weights are not the folders'
 current ones, so a rerun after shipping never compares a head with itself.
 
-`--apply` replaces the shipped folder's files with the new head's (config, weights, card, metrics, curve, log and
-its training arguments; the map in the config when kept; no `auto_map`, as for every local head folder), after
-checking that the result loads as a head. Whatever else the shipped folder held (the old head's other files, a
-`custom_generate/` copy) is removed, so the folder holds the one head.
+`--apply` replaces the shipped folder's files with the new head's (`training.shipping.replace_head`: config, weights,
+card, metrics, curve, log and its training arguments; the map in the config when kept; no `auto_map`, as for every
+local head folder), after checking that the result loads as a head; the folder then holds the one head.
 """
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from jetspec.report import every_prompt
+from training.shipping import replace_head, stage_head
 
 DEFAULTS_METHOD = "tree-8-lookup"  # the bench's name for budget 8 with the head's own lookup branch (the trie)
-SHIPPED_FILES = (
-    "config.json",
-    "model.safetensors",
-    "README.md",
-    "metrics.json",
-    "learning_curve.png",
-    "training_log.json",
-    "training_args.json",
-)
 
 
 def _load(path: Path) -> dict:
     if not path.is_file():
-        raise ValueError(f"expected {path} (written by scripts/ship_campaign.sh), got no such file")
+        raise ValueError(f"expected {path} (written by scripts/campaigns/ship_campaign.sh), got no such file")
     return json.loads(path.read_text())
 
 
@@ -153,40 +142,17 @@ def decide(results: Path, new: str, shipped: str) -> dict:
     return decision
 
 
-def stage_head(new: Path, results: Path, keep_calibration: bool, dest: Path) -> list[str]:
-    """Writes the new head as it ships into the empty or new folder `dest`: its files of `SHIPPED_FILES`, its config
-    without `auto_map` (a local folder holds no code: `import modeling_jetspec` registers the class) and with the
-    campaign's map where kept; checks that it loads as a head. The names written."""
-    from modeling_jetspec import JetSpecDraftModel
-
-    dest.mkdir(parents=True, exist_ok=True)
-    if any(dest.iterdir()):
-        raise ValueError(f"expected an empty folder to write the head into, got files in {dest}")
-    config = json.loads((new / "config.json").read_text())
-    config.pop("auto_map", None)
-    if keep_calibration:
-        config["tree_calibration"] = json.loads((results / "calibration-map.json").read_text())
-    for name in SHIPPED_FILES:
-        if name != "config.json" and (new / name).is_file():
-            shutil.copy2(new / name, dest / name)
-    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    JetSpecDraftModel.from_pretrained(dest)  # loads as a head, else the caller replaces nothing
-    return sorted(p.name for p in dest.iterdir())
+def kept_map(results: Path, keep_calibration: bool) -> dict | None:
+    """The campaign's calibration map where the decision keeps it, else `None` (the new head's config as it is)."""
+    return json.loads((results / "calibration-map.json").read_text()) if keep_calibration else None
 
 
 def apply(decision: dict, results: Path) -> list[str]:
     """Replaces the shipped folder's head with the new one (module docstring); the files written."""
     if not decision["ships"]:
         raise ValueError(f"expected a decision to ship, got ships=False for {decision['new']}")
-    new, shipped = Path(decision["new"]), Path(decision["shipped"])
-    with tempfile.TemporaryDirectory(dir=shipped.parent) as tmp:
-        staged = Path(tmp) / shipped.name
-        written = stage_head(new, results, decision["keep_calibration"], staged)
-        for old in shipped.iterdir():  # the folder holds one head: the old one's files and folders go
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        for name in written:
-            shutil.move(str(staged / name), shipped / name)
-    return written
+    calibration = kept_map(results, decision["keep_calibration"])
+    return replace_head(decision["new"], decision["shipped"], calibration)
 
 
 def main(argv=None) -> dict:
@@ -211,7 +177,8 @@ def main(argv=None) -> dict:
     if args.candidate is not None:
         decision = offline_decision(results, args.new, args.shipped, current_weights(args.new, args.shipped))
         decision["candidate"] = str(args.candidate)
-        decision["written"] = stage_head(Path(args.new), results, decision["keep_calibration"], args.candidate)
+        calibration = kept_map(results, decision["keep_calibration"])
+        decision["written"] = stage_head(args.new, args.candidate, calibration)
         print(json.dumps(decision, indent=1))
         return decision
     decision = decide(results, args.new, args.shipped)

@@ -1,8 +1,8 @@
 """Times the static path (`modeling_jetspec/static.py`) against eager JetSpec and plain greedy, per dtype.
 
-    python scripts/static_bench.py                                            # smollm2-135m, float32 and bfloat16
-    python scripts/static_bench.py --target smollm2-135m --suites gsm8k,humaneval,mtbench --prompts 5 --new-tokens 128
-    python scripts/static_bench.py --target tiny-llama --prompts 2 --new-tokens 16     # a smoke run, random weights
+    python -m scripts.static_bench                                            # smollm2-135m, float32 and bfloat16
+    python -m scripts.static_bench --target smollm2-135m --suites gsm8k,humaneval,mtbench --prompts 5 --new-tokens 128
+    python -m scripts.static_bench --target tiny-llama --prompts 2 --new-tokens 16     # a smoke run, random weights
 
 Methods, each run once per prompt to warm up (compilation, allocator) and then timed, batch 1, greedy:
 
@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a file from any folder: the repository's packages first
+from modeling_jetspec import JetSpecDraftModel
 
-from modeling_jetspec import JetSpecDraftModel  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = ("smollm2-135m", "tiny-llama", "tiny-qwen3")
 METHODS = ("plain", "plain_static_compiled", "jetspec", "jetspec_static", "jetspec_static_compiled")
@@ -56,26 +55,9 @@ def build(name: str, device: str, dtype: torch.dtype):
 
         return target, head, encode
     if name in ("tiny-llama", "tiny-qwen3"):
-        from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+        from jetspec.tiny import tiny_target
 
-        common = dict(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-            bos_token_id=None,
-            eos_token_id=None,
-            attn_implementation="sdpa",
-        )
-        torch.manual_seed(0)
-        if name == "tiny-llama":
-            target = LlamaForCausalLM(LlamaConfig(**common))
-        else:
-            target = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-        target = target.to(device, dtype).eval()
+        target = tiny_target(name.removeprefix("tiny-")).to(device, dtype)
         head = JetSpecDraftModel.from_target(
             target, num_hidden_layers=1, block_size=8, tree_depth=4, tree_width=3, tree_budget=8, tree_lookup=4
         ).eval()

@@ -13,7 +13,7 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from modeling_jetspec import JetSpecDraftModel
-from tiny import prompts
+from jetspec.tiny import prompts
 
 VOCAB = 128
 # fields every family of the matrix shrinks to, when its config has them

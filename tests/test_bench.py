@@ -28,7 +28,7 @@ from jetspec.equality import LosslessError, Verdict
 from jetspec.prompts import SUITES
 from modeling_jetspec import JetSpecDraftModel, JetSpecStats
 from modeling_jetspec.configuration_jetspec import TREE_FIELDS
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

@@ -9,7 +9,7 @@ from modeling_jetspec.budget import BudgetController, choose_budget, committed_u
 from modeling_jetspec.state import resolve_tree_shape
 from modeling_jetspec.verifiers import measure_verify_seconds
 from modeling_jetspec.tree import build_tree, entropy, marginal_children
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 
 def test_choose_budget_is_the_argmax_of_tokens_per_second():

@@ -97,7 +97,7 @@ def test_a_calibrated_head_decodes_exactly_as_plain_generate(arch):
     import torch
 
     import modeling_jetspec.decode as decode
-    from tiny import prompts, tiny_head, tiny_target
+    from jetspec.tiny import prompts, tiny_head, tiny_target
 
     target = tiny_target(arch, vocab_size=16)  # a small vocabulary: earlier continuations abound
     reversed_map = {f"{d}:{s}": [0.9 - 0.08 * b for b in range(BINS)] for d in range(1, 5) for s in ("head", "both")}

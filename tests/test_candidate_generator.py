@@ -17,7 +17,7 @@ from modeling_jetspec import (
     install_generate_hook,
     uninstall_generate_hook,
 )
-from tests.tiny import oracle_head, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, tiny_head, tiny_target
 
 NEW = 24
 _hooked_generate = GenerationMixin.generate  # the wrapper importing modeling_jetspec installs

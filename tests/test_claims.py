@@ -12,7 +12,7 @@ from modeling_jetspec import JetSpecDraftModel
 from test_evaluate_head import LOOKUP, real_tau
 from test_scripts import ablation_config, load_script
 from test_training import sharp_target
-from tiny import tiny_head
+from jetspec.tiny import tiny_head
 from training import evaluate_head
 from training.rows import answer_lengths, answer_token_cap, load_rows, split_train_eval
 
@@ -210,7 +210,7 @@ def ablation_row(attention: str, gamma, loss: str = "fkl", acc: float = 0.3, off
 
 
 def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
-    tables = load_script("results_tables")
+    tables = load_script("campaigns/results_tables")
     ablation = {
         "gamma4": ablation_row("causal", 4.0, acc=0.41, offline=scored(2.0, 2.5, share=0.0, inflation=3.5)),
         "bidir_gamma0": ablation_row(
@@ -302,7 +302,7 @@ def test_gpu_check_ratios_are_measured_on_both_sides(monkeypatch):
 def test_all_data_row_is_the_reference_run_when_data_all_was_not_trained(tmp_path):
     """data_all's flags are gamma4's: without a data_all row the data table's all-data row (and the regenerated-data
     row) show the forward-KL reference run, never a variant of another loss, gamma or data cap."""
-    tables = load_script("results_tables")
+    tables = load_script("campaigns/results_tables")
     ablation = {
         "gamma4": ablation_row("causal", 4.0, acc=0.41, offline=scored(2.0, 2.5), train_answer_tokens=2_700_000),
         "data_1M": ablation_row("causal", 4.0, acc=0.30, train_answer_tokens=1_000_321),
@@ -397,7 +397,7 @@ def test_paired_data_variants_train_on_their_file_and_are_judged_on_the_configs_
         assert summary[name]["offline"]["rows_crc"] == summary["fkl"]["offline"]["rows_crc"]
     assert summary["fkl"]["settings"]["eval_data"] is None
     ablate_head.PAIRED_DIR = tmp_path / "nowhere"
-    with pytest.raises(ValueError, match="scripts.raw_answers"):
+    with pytest.raises(ValueError, match="scripts.campaigns.raw_answers"):
         ablate_head.main(argv + ["--variants", "raw_sharegpt"])
 
 
@@ -410,7 +410,7 @@ def test_raw_answers_pairs_each_prompt_with_the_corpus_reply_cut_to_the_targets_
     from jetspec.targets import apply_chat_template
     from training.rows import held_draw
 
-    raw_answers = load_script("raw_answers")
+    raw_answers = load_script("campaigns/raw_answers")
     tok = char_tokenizer()
     eos = tok.eos_token_id
 

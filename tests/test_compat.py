@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from modeling_jetspec import compat
 from modeling_jetspec.decode import _decode
-from tiny import prompts, tiny_target
+from jetspec.tiny import prompts, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("modeling_jetspec", "jetspec", "training")

@@ -16,7 +16,7 @@ from modeling_jetspec.continuations import (
     trie_children,
 )
 from modeling_jetspec.tree import build_tree, lookup_logprobs, lookup_match, marginal_children
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 PRIOR = [[0.2, 0.1], [0.5, 0.3], [0.8, 0.6, 0.5]]
 # "5 6 7" occurs three times; the first two continue "1 2 3 9" and "1 2 4 8"

@@ -15,7 +15,7 @@ from transformers import Qwen3Config
 
 from jetspec.cli import main
 from modeling_jetspec import JetSpecConfig, JetSpecDraftModel
-from tiny import prompts, tiny_head, tiny_target
+from jetspec.tiny import prompts, tiny_head, tiny_target
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 128, 64, 4, 2, 16, 96
 TARGET_LAYERS, DRAFT_LAYERS, BLOCK, MASK_ID = 3, 2, 6, 120

@@ -14,7 +14,7 @@ Settings:
 import pytest
 import torch
 from test_sampling import ALPHA, NEW, VOCAB, goodness_of_fit, sample, setup  # noqa: F401  (setup is a fixture)
-from tiny import prompts, tiny_head, tiny_target
+from jetspec.tiny import prompts, tiny_head, tiny_target
 from transformers import AutoModel
 
 from modeling_jetspec import JetSpecDraftModel

@@ -8,7 +8,7 @@ from transformers import AttentionInterface, T5Config, T5ForConditionalGeneratio
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from modeling_jetspec import JetSpecConfig, JetSpecDraftModel
-from tiny import prompts, tiny_head, tiny_target
+from jetspec.tiny import prompts, tiny_head, tiny_target
 
 
 @pytest.fixture(scope="module")

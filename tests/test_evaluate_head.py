@@ -12,7 +12,7 @@ import modeling_jetspec.decode as decode
 from jetspec.provenance import weights_digest
 from modeling_jetspec import JetSpecDraftModel
 from test_training import VOCAB, save_target_folder, sharp_target
-from tiny import oracle_head, tiny_head
+from jetspec.tiny import oracle_head, tiny_head
 from training import evaluate_head
 from training.evaluate_head import evaluate, forward_features, prepare_rows, tree_shape
 from training.feature_store import build_feature_store

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from test_training import losses_of, regenerated_rows, sharp_target, training_args
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 from training.feature_store import (
     DATA_NAME,
     INDEX_NAME,

@@ -17,7 +17,7 @@ import modeling_jetspec.verifiers as verifiers
 from modeling_jetspec.columns import MIN_COLUMNS, Columns
 from modeling_jetspec.kept_masks import PastMask
 from modeling_jetspec.tree import ancestor_mask, verification_mask, verify_attention_mask
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 
 def greedy(target, ids, mask, **kwargs):

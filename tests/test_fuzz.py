@@ -9,7 +9,7 @@ penalty, no-repeat n-grams, bad words, sequence bias, min new tokens, suppress /
 temperature / top-k / top-p), stopping criteria (max_new_tokens, EOS ids, a per-row custom criterion, stop strings
 with a tiny tokenizer), `return_dict_in_generate`, a streamer (handed the same puts), batch 1-3 with left padding,
 tree shapes (depth, width, budget or "auto", lookup, path conditioning), targets llama / qwen3 with and without a pad
-token, and heads of random quality: random heads and the never / sometimes / always oracles (`tiny.py`). fp32, CPU.
+token, and heads of random quality: random heads and the never / sometimes / always oracles (`jetspec/tiny.py`). fp32, CPU.
 `JETSPEC_FUZZ_CASES` (default 48, about 10 s on 2 cores) sets the count; a case that fails prints its draw.
 """
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from tiny import oracle_head, tiny_head, tiny_target, tiny_tokenizer
+from jetspec.tiny import oracle_head, tiny_head, tiny_target, tiny_tokenizer
 
 SEED = int(os.environ.get("JETSPEC_FUZZ_SEED", 20261201))
 CASES = int(os.environ.get("JETSPEC_FUZZ_CASES", 48))

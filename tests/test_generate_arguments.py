@@ -19,7 +19,7 @@ from transformers import (
 )
 
 import modeling_jetspec.decode as decode
-from tiny import oracle_head, prompts, tiny_head, tiny_target, tiny_tokenizer
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target, tiny_tokenizer
 
 
 def greedy(target, ids, mask, **kwargs):

@@ -10,7 +10,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from modeling_jetspec.compat import decoder_attention_implementation
 from modeling_jetspec.grouped_attention import GROUPED_SDPA, sdpa_grouped, uses_grouped_attention
-from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
 
 class Copies:

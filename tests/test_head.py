@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from modeling_jetspec import JetSpecConfig, default_target_layer_ids
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 
 
 def random_context(head, batch=2, length=6, seed=0):
@@ -120,7 +120,7 @@ def test_from_target_reads_gemma4_per_layer_attention():
     (full-attention) layers' width and rotary, and decodes losslessly."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    from tiny import prompts
+    from jetspec.tiny import prompts
 
     torch.manual_seed(0)
     config = Gemma4TextConfig(

@@ -9,7 +9,7 @@ token, transformers' checks in `generate`), which happen once per call.
 
 import pytest
 import torch
-from tiny import oracle_head, prompts, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_target
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import modeling_jetspec.decode as decode

@@ -17,7 +17,7 @@ import torch
 from test_architectures import HYBRID_FAMILIES, VOCAB, family_target
 from test_lossless import LookupBranch
 from test_sampling import ALPHA, NEW, MarginalHead, exact_distribution, goodness_of_fit, sample
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 from modeling_jetspec import hybrid_tree
 from modeling_jetspec.hybrid import HybridVerifier

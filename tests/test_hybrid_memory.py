@@ -127,14 +127,16 @@ if __name__ == "__main__":
 def test_hybrid_forwards_isolates_runs_and_reports_one_cut_by_its_timeout(tmp_path):
     """scripts/hybrid_forwards.py --isolate: each run in its own process prints one JSON line (equal to plain greedy,
     forwards per round, peak memory); with --run-timeout a run that outlasts it is reported unfinished, not lost."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "hybrid_forwards.py"
-    common = [sys.executable, str(script), "--layers", "4", "--isolate", "--batch", "1", "--new-tokens", "3"]
+    common = [sys.executable, "-m", "scripts.hybrid_forwards", "--layers", "4", "--isolate", "--batch", "1"]
+    common += ["--new-tokens", "3"]
     common += ["--drafters", "always", "--modes", "chain"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(common, capture_output=True, text=True, env=env, timeout=600, check=True)
+    done = subprocess.run(common, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT, check=True)
     (line,) = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
     assert line["equal_to_greedy"] and line["mode"] == "chain" and line["peak_rss_mib"] >= line["rss_before_mib"]
-    cut = subprocess.run([*common, "--run-timeout", "0.01"], capture_output=True, text=True, env=env, timeout=600)
+    cut = subprocess.run(
+        [*common, "--run-timeout", "0.01"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
     (line,) = [json.loads(text) for text in cut.stdout.splitlines() if text.startswith("{")]
     assert line == {
         "batch": 1,
@@ -150,17 +152,19 @@ def test_hybrid_forwards_reuses_a_kept_plain_reference(tmp_path):
     second file) and are still checked against it; a reference whose prompt is not this run's is recomputed."""
     import torch
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "hybrid_forwards.py"
-    common = [sys.executable, str(script), "--layers", "4", "--isolate", "--batch", "1", "--new-tokens", "3"]
+    common = [sys.executable, "-m", "scripts.hybrid_forwards", "--layers", "4", "--isolate", "--batch", "1"]
+    common += ["--new-tokens", "3"]
     common += ["--drafters", "always", "--reference-dir", str(tmp_path / "refs")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*common, "--modes", "chain", "tree"], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [*common, "--modes", "chain", "tree"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+    )
     lines = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
     assert [line["mode"] for line in lines] == ["chain", "tree"] and all(line["equal_to_greedy"] for line in lines)
     (kept,) = (tmp_path / "refs").iterdir()
     reference = torch.load(kept)
     assert reference.shape == (1, 16 + 3) and kept.name.endswith("-p16-b1-n3.pt")
     torch.save(torch.zeros_like(reference), kept)  # not this run's prompt: recomputed and written again
-    done = subprocess.run([*common, "--modes", "chain"], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([*common, "--modes", "chain"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     (line,) = [json.loads(text) for text in done.stdout.splitlines() if text.startswith("{")]
     assert line["equal_to_greedy"] and torch.equal(torch.load(kept), reference)

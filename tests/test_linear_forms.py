@@ -12,7 +12,7 @@ import modeling_jetspec.steps as steps
 from modeling_jetspec.linear_forms import LinearForms, mm_linear
 from modeling_jetspec.state import resolve_tree_shape
 from modeling_jetspec.verifiers import verifier_for
-from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
 
 def greedy(target, ids, mask, **kwargs):

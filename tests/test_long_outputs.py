@@ -17,7 +17,7 @@ import torch
 import modeling_jetspec.reclaim as reclaim_module
 import modeling_jetspec.verifiers as verifiers
 from modeling_jetspec.reclaim import MIN_RECLAIM, live_columns, packed_order
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 WINDOW = 16
 

@@ -35,7 +35,7 @@ def test_bad_input_is_named():
 
 def test_the_command_writes_the_odds_into_a_saved_head_s_config(tmp_path, capsys):
     from test_training import regenerated_rows, sharp_target, write_shards
-    from tiny import tiny_head
+    from jetspec.tiny import tiny_head
 
     from modeling_jetspec import JetSpecDraftModel
     from training.lookup_prior import main

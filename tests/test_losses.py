@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from test_training import regenerated_rows, sharp_target, training_args
-from tiny import tiny_head
+from jetspec.tiny import tiny_head
 from training.losses import (
     LOSS_KINDS,
     block_loss,

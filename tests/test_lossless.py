@@ -17,7 +17,7 @@ import modeling_jetspec.integration as integration
 import modeling_jetspec.steps as steps
 import modeling_jetspec.tree as tree_module
 from modeling_jetspec import JetSpecGenerateOutput
-from tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import ARCHITECTURES, oracle_head, prompts, tiny_head, tiny_target
 
 SHAPES = [  # (depth, width, budget)
     (1, 1, 1),

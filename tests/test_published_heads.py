@@ -30,7 +30,7 @@ import modeling_jetspec.integration as integration
 from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.hybrid import HybridVerifier
 from modeling_jetspec.verifiers import TreeVerifier
-from tiny import prompts, tiny_target
+from jetspec.tiny import prompts, tiny_target
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 128, 64, 4, 2, 16, 96
 TARGET_LAYERS, MASK_ID, WINDOW = 4, 120, 5

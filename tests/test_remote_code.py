@@ -13,7 +13,7 @@ import transformers.utils.hub as transformers_hub
 from huggingface_hub import ModelCard, ModelCardData
 from safetensors.torch import load_file
 
-from tiny import prompts, tiny_head, tiny_target
+from jetspec.tiny import prompts, tiny_head, tiny_target
 
 # the package's files a saved head needs: the head, its config and formats, and every file of the round
 CODE_FILES = {

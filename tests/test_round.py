@@ -14,7 +14,7 @@ import modeling_jetspec.decode as decode
 import modeling_jetspec.steps as steps
 import modeling_jetspec.verifiers as verifiers
 from modeling_jetspec import JetSpecGenerateOutput
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 
 def greedy(target, ids, mask, **kwargs):

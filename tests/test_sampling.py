@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from modeling_jetspec import JetSpecDraftModel
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 
 
 class MarginalHead(JetSpecDraftModel):
@@ -239,7 +239,7 @@ def test_tree_sampling_at_batch_32_with_ragged_prompts_and_eos():
 def test_sampling_with_top_k_1_equals_plain_at_batch_3():
     # do_sample with top_k=1 draws the argmax: the sampling path (processors, multinomial, sample-then-match)
     # must then return plain generate's tokens exactly, with ragged prompts and rows stopping at EOS
-    from tiny import oracle_head, prompts
+    from jetspec.tiny import oracle_head, prompts
 
     target = tiny_target("llama")
     ids, mask = prompts(3)
@@ -257,7 +257,7 @@ def test_sampling_with_top_k_1_equals_plain_at_batch_3():
 def test_num_return_sequences_rows_are_expanded_as_in_plain_generate():
     # generate expands each prompt to num_return_sequences rows before the tree loop sees them; top_k=1 makes the
     # samples deterministic, so the expanded batch must match plain generate row for row
-    from tiny import prompts
+    from jetspec.tiny import prompts
 
     target = tiny_target("llama")
     ids, mask = prompts(2)

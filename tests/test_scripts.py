@@ -1,6 +1,6 @@
 """The command-line scripts on tiny inputs: the head ablation (scripts/ablate_head.py), the decoding ablation
 (scripts/ablate_decoding.py), the draft cost (scripts/measure_draft_cost.py), the training-step timer
-(scripts/train_step_speed.py), and the module entry points of `training/` (run from the repository root)."""
+(scripts/campaigns/train_step_speed.py), and the module entry points of `training/` (run from the repository root)."""
 
 import importlib.util
 import json
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_training import regenerated_rows, save_target_folder, sharp_target, write_shards
-from tiny import tiny_head
+from jetspec.tiny import tiny_head
 from training.feature_store import build_feature_store
 from training.rows import split_train_eval
 
@@ -22,9 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
-    """A script of scripts/ as a module, by its path (`scripts` is not a package, and a distribution on the path could
-    own that name)."""
-    spec = importlib.util.spec_from_file_location(f"jetspec_script_{name}", REPO / "scripts" / f"{name}.py")
+    """A script of scripts/ as a module, by its path under scripts/ (`"ablate_head"`, `"campaigns/depth_table"`):
+    `scripts` is not a package, and a distribution on the path could own that name."""
+    module_name = "jetspec_script_" + name.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(module_name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -142,7 +143,7 @@ def test_depth_table_times_each_trained_head_beside_its_offline_tau(tmp_path, ca
     # an offline tau at the defaults for one head (what ablate_head's scorer records), none for the other
     summary["baseline"]["offline"] = {"by_key": {"None": {"lookup_on": {"8": {"tau": 2.5}}}}}
     (out / "ablation.json").write_text(json.dumps(summary))
-    depth_table = load_script("depth_table")
+    depth_table = load_script("campaigns/depth_table")
     argv = ["--ablation", str(out / "ablation.json"), "--runs", str(runs), "--variants", "baseline", "layers2"]
     argv += ["--dtype", "float32", "--prompt_tokens", "16", "--repeats", "2", "--out", str(tmp_path / "depth")]
     result = depth_table.main(argv)
@@ -259,7 +260,7 @@ def test_measure_draft_cost_times_one_head_per_draft_vocabulary(capsys):
 def test_train_step_speed_trains_every_mode_from_the_same_start(tmp_path):
     """fp32 and bf16 autocast train copies of one head on one batch: the same first loss (the bf16 forward within
     bf16 rounding), and each table row is reported. torch.compile is left to the smoke run (minutes to compile)."""
-    train_step_speed = load_script("train_step_speed")
+    train_step_speed = load_script("campaigns/train_step_speed")
     out = tmp_path / "speed.json"
     results = train_step_speed.main(
         [
@@ -381,7 +382,7 @@ def test_compile_trial_runs_the_same_training_eager_and_compiled(tmp_path, capsy
     """Both runs train the same rows from the same seed, the second through the Trainer's `torch_compile` (the
     `eager` dynamo backend here: the inductor build takes minutes), and the verdict follows from their numbers."""
     config = ablation_config(tmp_path)
-    compile_trial = load_script("compile_trial")
+    compile_trial = load_script("campaigns/compile_trial")
     out = tmp_path / "trial"
     argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--steps", "3", "--skip", "1"]
     result = compile_trial.main(argv + ["--backend", "eager", "--out", str(out)])
@@ -424,3 +425,21 @@ def test_eval_curve_keeps_one_row_per_step_and_rewrites_its_own_table(tmp_path):
         curve.eval_rows([{"loss": 1.0, "step": 1}])
     with pytest.raises(ValueError, match="expected the line"):
         curve.write_after_marker(doc, "elsewhere", second)
+
+
+def test_step_timer_refuses_a_mean_over_no_steps():
+    """`training.step_timer.StepTimer`: a mean needs a started run and at least one step after the skipped ones."""
+    import types
+
+    from training.step_timer import StepTimer
+
+    timer = StepTimer()
+    with pytest.raises(ValueError, match="never started"):
+        timer.seconds_per_step(0)
+    timer.on_train_begin(types.SimpleNamespace(bf16=True, torch_compile=False), None, None)
+    assert (timer.precision, timer.compiled) == ("bf16 autocast", False)
+    timer.on_step_end(None, None, None)
+    timer.on_step_end(None, None, None)
+    assert timer.seconds_per_step(1) >= 0 and timer.first_seconds(2) >= timer.first_seconds(1)
+    with pytest.raises(ValueError, match="expected 0 <= skip < the 2 timed steps"):
+        timer.seconds_per_step(2)

@@ -40,7 +40,7 @@ from test_bench import char_tokenizer
 from jetspec.cli import load_head
 from jetspec.serve_requests import StopTrimmer
 from jetspec.targets import load_target
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "tiny-served"

@@ -1,6 +1,6 @@
-"""scripts/ship_decision.py: a new head ships only when offline tau and the float32 bench both put it ahead, on
-results that measured the folders' current weights; its map is kept only when it raises offline tau; --apply leaves
-the shipped folder holding the new head alone, loadable."""
+"""scripts/ship_decision.py and the release step it calls (`training.shipping.replace_head`): a new head ships only
+when offline tau and the float32 bench both put it ahead, on results that measured the folders' current weights; its
+map is kept only when it raises offline tau; --apply leaves the shipped folder holding the new head alone, loadable."""
 
 import copy
 import json
@@ -15,7 +15,8 @@ from modeling_jetspec import JetSpecDraftModel
 from modeling_jetspec.calibration import BINS
 from test_bench import char_tokenizer
 from test_scripts import load_script
-from tiny import tiny_head, tiny_target
+from training.shipping import SHIPPED_FILES
+from jetspec.tiny import tiny_head, tiny_target
 
 MAP = {"1:head": [0.5] * BINS}  # a calibration map of the config's form (one depth and source)
 
@@ -98,7 +99,7 @@ def test_apply_replaces_the_shipped_head_with_the_map_only_where_it_raises_tau(t
     write_results(out, new, shipped, bench_run, calibrated=calibrated)  # offline tau without the map: 3.2
     decision = ship.main(["--results", str(out), "--new", new, "--shipped", shipped, "--apply"])
     assert decision["ships"] and decision["keep_calibration"] is kept
-    expected = [name for name in ship.SHIPPED_FILES if (tmp_path / "new" / name).is_file()]
+    expected = [name for name in SHIPPED_FILES if (tmp_path / "new" / name).is_file()]
     assert "model.safetensors" in expected and "trainer_state.json" not in expected
     assert sorted(p.name for p in (tmp_path / "shipped").iterdir()) == sorted(expected)  # the old head's files gone
     config = json.loads((tmp_path / "shipped" / "config.json").read_text())

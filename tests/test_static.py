@@ -12,7 +12,7 @@ import modeling_jetspec.decode as decode
 import modeling_jetspec.integration as integration
 import modeling_jetspec.static as static
 from test_hybrid import hybrid_target
-from tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
 SHAPES = [(1, 1, 1), (4, 3, 12), (3, 8, 40)]  # (depth, width, budget)
 

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast, TrainingArguments
 
 from jetspec.targets import load_target
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 from training import run_trainer
 from training import trainer as trainer_module
 from training.losses import block_loss, chain_accept_length, depth_weights

@@ -15,7 +15,7 @@ from modeling_jetspec.verify_attention import (
     flex_attention_uncompiled,
     verify_attention_of,
 )
-from tiny import oracle_head, prompts, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_target
 
 
 class Layer(torch.nn.Module):

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from tiny import prompts, tiny_head, tiny_target
+from jetspec.tiny import prompts, tiny_head, tiny_target
 from torch.overrides import TorchFunctionMode
 
 import modeling_jetspec.decode as decode

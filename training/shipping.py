@@ -1,4 +1,11 @@
-"""Ship a trained head: a model card from `hub_cards/jetspec-head.md`, and an upload of exactly the head's files.
+"""Ship a trained head: into the package's head folder (`jetspec/heads/<name>`), with a model card from
+`hub_cards/jetspec-head.md`, and to the Hub as an upload of exactly the head's files.
+
+[`replace_head`] is the release step: it rewrites a shipped head folder with a new head's files ([`SHIPPED_FILES`]),
+its config without `auto_map` (a local folder holds no code: `import modeling_jetspec` registers the class) and with a
+calibration map where one is kept, after checking in a staging folder that the result loads as a head. Whatever else
+the shipped folder held (the old head's other files, a `custom_generate/` copy) is removed, so it holds the one head.
+`scripts/ship_decision.py` decides whether a head ships and calls it.
 
 The card is a `huggingface_hub.ModelCard` rendered from the template (its YAML front matter is validated when the
 card is built). The upload is [`push_head_folder`]: `upload_folder` with `allow_patterns` naming the head's files
@@ -6,13 +13,80 @@ card is built). The upload is [`push_head_folder`]: `upload_folder` with `allow_
 `modeling_jetspec/`, which ships to the Hub as the head's remote code.
 """
 
+import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "jetspec-head.md"
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+SHIPPED_FILES = (  # what a shipped head folder holds, where the new head has it
+    "config.json",
+    "model.safetensors",
+    "README.md",
+    "metrics.json",
+    "learning_curve.png",
+    "training_log.json",
+    "training_args.json",
+)
+
+
+def stage_head(new, dest, calibration_map: dict | None = None) -> list[str]:
+    """Writes the head saved in `new` as it ships into the empty or new folder `dest`: its files of [`SHIPPED_FILES`],
+    its config without `auto_map` and with `calibration_map` as its `tree_calibration` where given; checks that the
+    result loads as a head.
+
+    Args:
+        new (`str` or `os.PathLike`): a head saved by `save_pretrained` (a training run's kept head).
+        dest (`str` or `os.PathLike`): an empty or missing folder.
+        calibration_map (`dict`, *optional*): the tree calibration the shipped config carries; `None` leaves the
+            config's own.
+
+    Returns:
+        `list[str]`: the names written, sorted.
+    """
+    from modeling_jetspec import JetSpecDraftModel
+
+    new, dest = Path(new), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if any(dest.iterdir()):
+        raise ValueError(f"expected an empty folder to write the head into, got files in {dest}")
+    config = json.loads((new / "config.json").read_text())
+    config.pop("auto_map", None)
+    if calibration_map is not None:
+        config["tree_calibration"] = calibration_map
+    for name in SHIPPED_FILES:
+        if name != "config.json" and (new / name).is_file():
+            shutil.copy2(new / name, dest / name)
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    JetSpecDraftModel.from_pretrained(dest)  # loads as a head, else the caller replaces nothing
+    return sorted(p.name for p in dest.iterdir())
+
+
+def replace_head(new, shipped, calibration_map: dict | None = None) -> list[str]:
+    """Replaces the head in the folder `shipped` with the one saved in `new` (module docstring): staged beside it
+    first ([`stage_head`]), so a head that does not load replaces nothing.
+
+    Args:
+        new (`str` or `os.PathLike`): the head that ships.
+        shipped (`str` or `os.PathLike`): the shipped head's folder (e.g. `jetspec/heads/smollm2-135m`), rewritten.
+        calibration_map (`dict`, *optional*): the tree calibration the shipped config carries.
+
+    Returns:
+        `list[str]`: the names written, sorted.
+    """
+    new, shipped = Path(new), Path(shipped)
+    with tempfile.TemporaryDirectory(dir=shipped.parent) as tmp:
+        staged = Path(tmp) / shipped.name
+        written = stage_head(new, staged, calibration_map)
+        for old in shipped.iterdir():  # the folder holds one head: the old one's files and folders go
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for name in written:
+            shutil.move(str(staged / name), shipped / name)
+    return written
 
 
 def head_files(folder) -> list[str]:

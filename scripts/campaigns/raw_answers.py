@@ -1,7 +1,7 @@
 """Raw against regenerated data, on the same prompts and the same answer tokens: the paper's claim that a head
 trained on the target's own answers beats one trained on the corpus's replies at the same size.
 
-    python -m scripts.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
+    python -m scripts.campaigns.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
     python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out cache/smollm2-135m --max_length 512 \
         --dtype bfloat16
     python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-raw \
@@ -44,7 +44,7 @@ from scripts.build_prompt_suites import (
     package_file,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "training" / "configs" / "smollm2-135m.yaml"
 ROW_PREFIX = "sharegpt-"
 RAW_PREFIX = "raw:"

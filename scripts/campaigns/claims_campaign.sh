@@ -5,9 +5,9 @@
 # Each variant's row is written as soon as it finishes; commit results/ (and training/checkpoints/, where runs of
 # 20+ minutes keep their heads) at every stop.
 #
-#   nice -n 5 bash scripts/claims_campaign.sh > runs/claims-campaign.log 2>&1 &
-#   STAGES="claims tree_keys data raw tables" nice -n 5 bash scripts/claims_campaign.sh ...   # some stages only
-#   CLAIMS_VARIANTS="gamma0 kl_tv" STAGES=claims bash scripts/claims_campaign.sh ...     # some claims variants only
+#   nice -n 5 bash scripts/campaigns/claims_campaign.sh > runs/claims-campaign.log 2>&1 &
+#   STAGES="claims tree_keys data raw tables" nice -n 5 bash scripts/campaigns/claims_campaign.sh ...  # some stages
+#   CLAIMS_VARIANTS="gamma0 kl_tv" STAGES=claims bash scripts/campaigns/claims_campaign.sh ...  # some claims variants
 #
 # Budgets, chosen so that the tables stay comparable when the machine changes between working sessions:
 # - depth (DEPTH_MINUTES, default 30): equal wall-clock, because a deeper head costs more per step; its four rows
@@ -21,7 +21,7 @@
 # Host kind and dtype are recorded in every result (jetspec.host). Pausing the campaign (kill -STOP / -CONT) is safe,
 # but the paused time counts in that row's seconds_per_step.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STORE=${STORE:-cache/smollm2-135m}
 CLAIMS_STEPS=${CLAIMS_STEPS:-2400}
 DEPTH_MINUTES=${DEPTH_MINUTES:-30}
@@ -34,7 +34,7 @@ stage() { [[ " $STAGES " == *" $1 "* ]]; }
 if stage depth; then
     ablate --minutes "$DEPTH_MINUTES" --out results/depth --runs runs/depth \
         --variants layers1 layers2 layers3 warm block16
-    python -m scripts.depth_table --ablation results/depth/ablation.json --runs runs/depth \
+    python -m scripts.campaigns.depth_table --ablation results/depth/ablation.json --runs runs/depth \
         --variants layers1 layers2 layers3 warm block16 --out results/depth
 fi
 # 2. the causal block at gamma 0, 4 and 7 (gamma4 is also the forward-KL reference) and the losses first: they pick
@@ -57,7 +57,8 @@ fi
 # 5. raw against regenerated data: the same ShareGPT prompts, ShareGPT's replies or the target's answers cut to the
 #    same tokens per row (written once; the raw rows' target features are added to the store, a few minutes)
 if stage raw; then
-    [[ -f cache/raw-vs-regen/raw.npz ]] || python -m scripts.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
+    [[ -f cache/raw-vs-regen/raw.npz ]] ||
+        python -m scripts.campaigns.raw_answers --out cache/raw-vs-regen --answer_tokens 500000
     python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out "$STORE" --max_length 512
     ablate --steps "$CLAIMS_STEPS" --out results/claims-raw --runs runs/claims-raw \
         --variants raw_sharegpt regen_sharegpt
@@ -69,5 +70,5 @@ if stage tables; then
     done
     tree_keys=()  # like the ablation files: only what has been run (results_tables refuses a missing file)
     [[ -f results/claims-tree-keys/tree_keys.json ]] && tree_keys=(--tree_keys results/claims-tree-keys/tree_keys.json)
-    python -m scripts.results_tables --ablation "${ablations[@]}" "${tree_keys[@]}" --write docs/results.md
+    python -m scripts.campaigns.results_tables --ablation "${ablations[@]}" "${tree_keys[@]}" --write docs/results.md
 fi

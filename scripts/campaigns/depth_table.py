@@ -12,7 +12,7 @@ only if this rises: its tau must pay for its larger c.
 
     python -m scripts.ablate_head --store cache/smollm2-135m --minutes 30 --out results/depth --runs runs/depth \
         --variants layers1 layers2 layers3 warm
-    python -m scripts.depth_table --ablation results/depth/ablation.json --runs runs/depth \
+    python -m scripts.campaigns.depth_table --ablation results/depth/ablation.json --runs runs/depth \
         --variants layers1 layers2 layers3 warm --out results/depth
 
 Writes OUT/depth.json (every timing, the host kind) and OUT/depth.md. Heads are read from RUNS/<variant> (or the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BUDGET = 8
 
 

@@ -5,8 +5,8 @@
 # other stage writes its result file once and is skipped when that file exists. Commit training/checkpoints/ and
 # results/long-run/ at every stop.
 #
-#   nice -n 5 bash scripts/ship_campaign.sh > runs/ship-campaign.log 2>&1 &
-#   STAGES="calibrate offline" bash scripts/ship_campaign.sh ...      # some stages only
+#   nice -n 5 bash scripts/campaigns/ship_campaign.sh > runs/ship-campaign.log 2>&1 &
+#   STAGES="calibrate offline" bash scripts/campaigns/ship_campaign.sh ...      # some stages only
 #
 # Stages:
 # - train: `training/run_trainer.py` on the long config (its schedule fixed once, annealed at its end).
@@ -21,7 +21,7 @@
 # - ship (on request): the same, and when it ships, the new head replaces SHIPPED (then update the README's tables).
 # - bench_bf16 (after shipping): plain, prompt lookup, the head alone and the defaults, bf16, 3 suites x 10 x 256.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STORE=${STORE:-cache/smollm2-135m}
 CONFIG=${CONFIG:-training/configs/smollm2-135m-long.yaml}
 RUN=${RUN:-runs/smollm2-135m-long}

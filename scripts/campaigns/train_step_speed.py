@@ -8,8 +8,8 @@ head are random weights of its shapes (its layers stay on the meta device), and 
 states of the rows are random bf16 tensors, as the feature store serves them. Every mode trains its own copy of the
 same head from the same start.
 
-    python -m scripts.train_step_speed --steps 20
-    python -m scripts.train_step_speed --steps 1 --modes fp32,bf16,compile     # a smoke run
+    python -m scripts.campaigns.train_step_speed --steps 20
+    python -m scripts.campaigns.train_step_speed --steps 1 --modes fp32,bf16,compile     # a smoke run
 
 Defaults: SmolLM2-135M-Instruct's shapes (hidden 576, 30 layers of which the head reads 5, vocabulary 49,152,
 intermediate 1,536, 9 heads, 3 key/value heads) and the committed recipe (one head layer, last-context input, a
@@ -108,7 +108,7 @@ def make_step(head, batch, features, final, gamma: float | None, compiled: bool,
     return step
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--modes", default="fp32,bf16,compile,compile_bf16", help=f"comma-separated, of {sorted(MODES)} (default: all)"
@@ -135,16 +135,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--gamma", type=float, default=4.0)
     parser.add_argument("--learning_rate", type=float, default=6e-4)
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
-    args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or not modes:
-        raise ValueError(f"expected --modes from {sorted(MODES)}, got {unknown or modes}")
-    if args.steps < 1 or args.warmup < 0:
-        raise ValueError(f"expected --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    return parser
 
+
+def mode_steps(args, modes: list) -> dict:
+    """One step closure per mode, each training its own copy of the same head on the same batch."""
     target = synthetic_target(args)
-    steps, losses, batch = {}, {}, None
+    steps, batch = {}, None
     for mode in modes:
         torch.manual_seed(0)  # the same head for every mode
         head = (
@@ -164,20 +161,30 @@ def main(argv=None) -> dict:
             batch, features, final = synthetic_batch(args, head, torch.Generator().manual_seed(1))
         compiled, autocast = MODES[mode]
         steps[mode] = make_step(head, batch, features, final, args.gamma, compiled, autocast, args.learning_rate)
-    seconds = {mode: [] for mode in modes}
-    for _ in range(args.warmup):
+    return steps
+
+
+def time_steps(steps: dict, warmup: int, timed: int) -> tuple[dict, dict]:
+    """`(seconds, losses)`: each mode's timed step seconds and its last loss; the modes take turns step by step, the
+    order rotating, after `warmup` untimed steps each."""
+    modes = list(steps)
+    seconds, losses = {mode: [] for mode in modes}, {}
+    for _ in range(warmup):
         for mode in modes:
             losses[mode] = steps[mode]()
-    for i in range(args.steps):
+    for i in range(timed):
         for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
             started = clock()
             losses[mode] = steps[mode]()
             seconds[mode].append(clock() - started)
+    return seconds, losses
 
-    host = host_kind()
+
+def summarize(args, seconds: dict, losses: dict) -> dict:
+    """Per mode: median, min and max seconds per step, sequence positions per second, speedup over fp32, last loss."""
     positions = args.batch_size * args.max_length
     fp32 = statistics.median(seconds["fp32"]) if "fp32" in seconds else None
-    results = {
+    return {
         mode: {
             "median_s": statistics.median(values),
             "min_s": min(values),
@@ -188,6 +195,10 @@ def main(argv=None) -> dict:
         }
         for mode, values in seconds.items()
     }
+
+
+def markdown(args, results: dict, host) -> str:
+    """The settings line and the table of the modes."""
     lines = [
         f"{args.steps} timed steps per mode after {args.warmup} warm-up steps; {args.batch_size} rows x "
         f"{args.max_length} tokens, {args.anchors} blocks of {args.block_size} per row, "
@@ -204,21 +215,30 @@ def main(argv=None) -> dict:
             f"| {mode} | {r['median_s']:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} | "
             f"{r['positions_per_s']:.0f} | {speedup} | {r['last_loss']:.4f} |"
         )
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise ValueError(f"expected --modes from {sorted(MODES)}, got {unknown or modes}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"expected --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    seconds, losses = time_steps(mode_steps(args, modes), args.warmup, args.steps)
+    host = host_kind()
+    results = summarize(args, seconds, losses)
+    print(markdown(args, results, host))
     if args.out:
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "settings": vars(args),
-                    "host_kind": host.name,
-                    "host_dtype": host.dtype,
-                    "host_reason": host.reason,
-                    "results": results,
-                },
-                indent=1,
-            )
-            + "\n"
-        )
+        record = {
+            "settings": vars(args),
+            "host_kind": host.name,
+            "host_dtype": host.dtype,
+            "host_reason": host.reason,
+            "results": results,
+        }
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     return results
 
 

@@ -1,4 +1,10 @@
-"""Tiny random targets built in-process (fp32, CPU, no network) and drafters of known quality."""
+"""Tiny random targets built in-process (fp32, CPU, no network) and drafters of known quality: what the tests decode
+with, and what the measuring scripts' smoke runs (`--target tiny...`) time, so both build the same models.
+
+    target = tiny_target("qwen3")                          # 2 layers, hidden 64, vocabulary 128, seeded
+    head = tiny_head(target, tree_budget=8)                # a random head of that target
+    input_ids, attention_mask = prompts(2)                 # left-padded random prompts
+"""
 
 import torch
 from transformers import (

@@ -3,8 +3,8 @@ OUT/tree_keys.json of its `--tree_keys` mode) into docs/results.md's tables, one
 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, as issue 33 quotes them) beside ours. A cell with no result says
 "not run yet"; nothing is estimated.
 
-    python -m scripts.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \
-        results/claims-raw/ablation.json --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md
+    python -m scripts.campaigns.results_tables --ablation results/claims/ablation.json \
+        results/claims-data/ablation.json results/claims-raw/ablation.json --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md
 
 `--write FILE` replaces the text between the markers `<!-- claims:begin -->` and `<!-- claims:end -->` in FILE
 (appends the marked section when FILE has none); without it the tables go to stdout. Variants are found by name
@@ -63,7 +63,7 @@ DATA = [
     ALL_DATA,
 ]
 
-# raw against regenerated data (scripts/raw_answers.py): (label, variant names, the paper's finding)
+# raw against regenerated data (scripts/campaigns/raw_answers.py): (label, variant names, the paper's finding)
 PAIRED = [
     ("ShareGPT's own replies (raw)", ("raw_sharegpt",), "below regenerated"),
     ("the target's own answers (regenerated)", ("regen_sharegpt",), "above raw"),
@@ -130,6 +130,23 @@ def block_gamma_rows(results: dict) -> list:
 
 
 def render(results: dict, tree_keys: dict | None, sources: list) -> str:
+    """The section's markdown: how it was made, then one table per claim."""
+    blocks = block_gamma_rows(results)
+    lines = (
+        introduction(sources)
+        + block_gamma_section(blocks)
+        + impossible_paths_section(blocks)
+        + budgets_section(blocks)
+        + losses_section(results)
+        + tree_key_section(tree_keys)
+        + data_section(results)
+        + raw_section(results)
+    )
+    return "\n".join(lines) + "\n"
+
+
+def introduction(sources: list) -> list:
+    """What the section was made from, the commands that make it, and what our measure is."""
     lines = []
     if not sources:
         lines += [
@@ -173,9 +190,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         "/ on (on: the committed head's branch settings for every head).",
         "",
     ]
+    return lines
 
-    blocks = block_gamma_rows(results)
-    lines += [
+
+def block_gamma_section(blocks: list) -> list:
+    """The causal against bidirectional table: agreement and offline tau of the block x gamma variants."""
+    lines = [
         "### Causal against bidirectional block, by gamma",
         "",
         "Paper: a causal block is insensitive to the depth weighting gamma, a bidirectional (DFlash-style) one "
@@ -207,8 +227,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         ],
         rows,
     ) + [""]
+    return lines
 
-    lines += [
+
+def impossible_paths_section(blocks: list) -> list:
+    """The first round's impossible paths of the block x gamma variants, beside the paper's."""
+    lines = [
         "### Impossible paths ranked first",
         "",
         "The first round's top-ranked path (each node's best child, from the root): the share of rows whose "
@@ -249,8 +273,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         ],
         rows,
     ) + [""]
+    return lines
 
-    lines += [
+
+def budgets_section(blocks: list) -> list:
+    """Offline tau against the tree budget, of the block x gamma variants."""
+    lines = [
         "### Larger trees pay only with a causal head",
         "",
         "Paper: from budget 32 on, DFlash's speedup stalls or falls while JetSpec's keeps rising (budgets 16 / "
@@ -267,8 +295,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
     lines += table(
         ["budget", "branch", *[f"{'causal' if a == 'causal' else 'bidir'} g{g}" for a, g, *_ in blocks]], rows
     ) + [""]
+    return lines
 
-    lines += [
+
+def losses_section(results: dict) -> list:
+    """The losses against the forward-KL reference."""
+    lines = [
         "### Losses",
         "",
         f'Paper (MATH-500): forward KL and SFT about equal, reverse KL 36-46% below forward KL. "vs forward KL": '
@@ -305,8 +337,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         ],
         rows,
     ) + [""]
+    return lines
 
-    lines += [
+
+def tree_key_section(tree_keys: dict | None) -> list:
+    """One head scored under each tree key."""
+    lines = [
         "### Tree key",
         "",
         "Paper: entropy scoring drops the speedup from 8.15x (cumulative log-prob) to 4.76x; a mixed score "
@@ -322,8 +358,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
     lines += table(
         ["tree key", "paper speedup", *[f"tau@{b} off" for b in BUDGETS], *[f"tau@{b} on" for b in BUDGETS]], rows
     ) + [""]
+    return lines
 
-    lines += [
+
+def data_section(results: dict) -> list:
+    """The same steps from the same start on more or fewer answer tokens."""
+    lines = [
         "### Data against steps",
         "",
         "Not a claim of the paper: the same steps from the same start on 0.5M, 1M and all answer tokens (the "
@@ -358,8 +398,12 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         ],
         rows,
     ) + [""]
+    return lines
 
-    lines += [
+
+def raw_section(results: dict) -> list:
+    """Raw corpus replies against the target's own answers, the same prompts and answer tokens."""
+    lines = [
         "### Raw against regenerated data",
         "",
         "Paper: regenerated data beats raw corpus data at the same size, by a large margin on every benchmark.",
@@ -400,7 +444,7 @@ def render(results: dict, tree_keys: dict | None, sources: list) -> str:
         ],
         rows,
     )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_section(path: Path, body: str) -> None:

@@ -4,7 +4,7 @@
 # one more data file, and their features added to the feature store. Run it only when the cores are free and the
 # data-against-steps table (issue 38) says more data pays.
 #
-#   nice -n 5 bash scripts/more_data.sh > runs/more-data.log 2>&1 &
+#   nice -n 5 bash scripts/campaigns/more_data.sh > runs/more-data.log 2>&1 &
 #
 # Resumable: the regeneration writes shards and skips the prompts already answered in $OUT_DIR; rerun the command
 # after a stop. Every committed file is excluded (no prompt twice; training refuses an id in two files). A stop on a
@@ -15,7 +15,7 @@
 # name $FILE in the training configs' `data:` lists and in every later regeneration's --exclude, and say in
 # training/data/README.md what it holds (rows and answer tokens are printed at the end).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT_DIR:-data/regen_rest}
 FILE=${FILE:-training/data/smollm2-135m-mix-rest.npz}
 STORE=${STORE:-cache/smollm2-135m}

@@ -6,10 +6,10 @@ Compilation is kept only if both hold:
   recompiles for new batch widths are part of the real cost, so they stay in);
 - its held-out loss at the last step is within `--tolerance` (2%) of the eager run's.
 
-    python -m scripts.compile_trial --store cache/smollm2-135m --steps 300 --out results/compile-trial
+    python -m scripts.campaigns.compile_trial --store cache/smollm2-135m --steps 300 --out results/compile-trial
 
-Apply it where `scripts/train_step_speed.py` puts compile (+ bf16) ahead of the mode it would replace; on hosts
-without that lead (AVX2-only: compile 1.01x) there is nothing to try. Writes OUT/compile_trial.json (both runs,
+Apply it where `scripts/campaigns/train_step_speed.py` puts compile (+ bf16) ahead of the mode it would replace; on
+hosts without that lead (AVX2-only: compile 1.01x) there is nothing to try. Writes OUT/compile_trial.json (both runs,
 their step times and losses, the host kind and the verdict) and OUT/compile_trial.md; each run's folder is
 OUT/runs/<mode>. Run from the repository root, as a module (`training/` is not an installed package); run nothing
 else on the cores meanwhile.
@@ -17,36 +17,15 @@ else on the cores meanwhile.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from jetspec.host import host_kind
+from training import run_trainer
+from training.step_timer import StepTimer
 
-from jetspec.host import host_kind  # noqa: E402
-from scripts.ablate_head import StepTimer  # noqa: E402
-from training import run_trainer  # noqa: E402
-
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "training" / "configs" / "smollm2-135m.yaml"
 MODES = ("eager", "compiled")
-
-
-class StepClock(StepTimer):
-    """The step clock of the pace probes, and the precision and compilation the trainer resolved for the run."""
-
-    def __init__(self):
-        super().__init__()
-        self.precision, self.compiled = None, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        super().on_train_begin(args, state, control, **kwargs)
-        self.precision = "bf16 autocast" if args.bf16 else "float32"  # as the trainer resolved train_precision
-        self.compiled = bool(args.torch_compile)
-
-    def first_seconds(self, skip: int) -> float:
-        """Seconds of the first `skip` steps (where compilation happens)."""
-        return ([self.start] + self.ends)[skip] - self.start
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +119,7 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = {}
     for mode in MODES:
-        clock = StepClock()
+        clock = StepTimer()  # its steps, and the precision and compilation the trainer resolved
         metrics = run_trainer.main(arguments(args, mode), [clock])
         rows[mode] = {
             "seconds_per_step": clock.seconds_per_step(args.skip),

@@ -1,17 +1,19 @@
 """Step time of the warm-started head with and without flush-to-zero of denormals, and of a new head: 80 steps of
 the committed config each, the same seed and rows, alone on the cores. Run from the repository root:
 
-    python results/warm-step-probe/probe.py
+    python -m scripts.campaigns.warm_step_probe          # writes results/warm-step-probe/result.json
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+from training import run_trainer
+from training.step_timer import StepTimer
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+OUT = REPO / "results" / "warm-step-probe"
 
 COMMON = [
     "training/configs/smollm2-135m.yaml",
@@ -29,9 +31,6 @@ CASES = [  # (name, extra flags, flush denormals)
 
 
 def main() -> dict:
-    from scripts.ablate_head import StepTimer
-    from training import run_trainer
-
     out = {}
     for name, extra, flush in CASES:
         torch.set_flush_denormal(flush)
@@ -39,7 +38,7 @@ def main() -> dict:
         run_trainer.main(COMMON + extra + ["--output_dir", f"runs/denormal/{name}"], [timer])
         out[name] = timer.seconds_per_step(skip=10)
         print("PROBE", name, out[name], flush=True)
-    (Path(__file__).parent / "result.json").write_text(json.dumps(out, indent=1) + "\n")
+    (OUT / "result.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
 
 
