@@ -152,7 +152,7 @@ def introduction(sources: list) -> list:
         lines += [
             '**Nothing in this section has been run yet.** Every cell of ours says "not run yet"; the paper\'s '
             "figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
-            "wall-clock). `scripts/claims_campaign.sh` fills it, resumable (2,400 steps of training per variant, "
+            "wall-clock). `scripts/campaigns/claims_campaign.sh` fills it, resumable (2,400 steps of training per variant, "
             "the same on any host, about 15 minutes on the Intel AMX host; ten variants in the first command and "
             "three in the third, plus each variant's offline scoring); its commands:",
             "",
@@ -163,7 +163,7 @@ def introduction(sources: list) -> list:
             "paper's figures are copied from issue 33 (arXiv 2606.18394: Qwen3-8B, MATH-500, H100, speedups in "
             "wall-clock).",
             "",
-            "Commands (`scripts/claims_campaign.sh`, resumable; equal steps per variant, the steps, minutes and "
+            "Commands (`scripts/campaigns/claims_campaign.sh`, resumable; equal steps per variant, the steps, minutes and "
             "host kind of each in its JSON row):",
             "",
         ]
@@ -175,11 +175,11 @@ def introduction(sources: list) -> list:
         "    --tree_keys logprob entropy mixed gap --head runs/claims/gamma4",
         "python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-data \\",
         "    --runs runs/claims-data --variants data_1M data_0.5M",
-        "python -m scripts.raw_answers --out cache/raw-vs-regen --answer_tokens 500000",
+        "python -m scripts.campaigns.raw_answers --out cache/raw-vs-regen --answer_tokens 500000",
         "python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out cache/smollm2-135m --max_length 512",
         "python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-raw \\",
         "    --runs runs/claims-raw --variants raw_sharegpt regen_sharegpt",
-        "python -m scripts.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \\",
+        "python -m scripts.campaigns.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \\",
         "    results/claims-raw/ablation.json --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md",
         "```",
         "",
