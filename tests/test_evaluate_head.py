@@ -14,8 +14,10 @@ from modeling_jetspec import JetSpecDraftModel
 from test_training import VOCAB, save_target_folder, sharp_target
 from jetspec.tiny import oracle_head, tiny_head
 from training import evaluate_head
-from training.evaluate_head import evaluate, forward_features, prepare_rows, tree_shape
+from training.eval_rows import decode_rows, forward_features, held_out_rows, prepare_rows
+from training.evaluate_head import tree_shape
 from training.feature_store import build_feature_store
+from training.replay import calibration_table, evaluate
 from training.rows import row_key
 
 LOOKUP = dict(
@@ -177,7 +179,7 @@ def test_decode_rows_is_the_reference_the_replay_meets():
     target = sharp_target()
     rows = greedy_rows(target, count=3)
     head = tiny_head(target, tree_width=4, **LOOKUP)
-    decoded = evaluate_head.decode_rows(target, head, rows, NEW_TOKENS)
+    decoded = decode_rows(target, head, rows, NEW_TOKENS)
     assert [d["id"] for d in decoded] == [row["id"] for row in rows]
     for row, d in zip(rows, decoded):
         assert d["answer"] == row["input_ids"][row["prompt_length"] : row["prompt_length"] + NEW_TOKENS]
@@ -205,7 +207,7 @@ def test_offline_vs_generate_keeps_rows_that_leave_their_stored_answer():
     head = tiny_head(target, tree_width=4, **LOOKUP)
     real = script.real_generate(target, head, rows, NEW_TOKENS)
     assert [(e["id"], e["same_text"]) for e in real] == [("row-0", True), ("row-1", False), ("row-2", True)]
-    reference = evaluate_head.decode_rows(target, head, rows, NEW_TOKENS)
+    reference = decode_rows(target, head, rows, NEW_TOKENS)
     assert [(e["rounds"], e["tokens"]) for e in real] == [(d["rounds"], d["tokens"]) for d in reference]
     everything, kept = script.tau_of(real), script.tau_of(real, {"row-0", "row-2"})
     assert (everything["rows"], kept["rows"]) == (3, 2)
@@ -262,7 +264,7 @@ def test_calibration_counts_trials_under_the_accepted_path():
     shape = tree_shape(head, 10, lookup=True)
     prepared, _ = prepare_rows(rows, forward_features(target, head), NEW_TOKENS, shape.depth)
     tally = evaluate(head, prepared, shape, calibration=True)
-    table = evaluate_head.calibration_table(tally.calibration)
+    table = calibration_table(tally.calibration)
     # every accepted draft token is one accepted trial
     assert sum(r["accepted"] for r in table) == sum(tally.accepted_at_depth)
     assert all(0 <= r["acceptance"] <= 1 and r["trials"] >= r["accepted"] for r in table)
@@ -345,7 +347,7 @@ def test_a_fitted_calibration_is_written_applied_and_equal_to_real_decoding(cli_
     )
     table = json.loads(fitted.read_text())
     assert table and all(len(rates) == 10 for rates in table.values())
-    held = set(evaluate_head.held_out_rows([str(data)], 0.3, 0)["id"])
+    held = set(held_out_rows([str(data)], 0.3, 0)["id"])
     held_rows = [row for row in rows if row["id"] in held]
     scores = {}
     for label, value in (("fitted", str(fitted)), ("raw", "none")):

@@ -187,12 +187,12 @@ def test_training_killed_resumes_from_the_last_complete_checkpoint(training, tmp
     import torch
 
     from training import run_trainer
-    from training.trainer import CHECKPOINT_MARKER, checkpoint_problem
+    from training.checkpointing import CHECKPOINT_MARKER, checkpoint_problem
 
     data, target_dir, whole = training
     out = tmp_path / "run"
     run = training_command(data, target_dir, out, "--save_total_limit", limit)
-    run_until_killed(point, [str(run_trainer.__file__), *run], tmp_path, ENV)
+    run_until_killed(point, ["-m", "training.run_trainer", *run], tmp_path, ENV)
     assert checkpoint_problem(out / "checkpoint-2") is None
     if point == "save=4":  # half written: weights, optimizer and scheduler, and no marker
         assert {"model.safetensors", "optimizer.pt"} <= {p.name for p in (out / "checkpoint-4").iterdir()}
@@ -228,7 +228,7 @@ def test_incomplete_checkpoints_are_told_apart_and_never_kept_by_the_rotation(tm
     """Folders as a killed run leaves them: a checkpoint whose marker is missing or whose file was cut after it was
     marked counts as incomplete; `true` resumes from the newest complete one; the rotation deletes the incomplete ones
     and the oldest complete ones, never the one just completed, even when a half-written one has a higher step."""
-    from training.trainer import (
+    from training.checkpointing import (
         CHECKPOINT_MARKER,
         checkpoint_problem,
         last_complete_checkpoint,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.run_trainer import write_learning_curve
+from training.run_outputs import write_learning_curve
 
 
 def _evals(with_tokens: bool):

@@ -542,7 +542,7 @@ def test_continuous_batching_sizes_its_cache_from_the_memory_available_now(monke
     import psutil
     from transformers.generation.continuous_batching.utils import get_device_and_memory_breakdown
 
-    from training.answers import _paged_cache_config
+    from training.generate_answers import _paged_cache_config
 
     gib = 1024**3
     memory = namedtuple("memory", "total available")

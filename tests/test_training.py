@@ -23,19 +23,16 @@ from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFas
 
 from jetspec.targets import load_target
 from jetspec.tiny import tiny_head, tiny_target
-from training import run_trainer
+from training import run_setup, run_trainer
 from training import trainer as trainer_module
+from training.arguments import DataArguments, HeadArguments, JetSpecTrainingArguments, parse_args
+from training.blocks import JetSpecCollator
+from training.checkpointing import keep_folder
 from training.losses import block_loss, chain_accept_length, depth_weights
 from training.feature_store import FeatureStore
 from training.rows import split_train_eval
-from training.run_trainer import DataArguments, HeadArguments
 from training.shipping import push_folder, render_card, write_card
-from training.trainer import (
-    JetSpecCollator,
-    JetSpecTrainer,
-    JetSpecTrainingArguments,
-    unwrap_head,
-)
+from training.trainer import JetSpecTrainer, unwrap_head
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 128
@@ -518,7 +515,7 @@ def test_a_head_kept_at_each_save_resumes_the_run_where_output_dir_is_gone(tmp_p
 
 def test_lora_trains_only_the_adapters(tmp_path):
     target = sharp_target()
-    model = run_trainer.build_head(HeadArguments(use_lora=True, lora_r=4, num_hidden_layers=1), target, block_size=8)
+    model = run_setup.build_head(HeadArguments(use_lora=True, lora_r=4, num_hidden_layers=1), target, block_size=8)
     # a peft model around a new head
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -539,7 +536,7 @@ def test_lora_trains_only_the_adapters(tmp_path):
 
 def test_head_layers_can_start_as_the_targets_last_layers():
     target = sharp_target()  # 2 Llama layers
-    head = run_trainer.build_head(HeadArguments(num_hidden_layers=1, init_layers_from_target=True), target, 8)
+    head = run_setup.build_head(HeadArguments(num_hidden_layers=1, init_layers_from_target=True), target, 8)
     last = dict(target.model.layers[-1].named_parameters())
     layer = dict(head.layers[0].named_parameters())
     shared = {n for n in layer if n in last and last[n].shape == layer[n].shape}
@@ -551,16 +548,16 @@ def test_head_layers_can_start_as_the_targets_last_layers():
         for n in layer
         if n.endswith("_norm.weight") and n not in shared
     )
-    random = run_trainer.build_head(HeadArguments(num_hidden_layers=1), target, 8)
+    random = run_setup.build_head(HeadArguments(num_hidden_layers=1), target, 8)
     assert not torch.equal(
         dict(random.layers[0].named_parameters())["self_attn.q_proj.weight"], last["self_attn.q_proj.weight"]
     )
     # two head layers copy the target's two layers, in order
-    two = run_trainer.build_head(HeadArguments(num_hidden_layers=2, init_layers_from_target=True), target, 8)
+    two = run_setup.build_head(HeadArguments(num_hidden_layers=2, init_layers_from_target=True), target, 8)
     for head_layer, target_layer in zip(two.layers, target.model.layers):
         assert torch.equal(head_layer.mlp.up_proj.weight, target_layer.mlp.up_proj.weight)
     with pytest.raises(ValueError, match="expected a target with at least the head's 3 layers to copy, got 2"):
-        run_trainer.build_head(HeadArguments(num_hidden_layers=3, init_layers_from_target=True), target, 8)
+        run_setup.build_head(HeadArguments(num_hidden_layers=3, init_layers_from_target=True), target, 8)
 
 
 # ---------------------------------------------------------------------------------------------- 1 vs 2 processes
@@ -762,11 +759,11 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     # a head built for another target (vocabulary 99) cannot resume on this one
     other = tiny_target("llama", vocab_size=99)
     with pytest.raises(ValueError, match="built for a target with vocab size 128, got a target with vocab size 99"):
-        run_trainer.build_head(HeadArguments(init_head=str(tmp_path / "head")), other)
+        run_setup.build_head(HeadArguments(init_head=str(tmp_path / "head")), other)
 
     # a block longer than the head's
     with pytest.raises(ValueError, match=r"expected block_size <= 8 .*got 16"):
-        run_trainer.build_head(HeadArguments(init_head=str(tmp_path / "head")), target, block_size=16)
+        run_setup.build_head(HeadArguments(init_head=str(tmp_path / "head")), target, block_size=16)
     with pytest.raises(ValueError, match=r"expected block_size <= 8 .*got 16"):
         JetSpecTrainer(model=head, args=training_args(tmp_path, block_size=16), train_dataset=rows, target=target)
 
@@ -777,7 +774,7 @@ def test_bad_input_is_refused_with_clear_messages(tmp_path):
     (tmp_path / "regen").mkdir()
     (tmp_path / "regen" / "shard-00000.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"expected regenerated rows in .*regen, got an empty dataset \(1 empty"):
-        run_trainer.load_data(DataArguments(data=[str(tmp_path / "regen")]), seed=0)
+        run_setup.load_data(DataArguments(data=[str(tmp_path / "regen")]), seed=0)
 
     # the Trainer's own arguments lack the distillation fields; the collator needs the `id` and `prompt_length`
     # columns that remove_unused_columns would drop; the trainer packs its own batches
@@ -937,7 +934,7 @@ def test_an_empty_or_corrupt_data_file_is_one_line_naming_it(tmp_path, name, con
     path.write_bytes(content)
     source = str(path if path.suffix == ".npz" else path.parent)
     with pytest.raises(ValueError, match=message) as raised:
-        run_trainer.load_data(DataArguments(data=[source]), seed=0)
+        run_setup.load_data(DataArguments(data=[source]), seed=0)
     assert "\n" not in str(raised.value)
 
 
@@ -983,12 +980,12 @@ def test_a_config_file_is_overridden_by_the_flags_after_it(tmp_path):
     config.write_text(
         "num_hidden_layers: 2\nmax_steps: 7\nlearning_rate: 1.0e-3\ndata: [a.npz]\nuse_cpu: true\noutput_dir: out\n"
     )
-    head_args, data_args, args = run_trainer.parse_args([str(config), "--max_steps", "3", "--data", "b.npz", "c"])
+    head_args, data_args, args = parse_args([str(config), "--max_steps", "3", "--data", "b.npz", "c"])
     assert (head_args.num_hidden_layers, args.max_steps, args.learning_rate) == (2, 3, 1.0e-3)
     assert data_args.data == ["b.npz", "c"] and args.use_cpu
     config.write_text("num_hidden_layerz: 2\n")
     with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['num_hidden_layerz'\]"):
-        run_trainer.parse_args([str(config)])
+        parse_args([str(config)])
 
 
 # ------------------------------------------------------------------------------- memory, hidden states, wrappers
@@ -1099,7 +1096,7 @@ def test_unwrap_head_finds_the_head_in_every_wrapper_accelerate_returns(tmp_path
         composable = tiny_head(target)
         fully_shard(composable)  # FSDP2 changes the module's class in place
         assert unwrap_head(composable) is composable
-        lora = run_trainer.build_head(HeadArguments(use_lora=True, lora_r=4, num_hidden_layers=1), target, 8)
+        lora = run_setup.build_head(HeadArguments(use_lora=True, lora_r=4, num_hidden_layers=1), target, 8)
         inner = lora.get_base_model()
         assert type(inner).__name__ == "JetSpecDraftModel"
         assert unwrap_head(lora) is inner
@@ -1259,7 +1256,7 @@ def test_a_store_missing_rows_is_refused_by_file_and_a_covered_run_keeps_its_hea
 
 def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, monkeypatch):
     """`auto` takes bf16 autocast exactly where the host probe picks bfloat16; `fp32`/`bf16` are obeyed; `fp32`
-    with `bf16=True` is a contradiction refused by name; a short keep threshold decides whether `auto` keeps."""
+    with `bf16=True` is a contradiction refused by name."""
     from jetspec.host import HostKind
 
     assert training_args(tmp_path).train_precision == "fp32"  # the dataclass default; the config says auto
@@ -1288,17 +1285,29 @@ def test_train_precision_follows_the_host_probe_and_explicit_choices(tmp_path, m
         training_args(tmp_path, train_precision="fp16")
     with pytest.raises(ValueError, match="bf16=False with train_precision='fp32'"):
         training_args(tmp_path, train_precision="fp32", bf16=True)
+
+
+def test_the_auto_keep_writes_long_runs_heads_outside_the_tracked_tree(tmp_path):
+    """`keep_head_dir: auto` keeps the head of a run of `keep_head_minutes` (20) or more under `runs/kept/<run>`,
+    which git ignores: committing a head is a deliberate act, never a side effect of a long run."""
     args = training_args(tmp_path, output_dir=str(tmp_path / "run-x"))
-    assert run_trainer.keep_folder(args, 19.0) is None
-    assert run_trainer.keep_folder(args, 25.0) == Path("training/checkpoints/run-x")
-    assert run_trainer.keep_folder(training_args(tmp_path, keep_head_dir="none"), 90.0) is None
+    assert args.keep_head_dir == "auto" and args.keep_head_minutes == 20.0  # the defaults the docs describe
+    assert keep_folder(args, 19.0) is None
+    kept = keep_folder(args, 25.0)
+    assert kept == Path("runs/kept/run-x")
+    ignored = subprocess.run(
+        ["git", "-C", str(REPO), "check-ignore", "-q", str(kept / "model.safetensors")], capture_output=True
+    )
+    assert ignored.returncode == 0, "runs/kept/ must be git-ignored"  # 1: tracked-tree material
+    assert keep_folder(training_args(tmp_path, keep_head_dir="none"), 90.0) is None
+    assert keep_folder(training_args(tmp_path, keep_head_dir=str(tmp_path / "here")), 1.0) == tmp_path / "here"
 
 
 @pytest.mark.parametrize("config", sorted((REPO / "training" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_committed_configs_parse_and_name_committed_data(config):
     """Every committed config is read by the trainer's own parser, and every data file it names is committed; each
     long run keeps a head at every save and ends by its schedule, not by one session's clock."""
-    head_args, data_args, args = run_trainer.parse_args([str(config)])
+    head_args, data_args, args = parse_args([str(config)])
     assert data_args.data and all((REPO / path).is_file() for path in data_args.data), data_args.data
     if config.name.startswith("smollm2-135m-long"):  # the long runs (the first and its warm-started successor)
         assert args.keep_head_every_save and args.max_train_minutes is None

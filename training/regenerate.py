@@ -28,22 +28,22 @@ process one set of the prompts (its GPU in process, or `--server` per process), 
 by hand on K machines; `--export_only --export FILE.npz` on the shared `--out` then packs the union.
 """
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-if __package__ in (None, ""):  # run as a file (`accelerate launch training/regenerate.py`): the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not __package__:  # run as a file, not as `python -m training.regenerate`: see training/_bootstrap.py
+    import _bootstrap  # noqa: F401
 
-from accelerate import PartialState  # noqa: E402
-from transformers import AutoTokenizer, HfArgumentParser  # noqa: E402
+from accelerate import PartialState
+from transformers import AutoTokenizer, HfArgumentParser
 
-from jetspec.targets import SMOLLM2_ALIAS, load_target, resolve_dtype  # noqa: E402
-from modeling_jetspec.configuration_jetspec import default_target_layer_ids  # noqa: E402
+from jetspec.targets import SMOLLM2_ALIAS, load_target, resolve_dtype
+from modeling_jetspec.configuration_jetspec import default_target_layer_ids
 
-from training.answers import read_prompts, regenerate, save_compact  # noqa: E402
-from training.completions import (  # noqa: E402
+from training.answers import regenerate
+from training.compact_file import save_compact
+from training.completions import (
     DEADLINE_PER_TIMEOUT,
     DEFAULT_ATTEMPTS,
     DEFAULT_RETRY_DELAY,
@@ -51,8 +51,9 @@ from training.completions import (  # noqa: E402
     MAX_RETRY_DELAY,
     CompletionsServer,
 )
-from training.feature_store import StoreWriter, store_settings  # noqa: E402
-from training.rows import compact_ids  # noqa: E402
+from training.feature_store import StoreWriter, store_settings
+from training.prompt_file import read_prompts
+from training.rows import compact_ids
 
 
 @dataclass
@@ -225,44 +226,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
         report_failures(summary["failed"], args.out, "not packed")
         return
-    if args.prompts is None:
-        raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
-    prompts = read_prompts(args.prompts, limit=args.limit)
-    missing = [path for path in args.exclude if not Path(path).is_file()]
-    if missing:
-        raise ValueError(f"expected --exclude to name existing compact .npz files, got missing {missing}")
-    # rows already packed (e.g. committed) are not regenerated again
-    skipped = [path for path in [*args.exclude, args.export] if path is not None]
-    packed = set().union(*(compact_ids(path)[0] for path in skipped))
-    if packed:
-        prompts = [record for record in prompts if record["id"] not in packed]
-        if not prompts:
-            print(f"every prompt is already in {', '.join(skipped)}")
-            return
-    model, server, writer = None, None, None
-    if args.server is not None:
-        server = CompletionsServer(
-            args.server,
-            concurrency=args.concurrency,
-            model=args.server_model,
-            prompt_format=args.server_prompt,
-            timeout=args.server_timeout,
-            deadline=args.server_deadline,
-            max_attempts=args.server_attempts,
-            retry_delay=args.server_retry_delay,
-        )
-        tokenizer = target_tokenizer(args.target)
-        print(f"answering through {server.base} ({server.model}), {server.concurrency} requests at a time")
-    else:
-        dtype, reason = resolve_dtype(args.dtype)
-        print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason}) on {state.device}")
-        model, tokenizer = load_target(args.target, dtype=dtype)
-        model.to(state.device)  # each process its own accelerator
-        if args.feature_store is not None:
-            layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
-            writer = StoreWriter(
-                args.feature_store, store_settings(model, layers, args.feature_max_length, args.target)
-            )
+    prompts = prompts_to_answer(args)
+    if not prompts:
+        return
+    model, tokenizer, server, writer = answerer(args, state)
     stats = regenerate(
         model,
         tokenizer,
@@ -296,6 +263,52 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"packed {summary['rows']} rows ({summary['answer_tokens']} answer tokens) into {args.export}")
             if summary["failed"] != stats["failed"]:  # other parts' failures
                 report_failures(summary["failed"], args.out, "not packed")
+
+
+def prompts_to_answer(args: RegenerateArguments) -> list[dict[str, str]]:
+    """The prompts of `--prompts` (the first `--limit`), less those already packed in `--exclude` files or in the
+    `--export` file (e.g. committed rows are not regenerated again); empty, saying so, when every one is packed."""
+    if args.prompts is None:
+        raise ValueError("expected --prompts <jsonl file or datasets folder>, got none")
+    prompts = read_prompts(args.prompts, limit=args.limit)
+    missing = [path for path in args.exclude if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"expected --exclude to name existing compact .npz files, got missing {missing}")
+    skipped = [path for path in [*args.exclude, args.export] if path is not None]
+    packed = set().union(*(compact_ids(path)[0] for path in skipped))
+    if packed:
+        prompts = [record for record in prompts if record["id"] not in packed]
+        if not prompts:
+            print(f"every prompt is already in {', '.join(skipped)}")
+    return prompts
+
+
+def answerer(args: RegenerateArguments, state: PartialState) -> tuple:
+    """`(model, tokenizer, server, feature store writer)`: the completions server of `--server` (no model here), or
+    the target loaded on this process's device, with a feature store writer for `--feature_store`."""
+    model, server, writer = None, None, None
+    if args.server is not None:
+        server = CompletionsServer(
+            args.server,
+            concurrency=args.concurrency,
+            model=args.server_model,
+            prompt_format=args.server_prompt,
+            timeout=args.server_timeout,
+            deadline=args.server_deadline,
+            max_attempts=args.server_attempts,
+            retry_delay=args.server_retry_delay,
+        )
+        tokenizer = target_tokenizer(args.target)
+        print(f"answering through {server.base} ({server.model}), {server.concurrency} requests at a time")
+        return model, tokenizer, server, writer
+    dtype, reason = resolve_dtype(args.dtype)
+    print(f"target dtype {str(dtype).removeprefix('torch.')} ({reason}) on {state.device}")
+    model, tokenizer = load_target(args.target, dtype=dtype)
+    model.to(state.device)  # each process its own accelerator
+    if args.feature_store is not None:
+        layers = default_target_layer_ids(model.config.get_text_config().num_hidden_layers)
+        writer = StoreWriter(args.feature_store, store_settings(model, layers, args.feature_max_length, args.target))
+    return model, tokenizer, server, writer
 
 
 if __name__ == "__main__":

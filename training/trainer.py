@@ -1,235 +1,32 @@
 """Distillation of a JetSpec draft head with the transformers `Trainer` (arXiv 2606.18394, section 3.3; see
 `docs/design.md`, §5 Training).
 
-Per training row x (a prompt and the target's own answer), `num_blocks_per_sequence` anchors a are drawn,
-preferably in the answer. Each anchor yields a block `[x_a, MASK x (bs - 1)]` at positions a..a+bs-1 that sees
-the target's hidden states h_0..h_{a-1} and, causally, its own slots. All blocks of a row are packed into one
-head forward with a block-diagonal mask. Slot k predicts x_{a+k}; its teacher is the target's softmax at position
-a + k - 1. Optionally some slots are revealed as their real token (training for path-conditioned drafting,
-`docs/design.md`, §3 Trees and masks); revealed slots carry no loss.
-
-The collator draws the anchors and packs the blocks, with a generator seeded by the row's id and the epoch: a row
-gets the same blocks whichever process, batch or micro-batch it lands in, and fresh ones every epoch. Its `labels`
-hold the token of every slot that carries loss and -100 elsewhere, so the `Trainer`'s own count of them
-(`num_items_in_batch`, over the micro-batches of a step and over processes) is the denominator of the step's loss.
+Each batch holds rows packed into blocks by [`training.blocks.JetSpecCollator`]: per row, anchors, and per anchor a
+block `[x_a, MASK x (bs - 1)]` whose slot k predicts x_{a+k}, its teacher the target's softmax at position a + k - 1.
+The collator's `labels` hold the token of every slot that carries loss and -100 elsewhere, so the `Trainer`'s own
+count of them (`num_items_in_batch`, over the micro-batches of a step and over processes) is the denominator of the
+step's loss.
 
 Only the head trains. The target is frozen; its embeddings and LM head are borrowed by the head, not saved with it.
 
-Checkpoints. The `Trainer` writes a `checkpoint-N` folder file by file; a process killed meanwhile leaves half of one.
-[`JetSpecTrainer`] writes a marker last, `checkpoint_complete.json` (every file's size, written once every process
-has saved its part), and rotates (`save_total_limit`) only complete checkpoints, never the one just completed:
-[`last_complete_checkpoint`] resumes from the newest checkpoint whose marker matches its files and skips the others,
-saying so.
+Checkpoints are marked complete once written and rotated among complete ones only
+([`training.checkpointing`]).
 """
 
 import dataclasses
-import json
-import os
-import re
-import shutil
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from jetspec.host import host_kind
-from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainerCallback
 
-from .losses import (
-    LOSS_CHUNK_SLOTS,
-    LOSS_KINDS,
-    chain_accept_length,
-    check_loss_kind,
-    chunked_argmax,
-    chunked_block_loss_terms,
-)
-from .rows import row_key
-
-
-TRAIN_PRECISIONS = ("auto", "fp32", "bf16")
-
-
-@dataclass
-class JetSpecTrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus how blocks are drawn and scored, where the target's features come from, and what the
-    run measures when it ships the head."""
-
-    block_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Block length [anchor, MASK x (block_size - 1)] trained. A new head is built with it (16 by "
-            "default); a saved head's may be longer (its block_size bounds it)."
-        },
-    )
-    num_blocks_per_sequence: int = field(
-        default=4, metadata={"help": "Anchors drawn per row and epoch, packed into one head forward."}
-    )
-    loss: str = field(
-        default="fkl",
-        metadata={
-            "help": f"Distillation loss, one of {LOSS_KINDS}: forward KL (paper), hard-label CE on the target's "
-            "greedy token, reverse KL, forward KL + total variation (1 - acceptance, as the LK losses), "
-            "forward KL + a ranking loss on the target's top-8 tokens (HASS)."
-        },
-    )
-    gamma: float | None = field(
-        default=None,
-        metadata={"help": "Position decay w_k ~ exp(-(k-1)/gamma) over depths (scaled to mean 1); none by default."},
-    )
-    reveal_prob: float = field(
-        default=0.0,
-        metadata={
-            "help": "Probability that a block slot is fed its real token instead of MASK (no loss there); "
-            "trains path-conditioned drafting. Evaluation never reveals."
-        },
-    )
-    answer_anchor_prob: float = field(
-        default=1.0,
-        metadata={
-            "help": "Probability that an anchor is drawn in the answer part (a >= prompt_length - 1) rather "
-            "than anywhere in the row (a >= 1)."
-        },
-    )
-    max_length: int = field(default=1024, metadata={"help": "Rows are truncated to this many tokens."})
-    loss_chunk_slots: int = field(
-        default=LOSS_CHUNK_SLOTS,
-        metadata={
-            "help": "Block slots whose logits over the vocabulary exist at once (the LM head, the loss and its "
-            "gradient go chunk by chunk): memory about 8 x chunk x vocabulary x 4 bytes, not per step."
-        },
-    )
-    cache_features: bool = field(
-        default=False,
-        metadata={
-            "help": "Keep each row's target features in memory after its first target forward, so later "
-            "epochs cost only the head (bf16, about (k + 1) * hidden * 2 bytes per token)."
-        },
-    )
-    max_train_minutes: float | None = field(
-        default=None,
-        metadata={
-            "help": "Stop training after this many minutes of wall time (and evaluate once more); the "
-            "schedule still follows max_steps."
-        },
-    )
-    train_precision: str = field(
-        default="fp32",
-        metadata={
-            "help": "The head's training step: `fp32`, `bf16` (autocast, the Trainer's `bf16`) or `auto`: bf16 "
-            "where jetspec.host measures bf16 matmuls faster than float32 on this host (native bf16: "
-            "AVX-512 BF16, AMX, a GPU), else fp32 (the committed config's choice). An explicit `--bf16 true` always "
-            "wins."
-        },
-    )
-    keep_head_dir: str | None = field(
-        default="auto",
-        metadata={
-            "help": "A tracked folder that receives the final head (bf16 weights, config, metrics, learning "
-            "curve, about 11 MB) whether or not it ships: `auto` = training/checkpoints/<output_dir's "
-            "name> for runs of keep_head_minutes or more, a path = always there, `none` = never."
-        },
-    )
-    keep_head_every_save: bool = field(
-        default=False,
-        metadata={
-            "help": "Also keep the head of every complete checkpoint in the keep_head_dir folder (bf16, with the "
-            "trainer state: step and curve), so a run that outlasts its working session leaves a tracked head at "
-            "each save, and `--resume_from_checkpoint true` can continue from it where output_dir is gone."
-        },
-    )
-    keep_head_minutes: float = field(
-        default=20.0,
-        metadata={"help": "With keep_head_dir=auto: the training minutes from which a run keeps its head."},
-    )
-    offline_tau_rows: int = field(
-        default=32,
-        metadata={
-            "help": "With a feature store: at every evaluation, the head's offline tau at its defaults on this "
-            "many held-out rows (training.evaluate_head: the decoder's own draft, tree and trie over the "
-            "stored answers, no target forward), logged as eval_offline_tau beside the agreement; 0 "
-            "skips it."
-        },
-    )
-    offline_tau_new_tokens: int = field(
-        default=128, metadata={"help": "Answer tokens per row of the offline tau at each evaluation."}
-    )
-    measure_tau_prompts: int = field(
-        default=0,
-        metadata={
-            "help": "After training, decode this many held-out prompts with the head and report the "
-            "measured tau (0 skips it)."
-        },
-    )
-    measure_tau_new_tokens: int = field(default=64, metadata={"help": "max_new_tokens of the tau measurement."})
-    base_model_id: str | None = field(
-        default=None,
-        metadata={"help": "Hub id of the target for the model card; defaults to the target's own name."},
-    )
-    card_template: str | None = field(
-        default=None,
-        metadata={"help": "Model card template written as README.md; defaults to hub_cards/jetspec-head.md."},
-    )
-    include_num_input_tokens_seen: str = field(
-        default="non_padding",
-        metadata={
-            "help": "The Trainer's count of the rows' tokens that the target read, over all processes, logged as "
-            "`num_input_tokens_seen` and `train_tokens_per_second`: `non_padding` (`attention_mask`), "
-            "`all` or `no`."
-        },
-    )
-    remove_unused_columns: bool = field(
-        default=False,
-        metadata={
-            "help": "Must stay False: the collator reads `id` and `prompt_length`, which the head's forward "
-            "does not take."
-        },
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_loss_kind(self.loss)
-        if self.remove_unused_columns:
-            raise ValueError(
-                "expected remove_unused_columns=False (the collator needs `prompt_length` and `id`, which the head's "
-                "forward does not take), got True"
-            )
-        if self.num_blocks_per_sequence < 1:
-            raise ValueError(f"expected num_blocks_per_sequence >= 1, got {self.num_blocks_per_sequence}")
-        if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"expected block_size >= 2 (anchor plus at least one MASK), got {self.block_size}")
-        if not 0.0 <= self.reveal_prob < 1.0:
-            raise ValueError(f"expected reveal_prob in [0, 1), got {self.reveal_prob}")
-        if not 0.0 <= self.answer_anchor_prob <= 1.0:
-            raise ValueError(f"expected answer_anchor_prob in [0, 1], got {self.answer_anchor_prob}")
-        if self.gamma is not None and not self.gamma > 0:
-            raise ValueError(f"expected gamma > 0 or None, got {self.gamma}")
-        if self.max_train_minutes is not None and not self.max_train_minutes > 0:
-            raise ValueError(f"expected max_train_minutes > 0 or None, got {self.max_train_minutes}")
-        if self.loss_chunk_slots < 1:
-            raise ValueError(f"expected loss_chunk_slots >= 1, got {self.loss_chunk_slots}")
-        if self.train_precision not in TRAIN_PRECISIONS:
-            raise ValueError(f"expected train_precision in {TRAIN_PRECISIONS}, got {self.train_precision!r}")
-        if self.train_precision == "fp32" and self.bf16:
-            raise ValueError("expected bf16=False with train_precision='fp32', got bf16=True")
-        if self.offline_tau_rows < 0 or self.offline_tau_new_tokens < 1:
-            raise ValueError(
-                f"expected offline_tau_rows >= 0 and offline_tau_new_tokens >= 1, got "
-                f"{self.offline_tau_rows} and {self.offline_tau_new_tokens}"
-            )
-        if not self.keep_head_minutes >= 0:
-            raise ValueError(f"expected keep_head_minutes >= 0, got {self.keep_head_minutes}")
-        if self.max_length < 3:
-            raise ValueError(
-                f"expected max_length >= 3 (an anchor needs a token before and after it), got {self.max_length}"
-            )
-        if self.dataloader_persistent_workers and self.dataloader_num_workers > 0:
-            raise ValueError(
-                "expected dataloader_persistent_workers=False (persistent workers keep the collator of "
-                "the first epoch, and with it its anchors), got True"
-            )
+from .arguments import JetSpecTrainingArguments
+from .blocks import JetSpecCollator
+from .checkpointing import CHECKPOINT_MARKER, rotate_complete_checkpoints, write_checkpoint_marker
+from .losses import LOSS_CHUNK_SLOTS, chain_accept_length, chunked_argmax, chunked_block_loss_terms
 
 
 class TimeBudgetCallback(TrainerCallback):
@@ -251,9 +48,9 @@ class TimeBudgetCallback(TrainerCallback):
 
 class ScheduleCatchUpCallback(TrainerCallback):
     """A run resumed from weights and trainer state without the optimizer's and scheduler's files (a kept head,
-    `run_trainer.checkpoint_from_kept`) starts its learning-rate schedule at its resumed step, not at step 0: the
-    scheduler is stepped up to `state.global_step` before the first update. A no-op otherwise (a new run is at step
-    0; a full checkpoint restores the scheduler at its step)."""
+    [`training.checkpointing.checkpoint_from_kept`]) starts its learning-rate schedule at its resumed step, not at
+    step 0: the scheduler is stepped up to `state.global_step` before the first update. A no-op otherwise (a new run
+    is at step 0; a full checkpoint restores the scheduler at its step)."""
 
     def on_train_begin(self, args, state, control, lr_scheduler=None, **kwargs):
         behind = state.global_step - getattr(lr_scheduler, "last_epoch", state.global_step)
@@ -276,176 +73,6 @@ class EpochCallback(TrainerCallback):
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self.collator.epoch = int(state.epoch or 0)
-
-
-@dataclass
-class PackedBlocks:
-    """Blocks of a batch packed along T: one head forward per batch."""
-
-    input_ids: torch.Tensor  # (B, T) with T = n * bs; anchors, MASKs and revealed tokens
-    position_ids: torch.Tensor  # (B, T)
-    attention_mask: torch.Tensor  # (B, 1, T, L + T) bool
-    teacher_index: torch.Tensor  # (B, n, D) target position a + k - 1 predicting slot k (clamped in range)
-    labels: torch.Tensor  # (B, n, D) x_{a+k} at MASK slots inside the row, -100 elsewhere (revealed, past the end)
-    last_context_index: torch.Tensor  # (B, T) a - 1: the context position just before each slot's anchor
-
-
-def draw_anchors(lengths, prompt_lengths, keys, n, seed, answer_prob, generator_offset=0):
-    """Anchors per row, drawn with a generator seeded by `(seed, generator_offset, row key)`: reproducible and the
-    same for a row whatever process or batch it lands in. The collator passes `epoch + 1` as the offset in training
-    and 0 in evaluation.
-
-    Returns:
-        `(anchors, generators)`: `torch.LongTensor` of shape `(B, n)` (a in [1, length - 2]; rows shorter than 3
-        tokens get a = 1 and no valid slot), and the per-row generators (for the reveal draw).
-    """
-    anchors, generators = [], []
-    for length, prompt_length, key in zip(lengths.tolist(), prompt_lengths.tolist(), keys.tolist()):
-        g = torch.Generator().manual_seed((seed * 1_000_003 + generator_offset) * 1_000_033 + key)
-        generators.append(g)
-        hi = length - 2  # the anchor needs at least its next token inside the sequence
-        if hi < 1:
-            anchors.append(torch.ones(n, dtype=torch.long))
-            continue
-        lo_answer = min(max(1, prompt_length - 1), hi)
-        in_answer = torch.rand(n, generator=g) < answer_prob
-        lo = torch.where(in_answer, torch.tensor(lo_answer), torch.tensor(1))  # (n,)
-        u = torch.rand(n, generator=g)
-        anchors.append(lo + (u * (hi - lo + 1).float()).long().clamp_max(hi - lo))
-    return torch.stack(anchors), generators
-
-
-def pack_blocks(
-    input_ids, lengths, anchors, block_size, mask_token_id, causal=True, reveal_prob=0.0, generators=None
-) -> PackedBlocks:
-    """Build the packed blocks, their positions, their attention mask over `[context ; blocks]` and the targets.
-
-    Args:
-        input_ids (`torch.LongTensor` of shape `(B, L)`): the rows, right padded.
-        lengths (`torch.LongTensor` of shape `(B,)`): valid lengths.
-        anchors (`torch.LongTensor` of shape `(B, n)`): from [`draw_anchors`].
-        block_size (`int`): bs; D = bs - 1 MASK slots per block.
-        mask_token_id (`int`): the head's MASK id.
-        causal (`bool`, *optional*, defaults to `True`): causal (JetSpec) or bidirectional (DFlash) block.
-        reveal_prob (`float`, *optional*, defaults to 0): probability that a slot holds its real token.
-        generators (`list[torch.Generator]`, *optional*): per-row generators for the reveal draw.
-    """
-    b, length = input_ids.shape
-    n = anchors.shape[1]
-    device = input_ids.device
-    slots = torch.arange(block_size, device=device)  # (bs,)
-    positions = anchors.unsqueeze(-1) + slots  # (B, n, bs): a + i
-    inside = positions < lengths.view(b, 1, 1)  # (B, n, bs)
-    real = input_ids.gather(1, positions.clamp_max(length - 1).view(b, -1)).view(b, n, block_size)
-    real = real.masked_fill(~inside, 0)
-    reveal = torch.zeros(b, n, block_size, dtype=torch.bool, device=device)
-    if reveal_prob > 0:
-        draws = torch.stack([torch.rand(n, block_size, generator=g) for g in generators]).to(device)
-        reveal = (draws < reveal_prob) & inside
-    reveal[..., 0] = True  # the anchor is always a real token
-    block_ids = torch.where(reveal, real, torch.full_like(real, mask_token_id))  # (B, n, bs)
-    counted = inside[..., 1:] & ~reveal[..., 1:]  # (B, n, D): MASK slots inside the row carry the loss
-    t = n * block_size
-    return PackedBlocks(
-        input_ids=block_ids.view(b, t),
-        position_ids=positions.view(b, t),
-        attention_mask=_block_attention_mask(anchors, lengths, length, block_size, causal),
-        teacher_index=(positions[..., 1:] - 1).clamp_max(length - 1),
-        labels=real[..., 1:].masked_fill(~counted, -100),
-        last_context_index=(anchors.unsqueeze(-1) - 1).expand(b, n, block_size).reshape(b, t),
-    )
-
-
-def _block_attention_mask(anchors, lengths, length: int, block_size: int, causal: bool) -> torch.Tensor:
-    """`(B, 1, T, L + T)` bool: each slot sees the context before its anchor (never padding), then its own block."""
-    b, n = anchors.shape
-    device = anchors.device
-    t = n * block_size
-    ctx_pos = torch.arange(length, device=device)
-    ctx_ok = (ctx_pos.view(1, 1, length) < anchors.unsqueeze(-1)) & (
-        ctx_pos.view(1, 1, length) < lengths.view(b, 1, 1)
-    )  # (B, n, L): context j < a, never padding
-    ctx_mask = ctx_ok.unsqueeze(2).expand(b, n, block_size, length).reshape(b, 1, t, length)
-    inner = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
-    inner = inner.tril() if causal else inner
-    block_diag = torch.block_diag(*([inner] * n)).expand(b, 1, t, t)  # each block sees only itself
-    return torch.cat([ctx_mask, block_diag], dim=-1)  # (B, 1, T, L + T)
-
-
-@dataclass
-class JetSpecCollator:
-    """Right-pads the rows (truncated to `max_length`), draws their anchors and packs their blocks.
-
-    Anchors and revealed slots come from a generator seeded by the row's id, `seed` and the epoch: the same for a row
-    in any batch, micro-batch or process, fresh in every epoch. `epoch=None` is evaluation: the same anchors at every
-    evaluation (build the evaluation collator with `reveal_prob=0`).
-
-    Returns a dict of `input_ids` `(B, L)` and `attention_mask` `(B, L)` (the rows, what the target reads),
-    `sample_key` `(B,)` (the row keys, [`training.rows.row_key`]), and the packed blocks ([`PackedBlocks`]):
-    `block_ids` `(B, T)`, `block_position_ids` `(B, T)`, `block_attention_mask` `(B, 1, T, L + T)`,
-    `teacher_index` `(B, n, D)`, `labels` `(B, n, D)` and `last_context_index` `(B, T)`.
-    """
-
-    mask_token_id: int
-    block_size: int = 16
-    num_blocks: int = 4
-    causal: bool = True
-    max_length: int = 1024
-    pad_token_id: int = 0
-    seed: int = 0
-    answer_anchor_prob: float = 1.0
-    reveal_prob: float = 0.0
-    epoch: int | None = 0
-    # a `FeatureStore` to read the batch's target features from while collating: with dataloader workers the read
-    # of batch i + 1 overlaps the step of batch i (set by the trainer; rows it does not hold are left to the step)
-    feature_store: object = field(default=None, repr=False, compare=False)
-
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        if not features:
-            raise ValueError("expected at least one row in a batch, got none")
-        rows = [list(f["input_ids"])[: self.max_length] for f in features]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)  # (B, L)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
-        for i, r in enumerate(rows):
-            input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, : len(r)] = 1
-        lengths = attention_mask.sum(-1)  # (B,)
-        prompt_length = torch.tensor([int(f.get("prompt_length", 0)) for f in features], dtype=torch.long)
-        keys = torch.tensor(
-            [row_key(f["id"] if "id" in f else list(f["input_ids"])) for f in features], dtype=torch.long
-        )  # (B,)
-        offset = 0 if self.epoch is None else self.epoch + 1
-        anchors, generators = draw_anchors(
-            lengths, prompt_length, keys, self.num_blocks, self.seed, self.answer_anchor_prob, generator_offset=offset
-        )
-        blocks = pack_blocks(
-            input_ids,
-            lengths,
-            anchors,
-            self.block_size,
-            self.mask_token_id,
-            causal=self.causal,
-            reveal_prob=self.reveal_prob,
-            generators=generators,
-        )
-        batch = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "sample_key": keys,
-            "block_ids": blocks.input_ids,
-            "block_position_ids": blocks.position_ids,
-            "block_attention_mask": blocks.attention_mask,
-            "teacher_index": blocks.teacher_index,
-            "labels": blocks.labels,
-            "last_context_index": blocks.last_context_index,
-        }
-        store = self.feature_store
-        if store is not None and store.covers_all(keys.tolist(), lengths.tolist()):
-            batch["stored_features"], batch["stored_final"] = store.get_batch(
-                keys.tolist(), lengths.tolist(), width=width
-            )
-        return batch
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -542,85 +169,6 @@ def distillation_terms(
     )
     count = (batch["labels"] != -100).sum().float()
     return total, count, student_hidden, teacher_hidden
-
-
-CHECKPOINT_MARKER = "checkpoint_complete.json"
-CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's `checkpoint-{global_step}` folders
-
-
-def write_checkpoint_marker(folder: Path, step: int) -> None:
-    """Marks `folder` complete: `CHECKPOINT_MARKER` lists the size of every file in it, written atomically, last."""
-    files = {
-        str(path.relative_to(folder)): path.stat().st_size
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.name != CHECKPOINT_MARKER
-    }
-    tmp = folder / f".{CHECKPOINT_MARKER}.tmp"
-    tmp.write_text(json.dumps({"global_step": step, "files": files}, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, folder / CHECKPOINT_MARKER)
-
-
-def checkpoint_problem(folder) -> str | None:
-    """Why `folder` is not a complete checkpoint (no marker, an unreadable one, a file missing or of another size
-    than recorded), or None when it is."""
-    marker = Path(folder) / CHECKPOINT_MARKER
-    if not marker.is_file():
-        return f"no {CHECKPOINT_MARKER}: it was being written when the run stopped"
-    try:
-        files = json.loads(marker.read_text(encoding="utf-8"))["files"]
-        assert isinstance(files, dict) and files
-    except (ValueError, KeyError, TypeError, AssertionError):
-        return f"{CHECKPOINT_MARKER} is unreadable"
-    for name, size in files.items():
-        path = Path(folder) / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} holds {path.stat().st_size} bytes, not the {size} recorded"
-    return None
-
-
-def checkpoint_folders(output_dir) -> list[Path]:
-    """The `checkpoint-N` folders of `output_dir`, by step N."""
-    found = [path for path in Path(output_dir).iterdir() if path.is_dir() and CHECKPOINT_PATTERN.match(path.name)]
-    return sorted(found, key=lambda path: int(CHECKPOINT_PATTERN.match(path.name).group(1)))
-
-
-def last_complete_checkpoint(output_dir, report: Callable[[str], None] = print) -> str | None:
-    """The newest complete `checkpoint-N` of `output_dir` (highest N), None when there is none; each newer one that
-    is not complete is skipped and reported (never loaded)."""
-    for folder in reversed(checkpoint_folders(output_dir)):
-        problem = checkpoint_problem(folder)
-        if problem is None:
-            return str(folder)
-        report(f"jetspec: skipping {folder}, an incomplete checkpoint ({problem}); it is not loaded")
-    return None
-
-
-def rotate_complete_checkpoints(output_dir, limit: int | None, keep: list) -> list[Path]:
-    """Deletes checkpoints beyond `limit` (the `save_total_limit`): the incomplete ones (never loadable) and the
-    oldest complete ones by completion time, never those in `keep` (the one just completed, the best one). The
-    Trainer's own rotation counts half-written folders and protects the highest step, which may be one of them.
-    Returns the deleted folders."""
-    if limit is None or limit <= 0:
-        return []
-    keep = {Path(path).resolve() for path in keep if path is not None}
-    complete, deleted = [], []
-    for folder in checkpoint_folders(output_dir):
-        if checkpoint_problem(folder) is None:
-            complete.append(folder)
-        elif folder.resolve() not in keep:
-            print(f"jetspec: deleting {folder}, an incomplete checkpoint left by a stopped run")
-            deleted.append(folder)
-    complete.sort(key=lambda folder: (folder / CHECKPOINT_MARKER).stat().st_mtime_ns)
-    kept = [folder for folder in complete if folder.resolve() in keep]
-    for folder in reversed(complete):  # the most recent first
-        if folder not in kept and len(kept) < limit:
-            kept.append(folder)
-    deleted += [folder for folder in complete if folder not in kept]
-    for folder in deleted:
-        shutil.rmtree(folder, ignore_errors=True)
-    return deleted
 
 
 def resolve_precision(args: JetSpecTrainingArguments) -> str:
