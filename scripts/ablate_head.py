@@ -63,6 +63,7 @@ import yaml
 
 from jetspec.host import host_kind
 from training import run_trainer
+from training.checkpointing import last_complete_checkpoint
 from training.offline_scorer import OfflineScorer
 from training.step_timer import StepTimer
 
@@ -108,6 +109,10 @@ UNSET = {"gamma0": ("gamma",), "bidir_gamma0": ("gamma",)}  # config keys a vari
 PAIRED_DIR = REPO / "cache" / "raw-vs-regen"
 PAIRED = {"raw_sharegpt": "raw.npz", "regen_sharegpt": "regen.npz"}
 DATA_VARIANT = re.compile(r"^data_(all|\d+(?:\.\d+)?[KkMm]?)$")  # data_<answer tokens>: data_300, data_0.5M, data_all
+# <variant>_seed<N>: the variant from another initialisation and data order (`--seed N`), on the same rows and judged on
+# the same held-out rows (`--split_seed`: the config's own seed); the spread of a row over seeds is what a gap is
+# weighed against
+SEED_VARIANT = re.compile(r"^(?P<base>.+)_seed(?P<seed>\d+)$")
 # The probe times its steps after the first PROBE_SKIP, which carry one-off costs (and, with group_by_length, the
 # longest batch first). Batches vary in width, so a short probe is noisy: 12 steps gave a 2-layer head 0.99 s/step
 # where its run then took 0.63 (Intel AMX host), so it trained 19 of its 30 minutes; 40 steps average more widths.
@@ -135,9 +140,21 @@ def data_tokens(name: str) -> int | None:
     return tokens
 
 
+def seed_of(name: str) -> tuple[str, int | None]:
+    """`(base variant, seed)` of a seed variant `<base>_seed<N>` of a named variant, `(name, None)` otherwise."""
+    match = SEED_VARIANT.match(name)
+    if match is None or match.group("base") not in VARIANTS:
+        return name, None
+    return match.group("base"), int(match.group("seed"))
+
+
 def variant_flags(name: str) -> list:
     """The trainer flags of a variant: its one change (for a paired-data variant, its training file; `arguments`
-    adds the evaluation data)."""
+    adds the evaluation data; for a seed variant, its base's change and `--seed`, `trainer_arguments` adds the
+    split's seed)."""
+    base, seed = seed_of(name)
+    if seed is not None:
+        return [*VARIANTS[base], "--seed", str(seed)]
     if name in PAIRED:
         return ["--data", str(PAIRED_DIR / PAIRED[name])]
     if name in VARIANTS:
@@ -153,10 +170,11 @@ def check_variants(names: list) -> list:
                 f"expected {PAIRED_DIR / PAIRED[name]} for variant {name}, got no such file: write it with "
                 f"`python -m scripts.campaigns.raw_answers --out {PAIRED_DIR}`"
             )
-        if name not in VARIANTS and name not in PAIRED and not DATA_VARIANT.match(name):
+        known = name in VARIANTS or name in PAIRED or seed_of(name)[1] is not None
+        if not known and not DATA_VARIANT.match(name):
             raise ValueError(
-                f"expected variants among {sorted([*VARIANTS, *PAIRED])} or data_<answer tokens> (data_0.5M, "
-                f"data_all, ...), got {name!r}"
+                f"expected variants among {sorted([*VARIANTS, *PAIRED])}, <variant>_seed<N> (gamma4_seed1, ...) or "
+                f"data_<answer tokens> (data_0.5M, data_all, ...), got {name!r}"
             )
         variant_flags(name)
     if len(set(names)) != len(names):
@@ -177,13 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="equal wall-clock instead of equal steps: train each variant for about this long",
     )
+    parser.add_argument(
+        "--save_every",
+        type=int,
+        default=0,
+        help="save a checkpoint every N steps (0: none); a rerun resumes a variant cut off from its last checkpoint",
+    )
     parser.add_argument("--out", default="results/ablation")
     parser.add_argument("--runs", default=str(REPO / "runs" / "ablation"), help="folder of the variants' runs")
     parser.add_argument(
         "--variants",
         nargs="+",
         default=None,
-        help=f"among {', '.join(sorted([*VARIANTS, *PAIRED]))}, or data_<answer tokens> (default: baseline)",
+        help=f"among {', '.join(sorted([*VARIANTS, *PAIRED]))}, <variant>_seed<N> (the variant from seed N on the "
+        "same rows and held-out rows), or data_<answer tokens> (default: baseline)",
     )
     offline = parser.add_argument_group("offline scoring (training.evaluate_head) of every trained head")
     offline.add_argument("--offline", default="on", choices=["on", "off"], help="score each trained head offline")
@@ -215,6 +240,8 @@ def check_args(args) -> dict:
         raise ValueError(f"expected --minutes > 0, got {args.minutes}")
     if args.steps < 1:
         raise ValueError(f"expected --steps >= 1, got {args.steps}")
+    if args.save_every < 0:
+        raise ValueError(f"expected --save_every >= 0, got {args.save_every}")
     if not (Path(args.store) / "store.json").is_file():
         raise ValueError(f"expected --store to be a feature store folder holding store.json, got {args.store}")
     budgets = parse_budgets(args.budgets)
@@ -242,6 +269,7 @@ def check_args(args) -> dict:
 
 def config_of(args, name: str, run: str) -> str:
     """The config file of a variant: the given one, or a copy without the keys the variant removes."""
+    name = seed_of(name)[0]
     if name not in UNSET:
         return args.config
     values = yaml.safe_load(Path(args.config).read_text())
@@ -255,6 +283,7 @@ def config_of(args, name: str, run: str) -> str:
 
 def trainer_arguments(args, name: str, steps: int, run: str) -> list[str]:
     """`run_trainer`'s command line for variant `name` trained `steps` steps into RUNS/`run`."""
+    run_dir = Path(args.runs) / run
     common = [
         config_of(args, name, run),
         "--feature_store",
@@ -265,8 +294,7 @@ def trainer_arguments(args, name: str, steps: int, run: str) -> list[str]:
         str(steps),
         "--eval_steps",
         str(steps),
-        "--save_strategy",
-        "no",
+        *(["--save_strategy", "no"] if not args.save_every else []),
         "--max_train_minutes",
         "1000",
         "--measure_tau_prompts",
@@ -274,7 +302,7 @@ def trainer_arguments(args, name: str, steps: int, run: str) -> list[str]:
         "--warmup_steps",
         str(max(1, steps // 20)),
         "--output_dir",
-        str(Path(args.runs) / run),
+        str(run_dir),
     ]
     if args.data:
         common += ["--data", *args.data]
@@ -282,6 +310,12 @@ def trainer_arguments(args, name: str, steps: int, run: str) -> list[str]:
         common += ["--eval_fraction", str(args.eval_fraction)]
     if name in PAIRED:  # judged on the held-out rows of the data every other variant trains on
         common += ["--eval_data", *(args.data or yaml.safe_load(Path(args.config).read_text())["data"])]
+    if seed_of(name)[1] is not None:  # the split of the run without the variant: the same rows, the same judges
+        common += ["--split_seed", str(run_trainer.parse_args(common)[2].seed)]
+    if args.save_every:  # checkpoints to resume a run cut off by a stop from (a rerun of the command resumes it)
+        common += ["--save_strategy", "steps", "--save_steps", str(args.save_every), "--save_total_limit", "1"]
+        if last_complete_checkpoint(run_dir) if run_dir.is_dir() else None:
+            common += ["--resume_from_checkpoint", "true"]
     return common + variant_flags(name)
 
 
@@ -292,7 +326,8 @@ def run_settings(args, name: str) -> dict:
         "target": head_args.target,
         "data": list(data_args.data),
         "eval_fraction": data_args.eval_fraction,
-        "seed": train_args.seed,
+        "seed": train_args.seed if data_args.split_seed is None else data_args.split_seed,  # the held-out rows'
+        "train_seed": train_args.seed,
         "loss": train_args.loss,
         "gamma": train_args.gamma,
         "block_attention": head_args.block_attention or "causal",
@@ -362,15 +397,17 @@ def train_variant(args, name: str, summary: dict, budget: dict, settings: dict, 
     """Trains variant `name` for its budget (steps, or the steps that fill `--minutes`) and returns its row."""
     steps = steps_for_minutes(args, name, summary) if args.minutes is not None else args.steps
     started = time.perf_counter()
-    metrics = run_trainer.main(trainer_arguments(args, name, steps, name))
+    arguments = trainer_arguments(args, name, steps, name)
+    metrics = run_trainer.main(arguments)
     depths = sorted(int(k.rsplit("_", 1)[1]) for k in metrics if k.startswith("eval_acc_depth_"))
     row = {
-        "change": " ".join(variant_flags(name) + [f"(no {key})" for key in UNSET.get(name, ())])
+        "change": " ".join(variant_flags(name) + [f"(no {key})" for key in UNSET.get(seed_of(name)[0], ())])
         or "(committed config)",
         "host_kind": host.name,
         **budget,
         "steps": steps,
-        "seconds_per_step": metrics["train_runtime"] / steps,
+        "seconds_per_step": metrics["train_runtime"] / steps,  # of this process's steps only when resumed
+        "resumed": "--resume_from_checkpoint" in arguments,
         "wall_seconds": time.perf_counter() - started,
         "eval_loss": metrics["eval_loss"],
         "acc_per_depth": [metrics[f"eval_acc_depth_{d}"] for d in depths],

@@ -443,3 +443,27 @@ def test_step_timer_refuses_a_mean_over_no_steps():
     assert timer.seconds_per_step(1) >= 0 and timer.first_seconds(2) >= timer.first_seconds(1)
     with pytest.raises(ValueError, match="expected 0 <= skip < the 2 timed steps"):
         timer.seconds_per_step(2)
+
+
+def test_a_seed_variant_keeps_its_bases_rows_and_resumes_from_its_last_checkpoint(tmp_path, capsys):
+    """`<variant>_seed<N>` trains the variant from seed N on the same split as the config's seed (the same held-out
+    rows judge it); with `--save_every` a run cut off before its row was written resumes from its checkpoint."""
+    config = ablation_config(tmp_path, "seed: 5\n")
+    ablate_head = load_script("ablate_head")
+    argv = ["--config", str(config), "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")]
+    argv += ["--runs", str(tmp_path / "runs"), "--offline", "off", "--save_every", "1"]
+    summary = ablate_head.main([*argv, "--steps", "1", "--variants", "baseline_seed3"])
+    row = summary["baseline_seed3"]
+    assert row["settings"]["seed"] == 5 and row["settings"]["train_seed"] == 3 and not row["resumed"]
+    assert row["change"] == "--seed 3"
+    _, data_args, train_args = ablate_head.run_trainer.parse_args(
+        ablate_head.trainer_arguments(ablate_head.build_parser().parse_args(argv), "baseline_seed3", 1, "x")
+    )
+    assert (data_args.split_seed, train_args.seed) == (5, 3)
+    # the run stopped after its first step's checkpoint, before its row: a rerun at 2 steps resumes it
+    (tmp_path / "out" / "ablation.json").write_text("{}")
+    capsys.readouterr()
+    summary = ablate_head.main([*argv, "--steps", "2", "--variants", "baseline_seed3"])
+    assert summary["baseline_seed3"]["resumed"] and "resuming from" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="_seed<N>"):
+        ablate_head.main([*argv, "--variants", "nonsense_seed1"])

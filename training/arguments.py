@@ -330,6 +330,14 @@ class DataArguments:
     eval_fraction: float = field(
         default=0.02, metadata={"help": "Fraction of the rows held out for evaluation (at least one if > 0)."}
     )
+    split_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of the held-out split (and of --max_train_answer_tokens' draw); defaults to --seed. A run "
+            "with another --seed and the same --split_seed is judged on the same held-out rows and trains on the "
+            "same rows, from another initialisation and in another order: a seed variant of a run."
+        },
+    )
     eval_data: list[str] | None = field(
         default=None,
         metadata={

@@ -98,18 +98,20 @@ def load_data(data_args: DataArguments, seed: int):
     Streamed, `train` is an `IterableDataset` (shuffled in a buffer) and `eval` the stream's first held-out rows.
     With `max_train_answer_tokens`, `train` is the subset [`training.rows.answer_token_cap`] takes from the training
     rows (the held-out rows are the same with or without it). With `eval_data`, `eval` is the held-out side of those
-    sources' split instead (same fraction and seed), and no training row shares an id with it."""
+    sources' split instead (same fraction and seed), and no training row shares an id with it. The split and the cap
+    draw with `data_args.split_seed` where given (a seed variant: the same rows, another `seed` for the rest)."""
+    split_seed = seed if data_args.split_seed is None else data_args.split_seed  # the held-out rows' draw
     train, held_out = split_train_eval(
         load_rows(data_args.data, streaming=data_args.streaming),
         data_args.eval_fraction,
-        seed,
+        split_seed,
         data_args.stream_eval_rows,
     )
     if data_args.eval_data is not None:
         _, held_out = split_train_eval(
             load_rows(data_args.eval_data, streaming=data_args.streaming),
             data_args.eval_fraction,
-            seed,
+            split_seed,
             data_args.stream_eval_rows,
         )
         # A row id falls on the same side of both splits (the same draw), except where a split holds out its
@@ -123,7 +125,7 @@ def load_data(data_args: DataArguments, seed: int):
         train = train.shuffle(seed=seed, buffer_size=data_args.shuffle_buffer)
     if data_args.max_train_answer_tokens is not None:
         rows = len(train)
-        train, tokens = answer_token_cap(train, data_args.max_train_answer_tokens, seed)
+        train, tokens = answer_token_cap(train, data_args.max_train_answer_tokens, split_seed)
         print(
             f"jetspec: training rows capped at {data_args.max_train_answer_tokens} answer tokens: {len(train)} of "
             f"{rows} rows, {tokens} answer tokens"
