@@ -3,10 +3,11 @@
 Built on transformers' own serving app (`transformers serve`, the extras `transformers[serving]`), not a new web
 framework: its FastAPI app (`build_server`: the routes, the request-id middleware), its chat and completions
 handlers (the chat template, the generation config from the request, the response bodies and the SSE chunks) and its
-sequential generation manager (one inference thread that runs one `generate` at a time, in arrival order, a
-`DirectStreamer` per streamed request, a disconnect cancels it). What this module changes, each in a subclass of
-those (design: `docs/serve.md`):
+generation manager's interface (a `DirectStreamer` per streamed request, a disconnect cancels it). What this module
+changes, each in a subclass of those (design: `docs/serve.md`):
 
+- one inference thread decodes the requests that wait when the target is free together, in one `generate` call
+  (`serve_batching.BatchScheduler`, up to a batch cap measured at start-up or `--max-batch`);
 - every request is checked first (`serve_requests.check_request`): what the server cannot honour exactly is refused
   with a 4xx and an OpenAI-shaped error naming the field, before any work;
 - the generate call gets the head (`assistant_model=head`: the tree route, exactly as `generate` runs it), the
@@ -39,6 +40,7 @@ from transformers.cli.serving.utils import DirectStreamer, GenerateManager, Gene
 
 from modeling_jetspec.compat import stream_error
 
+from .serve_batching import BatchScheduler, Row, measure_batch_cap
 from .serve_requests import Job, RequestError, StopTrimmer, check_request, error_body, tree_report
 
 SERVED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
@@ -118,12 +120,14 @@ class TreeStreamer(DirectStreamer):
 
 
 class TreeGenerateManager(GenerateManager):
-    """transformers' sequential generation manager (one inference thread: requests run one at a time, in arrival
-    order), every request decoded by `target.generate(..., assistant_model=head)`."""
+    """transformers' sequential generation manager (one inference thread), every request decoded by
+    `target.generate(..., assistant_model=head)`; the requests waiting when the target is free decode together, up to
+    `max_batch` rows per call (`serve_batching.BatchScheduler`, which runs on that thread)."""
 
-    def __init__(self, head):
+    def __init__(self, head, max_batch: int = 1):
         super().__init__()
         self.head = head
+        self.scheduler = BatchScheduler(self, head, max_batch)
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         job = CURRENT_JOB.get()
@@ -131,14 +135,19 @@ class TreeGenerateManager(GenerateManager):
         loop = asyncio.get_running_loop()
         queue = TrimmedQueue(job.stops)
         streamer = TreeStreamer(processor.backend_tokenizer, loop, queue, response_parser=response_parser)
-        self.submit(self.stream, job, model, processor, inputs, gen_config, streamer, loop, queue)
+        self.scheduler.add(Row(job, model, processor, inputs, gen_config, loop, streamer=streamer, queue=queue))
+        self.submit(self.scheduler.run_next)
         return queue, streamer
 
     async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
         job = CURRENT_JOB.get()
         prepare(job, model, inputs, gen_config)
-        out = await self.async_submit(self.decode, job, model, processor, inputs, gen_config)
-        new = out.sequences[0, len(job.prompt_ids) :]
+        loop = asyncio.get_running_loop()
+        row = Row(job, model, processor, inputs, gen_config, loop, done=loop.create_future())
+        self.scheduler.add(row)
+        self.submit(self.scheduler.run_next)
+        await row.done
+        new = torch.tensor(job.new_ids, dtype=torch.long)  # (N,)
         log_request(job, len(job.new_ids))
         return StopTrimmer(job.stops).trim(processor.decode(new, skip_special_tokens=True)), len(job.prompt_ids), new
 
@@ -162,6 +171,7 @@ class TreeGenerateManager(GenerateManager):
             time.monotonic() - started,
         )
         job.report["queued_seconds"] = started - job.started
+        job.report["batch"] = 1  # decoded alone; the rows of a shared call: `serve_batching`
         return out
 
     def stream(self, job: Job, model, processor, inputs, gen_config, streamer: TreeStreamer, loop, queue):
@@ -169,15 +179,21 @@ class TreeGenerateManager(GenerateManager):
         try:
             self.decode(job, model, processor, inputs, gen_config, streamer)
         except Exception as error:  # the SSE loop shows it as an error event; a disconnect raised it on purpose
-            if streamer.disconnected:
-                log_request(job, streamer.total_tokens, "stopped: the client disconnected")
-                return
-            logger.exception("jetspec serve: a streamed %s request failed", job.endpoint)
+            self.end_stream(job, streamer, loop, queue, error)
+            return
+        self.end_stream(job, streamer, loop, queue)
+
+    def end_stream(self, job: Job, streamer: TreeStreamer, loop, queue, error: Exception | None = None):
+        """End a streamed request's stream once its tokens and statistics are set, or with an error event."""
+        if streamer.disconnected:  # in a shared call, the row stopped without an error
+            log_request(job, streamer.total_tokens, "stopped: the client disconnected")
+        elif error is None:
+            log_request(job, len(job.new_ids))
+            streamer.close()
+        else:
+            logger.error("jetspec serve: a streamed %s request failed", job.endpoint, exc_info=error)
             message = json.dumps(f"{type(error).__name__}: {error}")[1:-1]  # transformers quotes it as is
             loop.call_soon_threadsafe(queue.put_nowait, stream_error(message))
-            return
-        log_request(job, len(job.new_ids))
-        streamer.close()
 
 
 def context_length(model):
@@ -281,10 +297,11 @@ def with_field(chunk: str, job: Job) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def build_app(target, tokenizer, head, name: str):
-    """transformers' serving app over `target`, served as `name`, every answer decoded with `head`."""
+def build_app(target, tokenizer, head, name: str, max_batch: int = 1):
+    """transformers' serving app over `target`, served as `name`, every answer decoded with `head`, up to
+    `max_batch` waiting requests in one call."""
     models = ServedModel(name, target, tokenizer)
-    state = ServedState(TreeGenerateManager(head))
+    state = ServedState(TreeGenerateManager(head, max_batch))
     app = build_server(
         models,
         TreeChatHandler(models, state),
@@ -338,12 +355,17 @@ def add_error_handlers(app):
         return answer(f"internal error ({type(error).__name__}: {error}); see the server's log", 500, code="internal")
 
 
-def serve(target, tokenizer, head, name: str, host: str, port: int):
-    """Serve until interrupted (Ctrl-C, SIGTERM)."""
+def serve(target, tokenizer, head, name: str, host: str, port: int, max_batch: int | None = None):
+    """Serve until interrupted (Ctrl-C, SIGTERM); `max_batch` `None`: the batch cap measured on this host."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers.cli.serving").setLevel(logging.ERROR)  # one "[Request received]" per request
-    app = build_app(target, tokenizer, head, name)
+    if max_batch is None:
+        logger.info("jetspec serve: measuring the batch cap (--max-batch N skips it)")
+        max_batch, costs = measure_batch_cap(target, head)
+        found = ", ".join(f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in costs.items())
+        logger.info("jetspec serve: batch cap %d (time per row and round at each batch size: %s)", max_batch, found)
+    app = build_app(target, tokenizer, head, name, max_batch)
     logger.info("jetspec serve: %s with its head at http://%s:%d/v1", name, host, port)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -1,18 +1,27 @@
-"""Tokens/s and time to first token through `jetspec serve` and through `transformers serve` (its `generate` path, no
-continuous batching), the same model in the same dtype, both driven through the `openai` client.
+"""Aggregate tokens/s and time to first token through `jetspec serve` and through `transformers serve`, on its
+`generate` path and with its continuous batching: the same model in the same dtype, all driven through the `openai`
+client.
 
-    python -m scripts.serve_bench --suite gsm8k,humaneval,mtbench --limit 10 --max-new-tokens 256 --clients 1,4 \\
-        --dtype bfloat16 --out results/serve-bench
+    python -m scripts.serve_bench --suite gsm8k,humaneval,mtbench --limit 8 --max-new-tokens 128 --clients 1,4,8 \\
+        --loads lockstep,steady --dtype auto --out results/serve-bench
 
-The script starts both servers on free loopback ports (`--threads` torch threads each, through OMP_NUM_THREADS), or
-uses running ones (`--jetspec-url`, `--transformers-url`, `--transformers-model`). Both stay up together, and the
-requests alternate between them: each prompt (with k clients, each group of k prompts, sent at once) goes to one
-server, then to the other, which one first alternating, so that both see the same host load. Every request is a
-streamed chat completion, greedy (temperature 0): time to first token is the wait for the first chunk with text,
-tokens are what the last chunk's usage counts, and a server's tokens/s is its tokens over the wall time of its
-requests (with k clients, a group's wall time runs from the first send to the last answer). The two servers' texts
-are compared per prompt: in float32 they must be equal; in bf16 they may leave each other at a numerical tie.
-Writes `results.json` (every request) and `results.md` (the table), and prints the table. Run nothing else meanwhile.
+The script starts the three servers on free loopback ports (`--threads` torch threads each, through
+OMP_NUM_THREADS; transformers' continuous batching on a CPU with a paged cache of `--cb-num-blocks` blocks of
+`--cb-block-size` tokens, its memory cap there), or uses running ones (`--jetspec-url`, `--transformers-url`,
+`--transformers-cb-url`, `--transformers-model`); `--no-continuous-batching` leaves that one out. All stay up
+together, and the servers take turns: with k clients,
+
+- lock-step: each group of k prompts is sent at once, and the next group when all k have answered; each group goes
+  to every server in turn, which one first rotating, so that all see the same host load;
+- steady: k clients each send their next prompt as soon as their last answer ends, until the prompts run out; each
+  server runs the whole list in turn, which one first rotating with k.
+
+Every request is a streamed chat completion, greedy (temperature 0): time to first token is the wait for the first
+chunk with text, tokens are what the last chunk's usage counts, and a server's aggregate tokens/s is its tokens over
+the wall time of its requests (a group's, or a steady run's, from the first send to the last answer). The ratio is
+against the better of the two transformers paths at the same load and clients. The texts are compared per prompt: in
+float32 they must be equal; in bf16 they may leave each other at a numerical tie. Writes `results.json` (every
+request) and `results.md` (the table), and prints the table. Run nothing else meanwhile.
 """
 
 import argparse
@@ -22,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 JETSPEC, TRANSFORMERS = "jetspec serve", "transformers serve"
+TRANSFORMERS_CB = "transformers serve --continuous-batching"
+LOADS = ("lockstep", "steady")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,11 +51,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--suite", default="gsm8k,humaneval,mtbench", help="comma-separated prompt suites")
     parser.add_argument("--limit", type=int, default=10, help="first N prompts of each suite")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="max_tokens of every request")
-    parser.add_argument("--clients", default="1,4", help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--clients", default="1,4,8", help="comma-separated numbers of concurrent clients")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="jetspec serve's --max-batch (default: its cap measured at start-up)",
+    )
+    parser.add_argument("--loads", default="lockstep,steady", help="comma-separated loads among lockstep, steady")
+    parser.add_argument("--cb-block-size", type=int, default=32, help="continuous batching: tokens per cache block")
+    parser.add_argument(
+        "--cb-num-blocks", type=int, default=256, help="continuous batching: cache blocks (its memory cap on a CPU)"
+    )
+    parser.add_argument(
+        "--no-continuous-batching", action="store_true", help="leave out transformers serve --continuous-batching"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each server (default: torch's)")
     parser.add_argument("--out", default="results/serve-bench", help="output folder")
     parser.add_argument("--jetspec-url", default=None, help="a running jetspec serve (its served name: --model)")
     parser.add_argument("--transformers-url", default=None, help="a running transformers serve")
+    parser.add_argument(
+        "--transformers-cb-url", default=None, help="a running transformers serve --continuous-batching"
+    )
     parser.add_argument(
         "--transformers-model", default=None, help="the model name the running transformers serve takes"
     )
@@ -107,9 +136,31 @@ def run_group(client, model: str, prompts: list, max_tokens: int) -> tuple[list,
     return records, time.perf_counter() - started
 
 
-def run_bench(servers: dict, prompts: list, max_tokens: int, clients: list, warmup: bool = True) -> dict:
-    """`servers`: `{name: (url, model name)}`, two of them; `prompts`: `{"suite", "id", "prompt"}` records. Every
-    group alternates between the servers; returns the records and the wall time per (server, clients)."""
+def run_steady(client, model: str, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
+    """`clients` clients, each sending its next prompt as soon as its last answer ends: the records (in prompt order)
+    and the wall time from the first send to the last answer."""
+    records, lock, queue = [None] * len(prompts), threading.Lock(), iter(range(len(prompts)))
+
+    def one_client():
+        while True:
+            with lock:
+                index = next(queue, None)
+            if index is None:
+                return
+            records[index] = timed_request(client, model, prompts[index]["prompt"], max_tokens)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        for done in [pool.submit(one_client) for _ in range(clients)]:
+            done.result()
+    return records, time.perf_counter() - started
+
+
+def run_bench(
+    servers: dict, prompts: list, max_tokens: int, clients: list, warmup: bool = True, loads=("lockstep",)
+) -> dict:
+    """`servers`: `{name: (url, model name)}`; `prompts`: `{"suite", "id", "prompt"}` records. Every load and
+    number of clients runs on every server, taking turns; returns the records and the wall time per server."""
     import openai
 
     made = {
@@ -120,43 +171,72 @@ def run_bench(servers: dict, prompts: list, max_tokens: int, clients: list, warm
         for client, model in made.values():
             timed_request(client, model, prompts[0]["prompt"], 8)
     runs = []
-    for k in clients:
-        groups = [prompts[i : i + k] for i in range(0, len(prompts), k)]
-        walls, records = {name: 0.0 for name in made}, {name: [] for name in made}
-        for index, group in enumerate(groups):
-            order = list(made) if index % 2 == 0 else list(made)[::-1]
-            for name in order:
-                got, wall = run_group(*made[name], group, max_tokens)
-                walls[name] += wall
-                records[name] += [{**record, "suite": p["suite"], "id": p["id"]} for record, p in zip(got, group)]
-        runs.append({"clients": k, "wall_seconds": walls, "requests": records})
+    for load in loads:
+        if load not in LOADS:
+            raise ValueError(f"expected loads among {', '.join(LOADS)}, got {load!r}")
+        for turn, k in enumerate(clients):
+            walls, records = {name: 0.0 for name in made}, {name: [] for name in made}
+            if load == "lockstep":
+                groups = [prompts[i : i + k] for i in range(0, len(prompts), k)]
+                batches = [(group, turn + index) for index, group in enumerate(groups)]
+            else:
+                batches = [(prompts, turn)]
+            for group, rotation in batches:
+                names = list(made)
+                for name in names[rotation % len(names) :] + names[: rotation % len(names)]:
+                    if load == "lockstep":
+                        got, wall = run_group(*made[name], group, max_tokens)
+                    else:
+                        got, wall = run_steady(*made[name], group, max_tokens, k)
+                    walls[name] += wall
+                    records[name] += [{**record, "suite": p["suite"], "id": p["id"]} for record, p in zip(got, group)]
+            runs.append({"load": load, "clients": k, "wall_seconds": walls, "requests": records})
     return {"runs": runs}
 
 
+def percentile(values: list, share: float):
+    """The nearest-rank percentile of `values` (`None` when empty)."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, -(-round(share * 100) * len(ordered) // 100) - 1))]
+
+
+def same_texts(run: dict) -> int:
+    """Prompts whose answer every server of the run gave as the same text."""
+    answers = {}
+    for records in run["requests"].values():
+        for record in records:
+            answers.setdefault((record["suite"], record["id"]), []).append(record["text"])
+    return sum(len(set(texts)) == 1 for texts in answers.values())
+
+
 def summary_rows(results: dict) -> list[dict]:
-    """One row per (clients, server): tokens/s, its ratio to transformers serve, time to first token, equal texts."""
+    """One row per (load, clients, server): aggregate tokens/s, its ratio to the better transformers path, time to
+    first token (p50, p95), tau, and the prompts all servers answered alike."""
     rows = []
     for run in results["runs"]:
         names = list(run["requests"])
-        texts = {name: [r["text"] for r in run["requests"][name]] for name in names}
-        same = sum(a == b for a, b in zip(*texts.values()))
         speed = {
             name: sum(r["tokens"] or 0 for r in run["requests"][name]) / run["wall_seconds"][name] for name in names
         }
+        best = max((speed[name] for name in names if name != JETSPEC), default=None)
+        same = same_texts(run)
         for name in names:
-            ttfts = sorted(r["ttft"] for r in run["requests"][name] if r["ttft"] is not None)
+            ttfts = [r["ttft"] for r in run["requests"][name] if r["ttft"] is not None]
             taus = [r["jetspec"]["tau"] for r in run["requests"][name] if r["jetspec"]]
             rows.append(
                 {
+                    "load": run.get("load", "lockstep"),
                     "server": name,
                     "clients": run["clients"],
                     "requests": len(run["requests"][name]),
                     "tokens_per_second": speed[name],
-                    "ratio": speed[name] / speed[TRANSFORMERS] if speed.get(TRANSFORMERS) else None,
-                    "ttft_median": statistics.median(ttfts) if ttfts else None,
-                    "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+                    "ratio": speed[name] / best if best else None,
+                    "ttft_p50": percentile(ttfts, 0.5),
+                    "ttft_p95": percentile(ttfts, 0.95),
                     "tau": statistics.mean(taus) if taus else None,
-                    "same_text": f"{same}/{len(texts[name])}",
+                    "same_text": f"{same}/{len(run['requests'][name])}",
                 }
             )
     return rows
@@ -167,20 +247,21 @@ def markdown(rows: list[dict]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [
-        "| server | clients | requests | tok/s | vs transformers serve | TTFT median (s) | TTFT p90 (s) | tau | same text |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| load | server | clients | requests | tok/s | vs the better transformers path | TTFT p50 (s) | TTFT p95 (s) "
+        "| tau | same text |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         lines.append(
-            f"| {row['server']} | {row['clients']} | {row['requests']} | {number(row['tokens_per_second'], 1)} | "
-            f"{number(row['ratio'], 2)}x | {number(row['ttft_median'], 3)} | {number(row['ttft_p90'], 3)} | "
-            f"{number(row['tau'], 2)} | {row['same_text']} |"
+            f"| {row['load']} | {row['server']} | {row['clients']} | {row['requests']} | "
+            f"{number(row['tokens_per_second'], 1)} | {number(row['ratio'], 2)}x | {number(row['ttft_p50'], 3)} | "
+            f"{number(row['ttft_p95'], 3)} | {number(row['tau'], 2)} | {row['same_text']} |"
         )
     return "\n".join(lines)
 
 
 def servers_for(args, dtype_name: str, out: Path) -> tuple[dict, list]:
-    """`({name: (url, model)}, processes started)`: the given servers, else both started here."""
+    """`({name: (url, model)}, processes started)`: the given servers, else those started here."""
     from jetspec.targets import SMOLLM2_ALIAS, smollm2_folder
 
     started, servers = [], {}
@@ -188,18 +269,26 @@ def servers_for(args, dtype_name: str, out: Path) -> tuple[dict, list]:
     if args.jetspec_url is None:
         command = [sys.executable, "-m", "jetspec", "serve", "--model", args.model, "--dtype", dtype_name, *threads]
         command += [] if args.head is None else ["--head", args.head]
+        command += [] if args.max_batch is None else ["--max-batch", str(args.max_batch)]
         process, args.jetspec_url = start(command, out / "jetspec-serve.log", args.threads)
         started.append(process)
     servers[JETSPEC] = (args.jetspec_url, args.model)
+    folder = str(smollm2_folder()) if args.model == SMOLLM2_ALIAS else args.model  # it loads a folder or an id
+    args.transformers_model = args.transformers_model or folder
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--dtype", dtype_name]
+    command += ["--device", "cpu"]
     if args.transformers_url is None:
-        folder = str(smollm2_folder()) if args.model == SMOLLM2_ALIAS else args.model  # it loads a folder or an id
-        command = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--dtype", dtype_name]
-        process, args.transformers_url = start(
-            [*command, "--device", "cpu"], out / "transformers-serve.log", args.threads
-        )
+        process, args.transformers_url = start(command, out / "transformers-serve.log", args.threads)
         started.append(process)
-        args.transformers_model = folder
     servers[TRANSFORMERS] = (args.transformers_url, args.transformers_model)
+    if args.no_continuous_batching:
+        return servers, started
+    if args.transformers_cb_url is None:
+        paged = ["--continuous-batching", "--cb-block-size", str(args.cb_block_size)]
+        paged += ["--cb-num-blocks", str(args.cb_num_blocks)]
+        process, args.transformers_cb_url = start([*command, *paged], out / "transformers-serve-cb.log", args.threads)
+        started.append(process)
+    servers[TRANSFORMERS_CB] = (args.transformers_cb_url, args.transformers_model)
     return servers, started
 
 
@@ -212,6 +301,9 @@ def main(argv=None) -> int:
     dtype, reason = resolve_dtype(args.dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     clients = [int(k) for k in args.clients.split(",")]
+    loads = [load for load in args.loads.split(",") if load]
+    if not loads or any(load not in LOADS for load in loads):
+        raise SystemExit(f"expected --loads among {', '.join(LOADS)}, got {args.loads!r}")
     prompts = [
         {"suite": suite, "id": record["id"], "prompt": record["prompt"]}
         for suite in check_suites(args.suite.split(","))
@@ -221,7 +313,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     servers, started = servers_for(args, dtype_name, out)
     try:
-        results = run_bench(servers, prompts, args.max_new_tokens, clients)
+        results = run_bench(servers, prompts, args.max_new_tokens, clients, loads=loads)
     finally:
         for process in started:
             process.terminate()
@@ -229,6 +321,7 @@ def main(argv=None) -> int:
     rows = summary_rows(results)
     config = {"command": " ".join(["python -m scripts.serve_bench", *sys.argv[1:]]), "dtype": dtype_name}
     config.update({"dtype_reason": reason, "host_kind": host_kind().name, "model": args.model, "clients": clients})
+    config.update({"loads": loads, "servers": list(servers), "max_batch": args.max_batch})
     (out / "results.json").write_text(json.dumps({"config": config, "rows": rows, **results}, indent=1))
     table = markdown(rows)
     (out / "results.md").write_text(
