@@ -72,6 +72,13 @@ class RoundReads:
             monkeypatch.setattr(oracle, "draft", quiet_draft)
 
     def generate(self, target, ids, mask, **kwargs):
+        """A counted call, after one uncounted call of the same shapes: the first verify of a shape on a host probes
+        its linear forms (`modeling_jetspec.linear_forms`, timed with synchronizes, then cached per host), a one-off
+        that is no round's read; without the warm-up the count would depend on which tests ran before."""
+        with torch.no_grad():
+            target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+        for counter in (self.rounds, self.call):
+            counter.counts.clear(), counter.sites.clear()
         with torch.no_grad(), self.call:
             return target.generate(
                 input_ids=ids, attention_mask=mask, do_sample=False, return_dict_in_generate=True, **kwargs
