@@ -389,12 +389,9 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
     )
     stats = spec.jetspec_stats
     if args.show_drafts:
-        from .drafts import counts, legend, render, token_sources
+        from .drafts import counts, legend, render, row_sources
 
-        lookup = head.config.tree_lookup
-        sources = token_sources(
-            prompt_ids.tolist(), spec_tokens.tolist(), stats.accepted, lookup, head.config.tree_lookup_branches
-        )
+        sources = row_sources(stats, spec_tokens.tolist())
         colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         print(render(tokenizer, spec_tokens.tolist(), sources, colour))
         print()

@@ -161,15 +161,7 @@ class TreeGenerateManager(GenerateManager):
             **inputs, generation_config=gen_config, streamer=streamer, tokenizer=processor, assistant_model=self.head
         )
         job.new_ids = out.sequences[0, len(job.prompt_ids) :].tolist()
-        config = self.head.config
-        job.report = tree_report(
-            out.jetspec_stats,
-            job.prompt_ids,
-            job.new_ids,
-            config.tree_lookup,
-            config.tree_lookup_branches,
-            time.monotonic() - started,
-        )
+        job.report = tree_report(out.jetspec_stats, job.new_ids, time.monotonic() - started)
         job.report["queued_seconds"] = started - job.started
         job.report["batch"] = 1  # decoded alone; the rows of a shared call: `serve_batching`
         return out

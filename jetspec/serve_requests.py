@@ -223,17 +223,17 @@ class StopTrimmer:
         return self.feed(text) + self.finish()
 
 
-def tree_report(stats, prompt_ids: list, new_ids: list, lookup: int, branches: str, seconds: float) -> dict:
+def tree_report(stats, new_ids: list, seconds: float) -> dict:
     """The response's `jetspec` field: the tree statistics of the call (`JetSpecStats`) that decoded `new_ids`.
 
     `tau` is the project's (committed tokens per verify round, bonus included, as `jetspec generate` prints);
     `tokens_per_target_forward` counts the prefill too. `tokens_by_source` splits the answer by who proposed each
-    token (`jetspec.drafts.token_sources`): the head's draft, the prompt-lookup branch, the target (its prefill token
-    and each round's bonus token).
+    token, as the round recorded it (`JetSpecStats.token_sources`, `jetspec.drafts`): the head's draft, the
+    model-free branch, both, or the target (its prefill token and each round's bonus token).
     """
-    from .drafts import SOURCES, token_sources
+    from .drafts import SOURCES, row_sources
 
-    sources = token_sources(prompt_ids, new_ids, stats.accepted, lookup, branches)
+    sources = row_sources(stats, new_ids)
     return {
         "tau": stats.tau,
         "target_forwards": stats.target_forwards,

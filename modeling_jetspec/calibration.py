@@ -14,11 +14,18 @@ the tree, never which tokens are committed: decoding stays lossless whatever the
 
 In a head's config the map is `tree_calibration`: `{"<depth>:<source>": [10 acceptance rates]}`; a (depth, source)
 the map does not name keeps its raw score.
+
+[`node_source`] is the one rule for who proposed a token; the round applies it again to what it commits
+([`committed_sources`], `JetSpecStats.token_sources`), so the calibration's sources, `jetspec generate
+--show-drafts` and the serve statistics name a token's source alike. "lookup" is the model-free branch in either
+form (`tree_lookup_branches`: the prompt-lookup chain, or the trie of every earlier continuation); a committed token
+the target chose itself, the round's bonus token or the prefill's, is "target".
 """
 
 import math
 
 SOURCES = ("head", "lookup", "both")
+TOKEN_SOURCES = SOURCES + ("target",)  # a committed token's source (`JetSpecStats.token_sources`)
 BINS = 10
 FLOOR = 1e-6  # the smallest calibrated probability (a measured acceptance of 0 still ranks, last)
 
@@ -54,6 +61,21 @@ def node_source(head_tokens, trie: dict | None, path: tuple, token: int) -> str:
     if by_head and by_lookup:
         return "both"
     return "lookup" if by_lookup else "head"
+
+
+def committed_sources(head_tokens, trie: dict | None, tokens: list) -> list:
+    """The source of each of a round's committed `tokens` (the accepted path, then the target's bonus token):
+    [`node_source`] of every accepted draft token after the path before it, "target" for the last one.
+
+    Args:
+        head_tokens (`list`, *optional*): the row's top-W target tokens of the head per depth
+            (`DraftTrees.head_tokens`); None: the head's drafts are not at hand, a draft token is the head's unless
+            the branch proposed it.
+        trie (`dict`, *optional*): the row's model-free branch (`DraftTrees.branches`); None: no branch.
+        tokens (`list[int]`): what the round commits for the row, at least its bonus token.
+    """
+    path = tokens[:-1]
+    return [node_source(head_tokens, trie, tuple(path[:depth]), token) for depth, token in enumerate(path)] + ["target"]
 
 
 def probability_bin(probability: float) -> int:

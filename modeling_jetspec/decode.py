@@ -83,7 +83,7 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     trees, logits, features = call.verifier.verify(state, trees)
     mark()
     acc = accept(logits, trees, call.active, call.choose)
-    done = commit(call, acc, logits)
+    done = commit(call, acc, logits, trees, stats)
     state = call.verifier.compact(state, trees, done.acceptance, features, done.keep)
     if call.active and hasattr(call.verifier, "reclaim"):  # holes and out-of-window columns (reclaim.py)
         state = call.verifier.reclaim(state, max(call.lengths[row] for row in call.active) - 1)
@@ -164,7 +164,7 @@ def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool,
         count=torch.ones_like(first),
         scores=[[row] for row in scores],
     )
-    done = commit(call, acc, logits[:, None])
+    done = commit(call, acc, logits[:, None], stats=stats)
     _stream(call)
     stats.new_tokens += done.tokens
     state = replace(state, anchors=first)

@@ -47,7 +47,10 @@ def best_path(trees: DraftTrees) -> DraftTrees:
     parents = torch.arange(k, device=nodes.device).expand(a, k)
     depths = torch.arange(k + 1, device=nodes.device).expand(a, k + 1)
     ancestors = torch.ones(k + 1, k + 1, dtype=torch.bool, device=nodes.device).tril().expand(a, -1, -1)
-    return DraftTrees(trees.tokens.gather(1, nodes - 1), parents, depths, ancestors, trees.budget)
+    tokens = trees.tokens.gather(1, nodes - 1)  # (A, k); the draft's branches and head tokens name their sources
+    return DraftTrees(
+        tokens, parents, depths, ancestors, trees.budget, branches=trees.branches, head_tokens=trees.head_tokens
+    )
 
 
 class ChainRounds:

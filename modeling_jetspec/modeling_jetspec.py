@@ -6,6 +6,9 @@ the fused target context (extra keys/values, cached across rounds) and to the bl
 or bidirectionally (the DFlash ablation). The forward also takes any explicit 4D mask over a mix of real tokens
 and MASK slots, which lets one forward score MASK probes placed under the real tokens of tree branches.
 Embeddings and LM head are the target's: frozen, attached at run time, never part of the head's state dict.
+
+The head's draft vocabulary (its methods, a mixin) is in `draft_vocabulary.py`; the config a new head is sized from,
+in `target_config.py`.
 """
 
 import weakref
@@ -28,11 +31,13 @@ from .checkpoint_formats import (
     read_checkpoint_config,
 )
 from .candidate_generator import dflash_forward
-from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
+from .configuration_jetspec import JetSpecConfig
+from .draft_vocabulary import DraftVocabulary
 from .integration import CUSTOM_GENERATE_SOURCE, install_generate_hook, tree_generate
 from .columns import Columns
 from .layers import JetSpecContext, JetSpecDecoderLayer, JetSpecRotary
 from .kept_masks import PastMask
+from .target_config import decoder_config, head_fields
 
 
 @dataclass
@@ -55,7 +60,7 @@ class JetSpecPreTrainedModel(PreTrainedModel):
             init.normal_(module.mask_embedding, mean=0.0, std=self.config.initializer_range)
 
 
-class JetSpecDraftModel(JetSpecPreTrainedModel):
+class JetSpecDraftModel(DraftVocabulary, JetSpecPreTrainedModel):
     """JetSpec draft head. Use [`JetSpecDraftModel.from_target`] for a new head sized for a target, and pass it as
     `assistant_model` to the target's `generate` for lossless tree speculative decoding."""
 
@@ -93,31 +98,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
     @classmethod
     def from_target(cls, target: PreTrainedModel, **overrides) -> "JetSpecDraftModel":
         """A new (untrained) head sized for `target`; `overrides` set any [`JetSpecConfig`] field."""
-        text = _decoder_config(target)
-        layer = _global_layer_config(text)
-        rope = dict(getattr(text, "rope_parameters", None) or {})
-        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3/4): the global layers' rotary
-            rope = dict(rope["full_attention"])
-        if "partial_rotary_factor" in rope:  # the head rotates its whole head_dim
-            rope["partial_rotary_factor"] = 1.0
-        fields = dict(
-            vocab_size=text.vocab_size,
-            hidden_size=text.hidden_size,
-            # MoE-only targets (Qwen3.5-MoE) have no dense MLP size: the experts' sum of the routed ones
-            intermediate_size=getattr(text, "intermediate_size", None)
-            or text.moe_intermediate_size * text.num_experts_per_tok,
-            num_attention_heads=layer.num_attention_heads,
-            num_key_value_heads=getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads,
-            head_dim=getattr(layer, "head_dim", None) or text.hidden_size // layer.num_attention_heads,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
-            rope_parameters=rope or None,
-            max_position_embeddings=getattr(text, "max_position_embeddings", None),
-            target_hidden_size=text.hidden_size,
-            target_num_hidden_layers=text.num_hidden_layers,
-            target_layer_ids=default_target_layer_ids(text.num_hidden_layers),
-        )
-        fields.update(overrides)
+        fields = {**head_fields(target), **overrides}
         head = cls(JetSpecConfig(**fields))
         head.to(device=target.device, dtype=target.dtype)
         head.attach_target(target)
@@ -145,7 +126,7 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         """Raise a `ValueError` when `target` is not the kind of model this head was built for."""
         if target.config.is_encoder_decoder:
             raise ValueError(f"expected a decoder-only target, got an encoder-decoder model ({type(target).__name__})")
-        text = _decoder_config(target)
+        text = decoder_config(target)
         for name, want, have in (
             ("hidden size", self.config.target_hidden_size, text.hidden_size),
             ("vocab size", self.config.vocab_size, text.vocab_size),
@@ -181,87 +162,6 @@ class JetSpecDraftModel(JetSpecPreTrainedModel):
         self._target_io = (embed, lm_head)
         self._draft_lm = None
         self.check_draft_vocab()
-
-    # ---------------------------------------------------------------------------------------- draft vocabulary
-    def draft_token_ids(self) -> torch.LongTensor | None:
-        """Target ids of the draft vocabulary, of shape `(draft_vocab_size,)`; `None` for the full vocabulary."""
-        if self.d2t is None:
-            return None
-        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
-
-    def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        """Map draft-vocabulary ids (any shape) to target ids; the identity for the full vocabulary."""
-        if self.d2t is None:
-            return draft_ids
-        return draft_ids + self.d2t.to(draft_ids.device)[draft_ids]
-
-    def check_draft_vocab(self):
-        """Raise a `ValueError` when `d2t` maps outside the target vocabulary or maps two draft ids to one token."""
-        ids = self.draft_token_ids()
-        if ids is None:
-            return
-        bad = ((ids < 0) | (ids >= self.config.vocab_size)).nonzero().flatten()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(
-                f"expected d2t to map every draft id into the target vocabulary [0, {self.config.vocab_size}), got "
-                f"draft id {i} -> {int(ids[i])}"
-            )
-        if ids.unique().numel() != ids.numel():
-            values, counts = ids.unique(return_counts=True)
-            raise ValueError(
-                f"expected d2t to map draft ids to distinct target ids, got target id {int(values[counts > 1][0])} "
-                "more than once"
-            )
-
-    @torch.no_grad()
-    def set_draft_vocab(self, target_ids):
-        """Draft only inside `target_ids` (a sequence of `draft_vocab_size` distinct target ids, kept in order)."""
-        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
-        if self.d2t is None or ids.numel() != self.d2t.numel():
-            raise ValueError(
-                f"expected {self.config.draft_vocab_size} target ids (config.draft_vocab_size), got {ids.numel()}"
-            )
-        previous = self.d2t.clone()
-        self.d2t.copy_(ids.to(self.d2t.device) - torch.arange(ids.numel(), device=self.d2t.device))
-        try:
-            self.check_draft_vocab()
-        except ValueError:
-            self.d2t.copy_(previous)
-            raise
-        self._draft_lm = None
-
-    @torch.no_grad()
-    def restrict_draft_vocab(self, size: int):
-        """Keep only the first `size` draft ids (the most frequent first, for heads whose vocabulary was chosen by
-        frequency in training); `size == vocab_size` drafts from the full vocabulary again. Changes the config."""
-        self.config.check_draft_vocab_restriction(size)
-        if size == self.config.vocab_size:
-            self.d2t = None
-        else:
-            d2t = self.d2t[:size].clone()
-            del self.d2t
-            self.register_buffer("d2t", d2t)
-        self.config.draft_vocab_size = size
-        self._draft_lm = None
-
-    def draft_lm_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(weight, bias)` of the draft LM head: the target's LM head, restricted to the draft rows when reduced.
-
-        Returns:
-            `weight` of shape `(draft_vocab_size, hidden_size)` and `bias` of shape `(draft_vocab_size,)` or `None`.
-        """
-        lm_head = self.target_lm_head()
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        if self.d2t is None:
-            return weight, bias
-        key = (weight.data_ptr(), weight.dtype, weight.device, self.dtype, self.d2t.data_ptr(), self.d2t._version)
-        if self._draft_lm is None or self._draft_lm[0] != key:
-            ids = self.draft_token_ids().to(weight.device)
-            # in the head's dtype: a float32 head trained next to a bf16 target keeps float32 logits
-            rows = weight[ids].detach().to(self.dtype)  # (V_draft, H)
-            self._draft_lm = (key, rows, None if bias is None else bias[ids].detach().to(self.dtype))
-        return self._draft_lm[1], self._draft_lm[2]
 
     @property
     def has_target(self) -> bool:
@@ -632,20 +532,6 @@ def stack_target_states(hidden_states: tuple, layer_ids, final: bool = False) ->
 
 def _shape(tensor) -> str:
     return "None" if tensor is None else str(tuple(tensor.shape))
-
-
-def _decoder_config(model: PreTrainedModel):
-    return model.config.get_text_config(decoder=True)
-
-
-def _global_layer_config(text):
-    """The config of the target's first full-attention layer when attention fields differ per layer (Gemma 4's
-    per-layer `head_dim`: reading it from the whole config raises), else `text` itself."""
-    if not text.is_heterogeneous:
-        return text
-    layer_types = list(getattr(text, "layer_types", None) or [])
-    index = layer_types.index("full_attention") if "full_attention" in layer_types else 0
-    return text.per_layer_config[index]
 
 
 JetSpecDraftModel.register_for_auto_class("AutoModel")

@@ -49,6 +49,9 @@ class JetSpecStats:
     accepted_at_depth: list = field(default_factory=list)  # (N,) row-rounds whose accepted path reached depth d
     budgets: list = field(default_factory=list)  # budget verified in each round
     accepted: list = field(default_factory=list)  # per round, (rows,) draft tokens accepted per active row
+    # (B,) per row, the source of each of its new tokens in the output, in order: "head", "lookup", "both" (the head
+    # and the model-free branch proposed it) or "target" (`calibration.TOKEN_SOURCES`); recorded by `steps.commit`
+    token_sources: list = field(default_factory=list)
     # seconds of the rounds outside their verify forward (draft, tree, accept, commit, compaction) and in it; timed
     # only in timed rounds (`tree_budget="auto"`, or inside `timing.timed_rounds()`), else 0
     outside_verify_seconds: float = 0.0
@@ -81,6 +84,20 @@ class JetSpecStats:
         for count in counts:
             for depth in range(min(count - 1, len(self.accepted_at_depth))):
                 self.accepted_at_depth[depth] += 1
+
+    def add_sources(self, row: int, sources: list):
+        """Record the sources of the tokens `row` (a batch row) committed, in order."""
+        while len(self.token_sources) <= row:
+            self.token_sources.append([])
+        self.token_sources[row] += sources
+
+    def cut_sources(self, lengths: list, end: int):
+        """Once, when the call has finished: keep, per row, the sources of the tokens in the output; a row of
+        committed length `lengths[row]` loses those past `end` (the output's length), as the output cuts its
+        tokens."""
+        for row, length in enumerate(lengths):
+            if length > end and row < len(self.token_sources):
+                del self.token_sources[row][len(self.token_sources[row]) - (length - end) :]
 
     def as_dict(self) -> dict:
         return {

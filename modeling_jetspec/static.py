@@ -40,8 +40,8 @@ from .continuations import MAX_OCCURRENCES, RowIndexes
 from .decode import _decode
 from .layers import JetSpecContext
 from .state import Acceptance, DraftTrees, TreeShape
+from .compaction import gather_nodes
 from .steps import (
-    _gather_nodes,
     draft_block,
     draft_trees,
     feature_layers,
@@ -396,7 +396,7 @@ class StaticVerifier:
             count = acc.count.new_zeros(self.batch).index_copy_(0, rows, acc.count)
         for layer in state.cache.layers:
             for entries in (layer.keys, layer.values):
-                entries[:, :, past : past + k] = _gather_nodes(entries[:, :, past : past + t], nodes)
+                entries[:, :, past : past + k] = gather_nodes(entries[:, :, past : past + t], nodes)
         kept = torch.arange(k, device=count.device) < count[:, None]  # (B, K), False: a hole or a finished row
         positions = state.anchor_pos[:, None] + depths.gather(1, nodes)  # (B, K)
         accepted = features.gather(1, nodes[..., None].expand(-1, -1, features.shape[-1]))  # (B, K, kH)

@@ -1,6 +1,7 @@
 """The round's steps over explicit tensors (arXiv 2606.18394, sections 3.2-3.4; `docs/design.md`, "§2 The round").
 
-A round is five functions; `generate` (`decode.py`), the benchmark and the measured budget call the same ones:
+A round is five functions; `generate` (`decode.py`), the benchmark and the measured budget call the same ones, and
+all five are importable from here:
 
 - [`draft`]: one head forward over `[anchor, MASK x N]` per row, a best-first tree of `budget` nodes per row;
 - [`verify`]: one target forward over root + tree nodes under the tree-causal mask (position = past length + depth);
@@ -10,9 +11,8 @@ A round is five functions; `generate` (`decode.py`), the benchmark and the measu
 - [`compact`]: finished rows leave; the target cache keeps its past in place and moves only the accepted nodes'
   entries behind it; the head's context grows by their target features; the bonus token becomes the next anchor.
 
-Also here: [`prefill`] and the tree assembly behind [`draft`] (lookup branch, path conditioning). The call's logits
-processors as they act on one row (what [`accept`] asks through `Call.choose`) are in `processors.py`; how the
-stopping criteria are judged for [`commit`], in `stopping.py`.
+This file holds [`prefill`], [`draft`] with the tree assembly behind it (lookup branch, path conditioning) and
+[`verify`]; [`accept`] and [`commit`] are in `acceptance.py`, [`compact`] in `compaction.py`.
 
 Lossless: every committed token is the target's own choice (argmax, or a sample of the processed distribution)
 given exactly the committed tokens before it, whatever the head drafts.
@@ -23,19 +23,19 @@ explicit position ids make the holes invisible. Finished rows leave the batch.
 
 import functools
 import inspect
-from dataclasses import replace
 
 import torch
 from transformers.cache_utils import Cache
 
+from .acceptance import accept, commit
 from .calibration import calibrated_children, node_source
-from .columns import Columns
-from .compat import attn_implementation, kv_layer_entries
+from .compaction import compact, keep_accepted_entries, select_rows
 from .continuations import LookupRecord, RowIndexes, chain_trie, merge_children, trie_children
 from .verify_attention import attention_function
+from .columns import Columns
+from .compat import attn_implementation
 from .linear_forms import LinearForms, linear_forms
-from .state import Acceptance, Call, Committed, DraftTrees, RoundState, TreeShape
-from .stopping import stop_marks
+from .state import DraftTrees, RoundState, TreeShape
 from .tree import (
     ENTROPY_SCORINGS,
     LOOKUP_MAX_NGRAM,
@@ -46,6 +46,23 @@ from .tree import (
     marginal_children,
     verify_attention_mask,
 )
+
+__all__ = [
+    "accept",
+    "commit",
+    "compact",
+    "draft",
+    "draft_block",
+    "draft_trees",
+    "feature_layers",
+    "float_dtype",
+    "keep_accepted_entries",
+    "kept_masks",
+    "logits_to_keep",
+    "prefill",
+    "select_rows",
+    "verify",
+]
 
 
 def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[RoundState, torch.Tensor]:
@@ -258,281 +275,6 @@ def kept_masks(state: RoundState) -> dict | None:
     """Where the verify masks are kept across rounds: the state's columns (`kept_masks.py`: a round writes only its
     new columns); `None` for a state whose tensors have no columns (its masks are built whole)."""
     return None if state.columns is None else state.columns.masks
-
-
-def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Acceptance:
-    """The deepest node whose path equals the target's own choices, and the target's token after it (the bonus).
-
-    Greedy without logits processors (`choose is None`) is vectorized over rows and nodes, on the device: the
-    target's argmax after every node, a node matches when its token is its parent's argmax, a node survives when it
-    and all its ancestors match, the deepest survivor ends the path. Otherwise (sampling, processors) each row walks
-    its tree from the root: `choose(row, node_logits, path)` is the target's token after `path` (processors see
-    exactly the committed tokens plus the path), and the walk moves to the child holding it (sample-then-match).
-
-    Args:
-        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`].
-        trees (`DraftTrees`): the trees verified.
-        rows (`list[int]` or `torch.LongTensor` of shape `(A,)`): the batch row of each tree (what `choose` is told).
-        choose (`Callable`, *optional*): `(row, logits (V,), path tokens) -> (token, scores (V,))`.
-
-    Returns:
-        `Acceptance` of width `K` = the trees' deepest depth + 1 (a bound known without reading the device), padded
-        past each row's count; [`commit`] reads it and cuts it to the longest path.
-    """
-    if choose is None:
-        return _accept_greedy(logits, trees)
-    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-    if trees.host is not None:
-        shapes = [(tree.tokens, tree.parents) for tree in trees.host]
-    else:
-        shapes = list(zip(trees.tokens.tolist(), trees.parents.tolist()))
-    walks = [
-        _walk(logits[i], tokens, parents, row, choose) for i, (row, (tokens, parents)) in enumerate(zip(rows, shapes))
-    ]
-    a, width = len(walks), max(len(nodes) for nodes, _, _ in walks)
-    padded = torch.zeros(2, a, width, dtype=torch.long)  # accepted nodes, committed tokens
-    for i, (nodes, path, _) in enumerate(walks):
-        padded[0, i, : len(nodes)], padded[1, i, : len(path)] = torch.tensor(nodes), torch.tensor(path)
-    count = torch.tensor([len(nodes) for nodes, _, _ in walks], device=logits.device)
-    return Acceptance(
-        padded[0].to(logits.device),
-        padded[1].to(logits.device),
-        count,
-        [s for _, _, s in walks],
-        host=[(nodes, path) for nodes, path, _ in walks],
-    )
-
-
-def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
-    a, n1 = logits.shape[:2]
-    device = logits.device
-    # (A, n + 1), in the logits' own dtype (no fp32 copy of the vocabulary). `max(-1).indices` is argmax, the first
-    # maximal index on ties as documented for both, but CPU kernels reduce it several times faster over a vocabulary
-    # (bf16 (1, 9, 49152): 0.4 ms against 3.7 ms, one thread, Intel AMX host)
-    choice = logits.max(-1).indices
-    matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
-        [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
-    )
-    alive = ~(trees.ancestors & ~matches[:, None, :]).any(-1)  # (A, n + 1): the whole path matches
-    deepest = torch.where(alive, trees.depths, -1).argmax(-1)  # (A,)
-    on_path = trees.ancestors[torch.arange(a, device=device), deepest]  # (A, n + 1)
-    count = on_path.sum(-1)  # (A,)
-    order = torch.where(on_path, torch.arange(n1, device=device), n1).sort(-1).values  # accepted nodes first
-    nodes = order[:, : min(trees.max_depth() + 1, n1)]  # a path holds at most one node per depth
-    nodes = nodes.masked_fill(nodes == n1, 0)  # (A, K)
-    return Acceptance(nodes, choice.gather(1, nodes), count)
-
-
-def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -> tuple[list, list, list]:
-    """One row's walk down its tree (`logits` of shape `(n + 1, V)`). Returns its accepted nodes, committed tokens
-    and the scores each token was chosen from."""
-    kids = [{} for _ in range(len(tokens) + 1)]  # node -> {token: child}; the first child holding a token wins
-    for child, (token, parent) in enumerate(zip(tokens, parents), start=1):
-        kids[parent].setdefault(token, child)
-    node, nodes, path, scores = 0, [0], [], []
-    while True:
-        token, processed = choose(row, logits[node], path)
-        path.append(token)
-        scores.append(processed)
-        node = kids[node].get(token)
-        if node is None:
-            return nodes, path, scores
-        nodes.append(node)
-
-
-def commit(call: Call, acc: Acceptance, logits: torch.Tensor) -> Committed:
-    """Append each active row's accepted tokens to its sequence, through the stopping criteria, so a row stops
-    exactly where plain decoding would, even inside an accepted path. A stopped row leaves the batch when an EOS
-    criterion exists (plain decoding pads it); otherwise it goes on until every row has stopped ([`Call.finished`]).
-
-    The round's one read: the acceptance (counts, nodes, tokens) and the verdicts of the criteria judged on the
-    device (`stopping.stop_marks`) come to the host together; what follows is host work, and one write of every row's
-    tokens to `call.sequences`. With a criterion that is not judged on the device (`stopping.stop_plan`) each committed
-    token is checked on its own, a read per token.
-
-    Args:
-        acc (`Acceptance`): from [`accept`], one row per entry of `call.active`.
-        logits (`torch.Tensor` of shape `(A, n + 1, V)`): from [`verify`] (kept with `output_logits`).
-    """
-    rows = call.active
-    stops = stop_marks(call, acc)  # (A, K) bool, or None
-    counts, paths, tokens, marks = _read_acceptance(acc, stops)
-    committed, new = 0, {}
-    for i, row in enumerate(rows):
-        records = _records(acc, logits, i, paths[i]) if call.records is not None else None
-        if call.device_stops is None:  # checked token by token, on the device
-            committed += _commit_row(call, row, tokens[i], records)
-            continue
-        taken = _taken(call, row, marks[i] if marks is not None else None, counts[i])
-        new[row] = tokens[i][:taken]
-        if records is not None:
-            call.records[row] += records[:taken]
-        committed += taken
-    call.extend(new)
-    keep = [i for i, row in enumerate(rows) if not call.finished(row)]  # after every row: a stop ends others
-    call.active = [rows[i] for i in keep]
-    width = max(counts)  # every path fits; a shorter one leaves holes that `compact` masks
-    return Committed(
-        committed,
-        counts,
-        paths,
-        torch.tensor(keep, dtype=torch.long, device=acc.count.device),
-        replace(acc, nodes=acc.nodes[:, :width], tokens=acc.tokens[:, :width]),
-    )
-
-
-def _read_acceptance(acc: Acceptance, stops: torch.Tensor | None) -> tuple[list, list, list, list | None]:
-    """`(counts, paths, tokens, marks)` on the host, per row: accepted nodes, their indices, the committed tokens
-    and the stop verdicts after each; one read (none when the walk chose on the host and nothing is judged on the
-    device)."""
-    k = acc.nodes.shape[1]
-    if acc.host is not None:
-        paths, tokens = [nodes for nodes, _ in acc.host], [path for _, path in acc.host]
-        return [len(p) for p in paths], paths, tokens, stops.tolist() if stops is not None else None
-    parts = [acc.count[:, None], acc.nodes, acc.tokens] + ([stops.long()] if stops is not None else [])
-    packed = torch.cat(parts, dim=1).tolist()  # (A, 1 + 2K (+ K))
-    counts = [row[0] for row in packed]
-    paths = [row[1 : 1 + c] for row, c in zip(packed, counts)]
-    tokens = [row[1 + k : 1 + k + c] for row, c in zip(packed, counts)]
-    marks = [row[1 + 2 * k :] for row in packed] if stops is not None else None
-    return counts, paths, tokens, marks
-
-
-def _records(acc: Acceptance, logits: torch.Tensor, i: int, nodes: list) -> list:
-    """`(scores, logits)` in fp32 of each token row `i` commits (the scores are the logits when greedy without
-    processors, as in plain decoding)."""
-    node_logits = [logits[i, node].float() for node in nodes]
-    scores = acc.scores[i] if acc.scores is not None else node_logits
-    return list(zip(scores, node_logits))
-
-
-def _taken(call: Call, row: int, marks: list | None, count: int) -> int:
-    """How many of its `count` accepted tokens `row` commits, and where it stops (host data: `marks[k - 1]` is the
-    device criteria's verdict after the k-th token, `call.stop_length` the max-length criterion's length)."""
-    length = call.lengths[row]
-    for k in range(1, count + 1):
-        if call.stopped_at[row] is None and (
-            (marks is not None and marks[k - 1]) or (call.stop_length is not None and length + k >= call.stop_length)
-        ):
-            call.stopped_at[row] = length + k  # a stop is final, as `unfinished_sequences` in plain decoding
-        if call.stopped_at[row] is not None and (call.pads_finished or length + k >= call.max_length):
-            return k
-    return count
-
-
-def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> int:
-    """Append `tokens` to `row` one at a time, the stopping criteria checked after each until one stops the row;
-    a stopped row takes no more when finished rows are padded, or past `max_length`. Returns the tokens committed."""
-    start, batch = call.lengths[row], call.sequences.shape[0]
-    for added, token in enumerate(tokens, start=1):
-        call.append(row, token)
-        if records is not None:
-            call.records[row].append(records[added - 1])
-        if call.stopped_at[row] is None:  # a stop is final, as `unfinished_sequences` in plain decoding
-            # the row in a batch of the caller's size, so criteria holding per-row state see plain decoding's layout
-            ids = call.sequences[row : row + 1, : call.lengths[row]].expand(batch, -1)
-            if bool(call.stopping(ids, None)[row]):
-                call.stopped_at[row] = call.lengths[row]
-        if call.stopped_at[row] is not None and (call.pads_finished or call.lengths[row] >= call.max_length):
-            break
-    return call.lengths[row] - start
-
-
-def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: list | None = None):
-    """Make a key/value cache hold its first `past` entries, then the accepted nodes' entries, root first.
-
-    After a verify forward every layer holds `past` entries and then the n + 1 entries of the tree's nodes. The past
-    stays where it is: only the accepted nodes' entries (`nodes` of shape `(A, K)`, from [`Acceptance`]) move, into
-    slots `past .. past + K - 1`, and the layer is cropped to `past + K`. Keys and values are moved each by its own
-    shape: their head sizes differ under multi-head latent attention (DeepSeek-V3, Kimi K2).
-
-    Args:
-        layers (`list`, *optional*): indices of the key/value layers to compact (a hybrid target's attention
-            layers); defaults to every layer.
-    """
-    k = nodes.shape[1]
-    for layer in cache.layers if layers is None else [cache.layers[i] for i in layers]:
-        entries = kv_layer_entries(layer)
-        if entries is None:  # a layer that reads another layer's keys/values holds none of its own
-            continue
-        keys, values = entries
-        tail = keys.shape[-2] - past  # n + 1
-        keys[:, :, past : past + k] = _gather_nodes(keys[:, :, past:], nodes)
-        values[:, :, past : past + k] = _gather_nodes(values[:, :, past:], nodes)
-        layer.crop(k - tail)  # a negative count: the entries to drop from the end
-
-
-def _gather_nodes(tail: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """Entries `nodes` `(A, K)` of a layer's tree entries `tail` `(A, H, n + 1, D)`: `(A, H, K, D)`."""
-    return tail.gather(2, nodes[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[-1]))
-
-
-def compact(
-    head,
-    state: RoundState,
-    trees: DraftTrees,
-    acc: Acceptance,
-    features: torch.Tensor,
-    keep: torch.Tensor,
-    keep_entries=keep_accepted_entries,
-) -> RoundState:
-    """Finished rows leave; the target cache keeps its past and the accepted nodes; the head's context grows by their
-    target features; the bonus token becomes the next anchor.
-
-    Args:
-        acc (`Acceptance`): of width K, the longest accepted path (from [`commit`]); a shorter path leaves holes,
-            invisible through `valid`.
-        features (`torch.Tensor` of shape `(A, n + 1, k * H)`): from [`verify`].
-        keep (`torch.LongTensor` of shape `(A',)`): the rows that go on, from [`commit`].
-        keep_entries (`Callable`, *optional*, defaults to [`keep_accepted_entries`]): `(cache, past, nodes)`, leaves
-            the target cache holding its `past` entries then the accepted nodes' `(A', K)`, root first. A verifier
-            for layers that keep another state than keys/values passes its own.
-
-    Returns:
-        `RoundState`: the A' rows that go on.
-    """
-    depths = trees.depths
-    if keep.numel() < state.rows.shape[0]:  # finished rows leave before anything moves
-        state = select_rows(state, keep)
-        acc = Acceptance(acc.nodes[keep], acc.tokens[keep], acc.count[keep])  # holes past a row's count: masked
-        features, depths = features[keep], depths[keep]
-    if not keep.numel():
-        return state
-    width = state.valid.shape[1]
-    keep_entries(state.cache, width, acc.nodes)
-    kept = torch.arange(acc.nodes.shape[1], device=keep.device) < acc.count[:, None]  # (A', K), False: a hole
-    positions = state.anchor_pos[:, None] + depths.gather(1, acc.nodes)  # (A', K)
-    accepted = features.gather(1, acc.nodes[..., None].expand(-1, -1, features.shape[-1]))  # (A', K, kH)
-    columns = state.columns if state.columns is not None else Columns.start([state.valid, state.positions])[0]
-    columns, (valid, grown) = columns.append(width, [kept, positions])  # (A', S + K), in place where there is room
-    return replace(
-        state,
-        context=head.extend_context(state.context, accepted, positions, kept),
-        valid=valid,
-        positions=grown,
-        anchors=acc.tokens.gather(1, (acc.count - 1)[:, None])[:, 0],  # the bonus token
-        anchor_pos=state.anchor_pos + acc.count,
-        columns=columns,
-    )
-
-
-def select_rows(state: RoundState, keep: torch.Tensor) -> RoundState:
-    """The rows `keep` `(A',)` of a round state; the target cache keeps only them, in place."""
-    state.cache.batch_select_indices(keep)
-    if state.columns is not None:
-        columns, (valid, positions) = state.columns.rows(keep, state.valid.shape[1])
-    else:
-        columns, valid, positions = None, state.valid[keep], state.positions[keep]
-    return replace(
-        state,
-        rows=state.rows[keep],
-        valid=valid,
-        positions=positions,
-        context=state.context.select_rows(keep),
-        anchors=state.anchors[keep],
-        anchor_pos=state.anchor_pos[keep],
-        columns=columns,
-    )
 
 
 # ------------------------------------------------------------------------------------------------ tree assembly

@@ -243,6 +243,8 @@ def test_cli_generate_shows_where_tokens_came_from(capsys, saved_target, saved_h
     )
     printed = capsys.readouterr().out
     assert "\033[" not in printed
-    legend = next(line for line in printed.splitlines() if line.startswith("[head]  {lookup}  target (bonus): "))
-    counted = [int(n) for n in re.findall(r"(?:head|lookup|target) (\d+) \(", legend)]
-    assert len(counted) == 3 and sum(counted) == 12
+    legend = next(
+        line for line in printed.splitlines() if line.startswith("[head]  {lookup}  <both>  target (bonus): ")
+    )
+    counted = [int(n) for n in re.findall(r"(?:head|lookup|both|target) (\d+) \(", legend)]
+    assert len(counted) == 4 and sum(counted) == 12

@@ -1,8 +1,9 @@
-"""`jetspec.drafts`: each committed token attributed to the head, the prompt-lookup branch or the target."""
+"""`jetspec.drafts`: the round's record of where each token came from, read for `--show-drafts` and shown."""
 
 import pytest
 
-from jetspec.drafts import counts, render, token_sources
+from jetspec.drafts import counts, legend, render, row_sources
+from modeling_jetspec.state import JetSpecStats
 
 
 class Letters:
@@ -12,43 +13,38 @@ class Letters:
         return "".join(chr(ord("a") + i) for i in ids)
 
 
-def test_rounds_split_into_drafts_and_bonus_tokens():
-    # prompt "a b c d"; the prefill commits 9; round 1 accepts 2 drafts (4, 5) + bonus 7; round 2 accepts none + bonus 8
-    prompt, new = [0, 1, 2, 3], [9, 4, 5, 7, 8]
-    assert token_sources(prompt, new, [[2], [0]], lookup=0) == ["target", "head", "head", "target", "target"]
+def recorded(*rows) -> JetSpecStats:
+    stats = JetSpecStats()
+    for row, sources in enumerate(rows):
+        stats.add_sources(row, list(sources))
+    return stats
 
 
-def test_drafts_on_the_lookup_continuation_count_as_lookup():
-    # "1 2" occurred before, followed by "3 4": after the anchor 2 the lookup chain is 3 4 5 ...
-    prompt = [1, 2, 3, 4, 5, 6, 1]
-    new = [2, 3, 4, 9, 6]  # prefill 2; round: drafts 3 4 (on the chain) then 9 (off it), bonus 6
-    assert token_sources(prompt, new, [[3]], lookup=8) == ["target", "lookup", "lookup", "head", "target"]
-    # without the lookup branch in the call, the same drafts are the head's
-    assert token_sources(prompt, new, [[3]], lookup=0) == ["target", "head", "head", "head", "target"]
+def test_a_row_s_recorded_sources_are_read_for_its_new_tokens():
+    stats = recorded(["target", "head", "both", "target"], ["target", "lookup"])
+    assert row_sources(stats, [9, 4, 5, 7]) == ["target", "head", "both", "target"]
+    assert row_sources(stats, [3, 1], row=1) == ["target", "lookup"]
 
 
-def test_with_the_trie_every_earlier_continuation_counts_as_lookup():
-    # "1 2" continued "3 4" first and "5 6" later: the chain holds only the latest, the trie both
-    prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1]
-    new = [2, 3, 4, 7]  # prefill 2; round: drafts 3 4 (the earlier continuation), bonus 7
-    assert token_sources(prompt, new, [[2]], lookup=8) == ["target", "head", "head", "target"]
-    assert token_sources(prompt, new, [[2]], lookup=8, branches="trie") == ["target", "lookup", "lookup", "target"]
+def test_a_record_of_another_call_is_refused():
+    stats = recorded(["target", "head"])
+    with pytest.raises(ValueError, match=r"one recorded source per new token of row 0 \(3\), got 2"):
+        row_sources(stats, [1, 2, 3])
+    with pytest.raises(ValueError, match=r"row 1 \(1\), got 0"):
+        row_sources(stats, [1], row=1)
 
 
-def test_a_final_round_cut_by_the_stop_has_no_bonus():
-    assert token_sources([0, 1], [5, 6, 7], [[3]], lookup=0) == ["target", "head", "head"]
-
-
-def test_statistics_of_another_call_are_refused():
-    with pytest.raises(ValueError, match="batch-1"):
-        token_sources([0], [1, 2], [[1, 0]], lookup=0)
-    with pytest.raises(ValueError, match="account for 6 tokens, got 3"):
-        token_sources([0], [1, 2, 3, 4, 5, 6], [[1]], lookup=0)
+def test_sources_past_the_output_s_end_are_cut():
+    # row 0 committed 2 tokens past the output's end (it had stopped, and a last round ran on): they go
+    stats = recorded(["target", "head", "head", "target", "head"], ["target", "lookup", "target"])
+    stats.cut_sources([15, 13], end=13)
+    assert stats.token_sources == [["target", "head", "head"], ["target", "lookup", "target"]]
 
 
 def test_render_marks_runs_in_plain_text_and_colour():
-    sources = ["target", "head", "head", "lookup", "target"]
-    assert render(Letters(), [0, 1, 2, 3, 4], sources, colour=False) == "a[bc]{d}e"
-    coloured = render(Letters(), [0, 1, 2, 3, 4], sources, colour=True)
-    assert coloured == "a\033[32mbc\033[0m\033[36md\033[0me"
-    assert counts(sources) == "head 2 (40%), lookup 1 (20%), target 2 (40%)"
+    sources = ["target", "head", "head", "lookup", "both", "target"]
+    assert render(Letters(), [0, 1, 2, 3, 4, 5], sources, colour=False) == "a[bc]{d}<e>f"
+    coloured = render(Letters(), [0, 1, 2, 3, 4, 5], sources, colour=True)
+    assert coloured == "a\033[32mbc\033[0m\033[36md\033[0m\033[33me\033[0mf"
+    assert counts(sources) == "head 2 (33%), lookup 1 (17%), both 1 (17%), target 2 (33%)"
+    assert legend(colour=False) == "[head]  {lookup}  <both>  target (bonus)"
