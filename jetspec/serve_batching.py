@@ -208,9 +208,11 @@ def split_stats(stats: JetSpecStats, counts: list) -> list:
             committed[i] += took
             rows[i].add_round(budget, [drafted + 1], took, 0.0, 0.0, forwards=1)
     outside = stats.target_forwards - stats.rounds  # forwards outside the rounds: the prefill
-    for row, count in zip(rows, counts):
+    sources = stats.token_sources or [[] for _ in counts]  # each row's committed tokens' sources, as recorded
+    for i, (row, count) in enumerate(zip(rows, counts)):
         row.target_forwards += outside
         row.new_tokens += 1  # the prefill's token
+        row.token_sources = [sources[i][:count] if count is not None else sources[i]]
     return rows
 
 
@@ -317,11 +319,8 @@ class BatchScheduler:
                 self.report(row.job, stats, started, len(rows))
 
     def report(self, job: Job, stats: JetSpecStats, started: float, batch: int):
-        config = self.head.config
         seconds = time.monotonic() - started
-        job.report = tree_report(
-            stats, job.prompt_ids, job.new_ids, config.tree_lookup, config.tree_lookup_branches, seconds
-        )
+        job.report = tree_report(stats, job.new_ids, seconds)
         job.report["queued_seconds"] = started - job.started
         job.report["batch"] = batch
 

@@ -25,8 +25,6 @@ FUNCTION_LIMITS = {"modeling_jetspec": 60}  # the remote code reads tighter
 # split on other branches: these files are being split where they break a rule; empty this when they land
 SPLIT_ON_OTHER_BRANCHES = frozenset(
     {
-        "modeling_jetspec/modeling_jetspec.py",
-        "modeling_jetspec/steps.py",
         "jetspec/bench.py",
         "jetspec/cli.py",
     }

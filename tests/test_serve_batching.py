@@ -32,7 +32,7 @@ from jetspec.serve import TreeGenerateManager, TreeStreamer, TrimmedQueue, prepa
 from jetspec.serve_batching import BatchScheduler, Row, measure_batch_cap, next_call, split_stats
 from jetspec.serve_requests import Job, StopTrimmer
 from modeling_jetspec.state import JetSpecStats
-from tiny import tiny_head, tiny_target
+from jetspec.tiny import tiny_head, tiny_target
 
 TIE = 1e-4  # float32: a batch's padded shapes may round a logit differently; only a near-tie may flip the argmax
 TEXTS = ["What is 2 + 3?", "Name a colour.", "abc abc abc", "Write a haiku.", "The quick brown fox"]

@@ -14,7 +14,7 @@ sampled call (its acceptance walks the tree on the host).
 
 import pytest
 import torch
-from tiny import oracle_head, prompts, tiny_target
+from jetspec.tiny import oracle_head, prompts, tiny_target
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from modeling_jetspec.calibration import TOKEN_SOURCES, committed_sources
