@@ -255,6 +255,7 @@ HEAD_FIELDS = (
     "rounds",
     "outside_verify_seconds",
     "verify_seconds",
+    "operating_point",  # tree_budget="auto": the budget and sources chosen, and the figures behind them
 )
 
 

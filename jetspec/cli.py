@@ -5,6 +5,7 @@
     jetspec bench --suite gsm8k,humaneval,mtbench --budgets 8,16,32,64 --max-new-tokens 256 --limit 10 \
         --out results/ [--head DIR] [--target smollm2-135m]
     jetspec convert SRC DST [--to jetspec|dflash] [--mask-token-id N]
+    jetspec costs [--clear]
     jetspec serve [--model smollm2-135m] [--head DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto]
 
 Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
@@ -146,7 +147,17 @@ def check_serving_extras():
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jetspec", description="Lossless tree speculative decoding with a JetSpec draft head.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for sub in (_add_generate(commands), _add_bench(commands), _add_serve(commands)):
+        _add_model_options(sub)
+    _add_convert(commands)
+    costs = commands.add_parser(
+        "costs", help="print this host's cached costs behind tree_budget='auto' (t(B)/t(1) and the round's overhead)"
+    )
+    costs.add_argument("--clear", action="store_true", help="delete the cached costs (measured again when needed)")
+    return parser
 
+
+def _add_generate(commands) -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="answer one prompt, with and without the head, and compare speed")
     gen.add_argument(
         "prompt",
@@ -158,7 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--head", default=None, help="saved head folder (default: the committed head of --target)")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     gen.add_argument(
-        "--budget", type=_budget, default=None, help="tree budget B or 'auto' (default: the head's config)"
+        "--budget",
+        type=_budget,
+        default=None,
+        help="tree budget B, or 'auto' (a budget and draft sources chosen from the head's tau_by_budget and this "
+        "host's costs) (default: the head's config)",
     )
     gen.add_argument(
         "--show-drafts",
@@ -166,7 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="mark each token of the answer by where it came from: the head's draft, the prompt-lookup branch or "
         "the target's own (bonus) token; coloured in a terminal, [head] {lookup} in plain text",
     )
+    return gen
 
+
+def _add_bench(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark every method against plain greedy on prompt suites")
     bench.add_argument("--suite", default=DEFAULT_SUITES, help=f"comma-separated suites (default {DEFAULT_SUITES})")
     bench.add_argument(
@@ -189,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a second saved head for the same target: every head method runs once more with it (`<name>@baseline`)",
     )
+    return bench
+
+
+def _add_serve(commands) -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible server (chat, completions, streaming) that decodes with the head's tree"
     )
@@ -208,27 +230,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="at most N waiting requests decoded together in one call (default: measured at start-up, the batch size "
         "past which a row's round stops getting 10%% cheaper; 1 decodes one request at a time)",
     )
-    for sub in (gen, bench, serve):
-        sub.add_argument(
-            "--dtype",
-            default="auto",
-            help="target dtype: auto (bfloat16 on a CUDA device or a CPU with native bf16, else float32), float32 "
-            "(output bitwise equal to plain greedy) or bfloat16 (equal up to numerical ties); default auto",
-        )
-        sub.add_argument(
-            "--draft-vocab-size",
-            type=_positive_int,
-            default=None,
-            help="draft from the head's N most frequent tokens only (N <= the head's draft vocabulary), or the full "
-            "vocabulary when N is the target's vocabulary size (default: the head's own)",
-        )
-        sub.add_argument(
-            "--threads",
-            type=_positive_int,
-            default=None,
-            help="torch CPU threads (default: torch's choice; on a busy shared CPU, 1 avoids threads that only spin)",
-        )
+    return serve
 
+
+def _add_model_options(sub: argparse.ArgumentParser):
+    """The options of every command that loads a target and a head: dtype, draft vocabulary, threads."""
+    sub.add_argument(
+        "--dtype",
+        default="auto",
+        help="target dtype: auto (bfloat16 on a CUDA device or a CPU with native bf16, else float32), float32 "
+        "(output bitwise equal to plain greedy) or bfloat16 (equal up to numerical ties); default auto",
+    )
+    sub.add_argument(
+        "--draft-vocab-size",
+        type=_positive_int,
+        default=None,
+        help="draft from the head's N most frequent tokens only (N <= the head's draft vocabulary), or the full "
+        "vocabulary when N is the target's vocabulary size (default: the head's own)",
+    )
+    sub.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's choice; on a busy shared CPU, 1 avoids threads that only spin)",
+    )
+
+
+def _add_convert(commands):
     convert = commands.add_parser("convert", help="convert a head between our layout and the DFlash one (vLLM, SGLang)")
     convert.add_argument(
         "src", help="head folder or Hub id: ours, DFlash / JetSpec-reference, or muse_glimmer_assistant"
@@ -247,7 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --to dflash: the in-vocabulary id keyed to our trained MASK vector (default: "
         "config.dflash_mask_token_id or vocab_size - 1)",
     )
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -255,6 +282,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "convert":
         return _convert(args, parser)
+    if args.command == "costs":
+        try:
+            return _costs(args)
+        except ValueError as error:  # a cache file that is not a JSON object of entries
+            parser.error(" ".join(str(error).split()))
     argv = sys.argv[1:] if argv is None else list(argv)
     try:  # everything cheap is checked before any model loads: bad input -> exit status 2, one line
         dtype, dtype_reason, head_path, bench_config = _check_inputs(args)
@@ -399,7 +431,9 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
     else:
         print(tokenizer.decode(spec_tokens, skip_special_tokens=True))
     print()
-    budget = args.budget if args.budget is not None else head.config.tree_budget
+    budget = stats.budgets[0] if stats.budgets else args.budget or head.config.tree_budget  # "auto": the chosen one
+    if stats.operating_point is not None:
+        print(f"operating point: {_operating_point_note(stats.operating_point)}")
     plain_tps, spec_tps = len(plain_tokens) / plain_seconds, len(spec_tokens) / spec_seconds
     print(f"plain greedy:   {plain_tps:8.1f} tok/s ({len(plain_tokens)} tokens in {plain_seconds:.2f} s)")
     print(
@@ -412,6 +446,47 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
             f"every token judged against the float32 target: {_judged_note(verdict.judged)} (jetspec), "
             f"{_judged_note(plain_verdict.judged)} (plain greedy)"
         )
+    return 0
+
+
+def _operating_point_note(point: dict) -> str:
+    """One line for `JetSpecStats.operating_point`: the chosen budget and sources and the figures behind them."""
+    if point["expected_speedup"] is None:
+        return f"budget {point['budget']}, sources {point['sources']} ({point['reason']})"
+    figures = point["figures"][f"{point['sources']}@{point['budget']}"]
+    runner_up = sorted((f["expected_speedup"], name) for name, f in point["figures"].items())[-2:]
+    other = f"; next best {runner_up[0][1]} at {runner_up[0][0]:.2f}x" if len(runner_up) == 2 else ""
+    return (
+        f"budget {point['budget']}, sources {point['sources']}: expected {point['expected_speedup']:.2f}x = tau "
+        f"{figures['tau']:.2f} / (t(B)/t(1) {figures['verify_ratio']:.2f} + overhead {figures['overhead']:.2f})"
+        f"{other}"
+    )
+
+
+def _costs(args) -> int:
+    """`jetspec costs [--clear]`: the cached host costs behind `tree_budget="auto"`, or clear them."""
+    from modeling_jetspec.host_costs import clear_costs, costs_path, read_costs
+
+    path = costs_path()
+    if args.clear:
+        print(f"cleared {clear_costs(path)} cached host cost entries from {path}")
+        return 0
+    entries = read_costs(path)
+    if not entries:
+        print(
+            f"no host costs cached in {path} (measured by the first tree_budget='auto' call of a head with "
+            "tau_by_budget)"
+        )
+        return 0
+    print(f"host costs in {path}, in plain decode steps t(1):")
+    for key, entry in entries.items():
+        print(key)
+        print(f"  t(1) {entry['step_seconds'] * 1e3:.3f} ms")
+        ratios = ", ".join(f"{b}: {r:.2f}" for b, r in sorted(entry["verify_ratio"].items(), key=lambda x: int(x[0])))
+        print(f"  t(B)/t(1): {ratios}")
+        for name, overhead in sorted(entry["overhead"].items()):
+            head, sources = name.split(" ", 1)
+            print(f"  overhead c, head {head}, {sources}: {overhead:.2f}")
     return 0
 
 

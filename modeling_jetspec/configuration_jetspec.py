@@ -3,6 +3,7 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PretrainedConfig
 
+from .budget import check_tau_by_budget
 from .calibration import check_calibration
 from .tree import check_lookup_prior, check_tree_shape
 
@@ -78,6 +79,7 @@ def check_field_types(fields: dict):
     for name in POSITIVE_NUMBERS:
         if not (_is_number(fields[name]) and fields[name] > 0):
             refuse(name, "a positive number")
+    check_tau_by_budget(fields["tau_by_budget"])  # kept as given; `budget.check_tau_by_budget` reads it
     if not (_is_number(fields["initializer_range"]) and fields["initializer_range"] >= 0):
         refuse("initializer_range", "a number >= 0")
     for name in BOOLS:
@@ -179,8 +181,10 @@ class JetSpecConfig(PretrainedConfig):
             Default maximum depth N of the candidate tree, defaults to `min(7, block_size - 1)`.
         tree_width (`int`, *optional*, defaults to 4):
             Default number of candidates W per depth.
-        tree_budget (`int`, *optional*, defaults to 32):
-            Default number of draft nodes B in the tree (the root, i.e. the anchor, is not counted).
+        tree_budget (`int` or `"auto"`, *optional*, defaults to 32):
+            Default number of draft nodes B in the tree (the root, i.e. the anchor, is not counted). `"auto"` picks
+            one budget and the draft sources per call from `tau_by_budget` and this host's measured costs
+            (`budget.py`, `host_costs.py`); without `tau_by_budget`, budget 8 with the head's own sources.
         tree_scoring (`str`, *optional*, defaults to `"logprob"`):
             Best-first key: `"logprob"` (the paper), `"entropy"` or `"mixed"` (ablations).
         path_conditioning (`bool`, *optional*, defaults to `False`):
@@ -209,6 +213,10 @@ class JetSpecConfig(PretrainedConfig):
             (`calibration.py`, fitted by `python -m training.evaluate_head --fit_calibration`). The tree ranks
             nodes by the log of their calibrated rate instead of their raw score; scores decide which nodes are
             drafted, never which tokens are committed. `None`: raw scores.
+        tau_by_budget (`dict`, *optional*):
+            The head's committed tokens per round (tau, bonus included), measured offline per draft sources and
+            budget: `{"head" | "head+lookup" | "head+lookup+trie": {"<budget>": tau}}` (`training/tau_table.py
+            --write`). Read by `tree_budget="auto"`, which weighs it against this host's costs. `None`: unmeasured.
         draft_vocab_size (`int`, *optional*):
             Number of target tokens the head drafts from, defaults to `vocab_size` (the full vocabulary). A smaller
             value drafts only inside a fixed subset (FR-Spec / EAGLE-3 `d2t`): the head's LM head is the target's
@@ -258,6 +266,7 @@ class JetSpecConfig(PretrainedConfig):
         tree_lookup_branches: str = "chain",
         tree_lookup_record: bool = False,
         tree_calibration: dict | None = None,
+        tau_by_budget: dict | None = None,
         draft_vocab_size: int | None = None,
         last_context_input: bool = False,
         layer_types: list[str] | None = None,
@@ -277,10 +286,9 @@ class JetSpecConfig(PretrainedConfig):
         self.target_num_hidden_layers, self.target_layer_ids = target_num_hidden_layers, list(ids)
         self.block_size, self.mask_source, self.dflash_mask_token_id = block_size, mask_source, dflash_mask_token_id
         given = {**locals(), "tree_depth": tree_depth if tree_depth is not None else min(7, block_size - 1)}
-        for name in TREE_FIELDS:  # stored as given, the depth derived from the block when not given
-            setattr(self, name, given[name])
+        for name in (*TREE_FIELDS, "tau_by_budget", "last_context_input", "initializer_range"):
+            setattr(self, name, given[name])  # as given; tree_depth derived from the block when not given
         self.draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else vocab_size
-        self.last_context_input, self.initializer_range = last_context_input, initializer_range
         self._set_layers(block_attention, layer_types, sliding_window, layer_block_attention)
         super().__init__(**kwargs)
         if mask_source == "head" and (mask_token_id is None or _outside(mask_token_id, vocab_size)):

@@ -5,7 +5,8 @@
 `custom_generate` by `integration.tree_generate`): it checks the call, prefills through the call's verifier, commits
 each row's first token, then runs [`_round`] (draft, verify, accept, commit, compact; `steps.py`) until every row
 has finished, and returns the sequences (and, with `return_dict_in_generate`, scores, logits and statistics) as
-plain `generate` does. A `tree_budget="auto"` call picks each round's budget from measured costs (`budget.py`).
+plain `generate` does. A `tree_budget="auto"` call first picks its operating point, a budget and the draft sources,
+from the head's acceptance and this host's costs (`budget.py`, `host_costs.py`), then decodes at it.
 """
 
 import functools
@@ -14,16 +15,14 @@ from dataclasses import replace
 
 import torch
 
-from .budget import DEFAULT_CANDIDATES, BudgetController
 from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord
-from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState, TreeShape
+from .host_costs import operating_point
+from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState
 from .processors import check_processors, choose_token, pick_token, processors_per_row
 from .steps import accept, commit, draft, select_rows
 from .stopping import stop_plan
 from .timing import RoundClock, clock, rounds_timed
-from .tree import max_tree_nodes
-from .verifiers import measure_verify_seconds
 
 
 def _decode(
@@ -43,6 +42,10 @@ def _decode(
     head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
     attention_mask = model_kwargs.get("attention_mask")
     _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
+    point = None
+    if shape.budget == "auto":  # one budget and sources for the whole call, chosen before it starts
+        tree_verify = getattr(jetspec_verifier, "mode", "auto")
+        shape, point = operating_point(head, model, shape, input_ids.shape[0], tree_verify)
     if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
         streamer.put(input_ids.cpu())
     call = _start_call(
@@ -50,23 +53,21 @@ def _decode(
     )
     # a lookup chain may be accepted past the head's depths
     stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
-    timed = shape.budget == "auto" or rounds_timed()
+    stats.operating_point = point.as_dict() if point is not None else None
+    timed = rounds_timed()
     started = clock() if timed else time.perf_counter()
     before = call.verifier.target_forwards
     state, logits = call.verifier.prefill(input_ids, attention_mask)
     stats.target_forwards += call.verifier.target_forwards - before
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
-    controller = None
-    if shape.budget == "auto" and state.rows.numel():
-        controller = _budget_controller(head, model, shape, state.rows.shape[0], getattr(call.verifier, "mode", "auto"))
     while state.rows.numel():
-        state = _round(head, call, state, stats, controller, RoundClock(state.anchors.device) if timed else None)
+        state = _round(head, call, state, stats, RoundClock(state.anchors.device) if timed else None)
         _stream(call)
     stats.total_seconds = (clock() if timed else time.perf_counter()) - started
     return _finish(head, call, stats, generation_config, input_ids.shape[1])
 
 
-def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller, timer: RoundClock | None = None):
+def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: RoundClock | None = None):
     """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round").
 
     Its reads of the device: the draft's candidates and the commit's acceptance (`steps.draft`, `steps.commit`),
@@ -75,7 +76,7 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     mark = timer.mark if timer is not None else lambda: None
     mark()
     before = call.verifier.target_forwards
-    budget = controller.next_budget() if controller is not None else call.shape.budget
+    budget = call.shape.budget
     histories = call.histories() if call.shape.lookup else None
     drafter = getattr(call.verifier, "draft", None) or draft  # the static path drafts over its fixed-shape buffers
     trees = drafter(head, state, call.shape, budget, histories, call.lookup_record, call.lookup_index)
@@ -92,8 +93,6 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, controller,
     if timer is not None:
         drafting, verify, rest = timer.intervals()
         outside = drafting + rest  # the round outside its verify forward
-    if controller is not None:
-        controller.update(done.paths, budget, outside, verify)
     stats.add_round(budget, done.counts, done.tokens, outside, verify, forwards=call.verifier.target_forwards - before)
     return state
 
@@ -204,23 +203,6 @@ def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_len
         logits=_per_step(call.records, 1, steps) if generation_config.output_logits else None,
         jetspec_stats=stats,
     )
-
-
-def _budget_controller(head, target, shape: TreeShape, batch: int, tree_verify: str = "auto") -> BudgetController:
-    """Verify costs are measured once per (target, device, dtype, batch size) and kept on the head.
-
-    `head.verify_cost_cache` is keyed by the target object itself (weakly), never by `id(target)`: an id is reused
-    once a target is freed.
-    """
-    largest = max_tree_nodes(shape.depth, shape.width)
-    candidates = sorted({min(b, largest) for b in DEFAULT_CANDIDATES})
-    per_target = head.verify_cost_cache.setdefault(target, {})
-    key = (str(target.device), target.dtype, batch, tuple(candidates), tree_verify)
-    if key not in per_target:
-        per_target[key] = measure_verify_seconds(
-            target, head, shape, candidates, batch_size=batch, tree_verify=tree_verify
-        )
-    return BudgetController(candidates, per_target[key])
 
 
 def _per_step(records: list, which: int, steps: int) -> tuple:

@@ -27,7 +27,7 @@ from .tree import check_lookup_prior, check_tree_shape
 class TreeShape:
     depth: int  # N, maximum depth of a draft node
     width: int  # W, candidates per node
-    budget: int | str  # B, draft nodes per tree (root excluded), or "auto" (chosen per round, see `budget.py`)
+    budget: int | str  # B, draft nodes per tree (root excluded), or "auto" (chosen per call, see `budget.py`)
     scoring: str  # best-first key, see `tree.tree_key`
     path_conditioning: bool  # second draft pass with MASK probes under the tree's real tokens
     lookup: int = 0  # tokens of the prompt-lookup branch in every tree (0: none); may exceed `depth`
@@ -53,10 +53,12 @@ class JetSpecStats:
     # and the model-free branch proposed it) or "target" (`calibration.TOKEN_SOURCES`); recorded by `steps.commit`
     token_sources: list = field(default_factory=list)
     # seconds of the rounds outside their verify forward (draft, tree, accept, commit, compaction) and in it; timed
-    # only in timed rounds (`tree_budget="auto"`, or inside `timing.timed_rounds()`), else 0
+    # only in timed rounds (inside `timing.timed_rounds()`), else 0
     outside_verify_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0  # the whole call, up to its last host read (synchronized in timed rounds)
+    # `tree_budget="auto"`: the budget and sources the call decoded at, and why (`budget.OperatingPoint.as_dict`)
+    operating_point: dict | None = None
 
     @property
     def tau(self) -> float:
@@ -110,6 +112,7 @@ class JetSpecStats:
             "outside_verify_seconds": self.outside_verify_seconds,
             "verify_seconds": self.verify_seconds,
             "total_seconds": self.total_seconds,
+            "operating_point": self.operating_point,
         }
 
 
@@ -234,7 +237,7 @@ class Committed:
 
     tokens: int  # tokens committed, all rows
     counts: list  # (A,) accepted nodes per row, root included (what the round's statistics count)
-    paths: list  # (A,) accepted node indices per row, root first (what `BudgetController.update` reads)
+    paths: list  # (A,) accepted node indices per row, root first
     keep: torch.Tensor  # (A',) long, the rows that go on
     acceptance: Acceptance  # the round's acceptance cut to its longest path, `(A, K)` (what `compact` moves)
 

@@ -6,7 +6,7 @@ targets whose layers all cache attention keys/values (the whole tree in one forw
 serves targets with recurrent or convolution layers. [`verifier_for`] picks one per call, so the round stays as it
 is whatever the target keeps.
 
-Also here: the verify costs the measured budget and the benchmark read ([`verify_seconds`],
+Also here: the verify costs that `tree_budget="auto"` and the benchmark read ([`verify_seconds`],
 [`measure_verify_seconds`]), timed through a verifier like the round's own.
 """
 
@@ -168,7 +168,8 @@ def measure_verify_seconds(
     The trees are the head's own ([`draft`] at `shape` without path conditioning or lookup branch, so b nodes), and
     the forward is the verify of the call's verifier ([`verifier_for`] with `tree_verify`). A hybrid target is timed
     in the mode it runs: "chain" its chain verify, "tree" a tree round's forward 1 over the leaf paths, "auto" the
-    tree's, the mode "auto" starts in (its rounds' own verify times then inform the budget, `budget.py`).
+    tree's, the mode "auto" starts in. `host_costs.py` divides these by one plain decode step to price each budget
+    of `tree_budget="auto"` (`budget.py`).
 
     Returns:
         `dict` from budget to seconds.

@@ -1,26 +1,130 @@
-"""The measured budget chooser: argmax of expected tokens per second, exact counterfactual acceptance."""
+"""The operating point of `tree_budget="auto"`: the chooser (the argmax of expected speed over budgets and draft
+sources), the head's `tau_by_budget` field, and the verify costs it is weighed against."""
 
-import torch
+import json
+import math
 
 import pytest
+import torch
 
 import modeling_jetspec.verifiers as verifiers
-from modeling_jetspec.budget import BudgetController, choose_budget, committed_under_budgets
-from modeling_jetspec.state import resolve_tree_shape
+from modeling_jetspec import JetSpecConfig
+from modeling_jetspec.budget import (
+    CANDIDATE_BUDGETS,
+    LOOKUP_TOKENS,
+    candidates,
+    check_tau_by_budget,
+    choose_point,
+    fallback_point,
+    sources_shape,
+)
+from modeling_jetspec.state import TreeShape, resolve_tree_shape
 from modeling_jetspec.verifiers import measure_verify_seconds
 from modeling_jetspec.tree import build_tree, entropy, marginal_children
-from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
+from jetspec.tiny import prompts, tiny_head, tiny_target
+
+TABLE = {
+    "head": {4: 2.0, 8: 2.3, 16: 2.5},
+    "head+lookup+trie": {4: 2.2, 8: 2.9, 16: 3.4},
+}
+SHAPE = TreeShape(depth=7, width=4, budget="auto", scoring="logprob", path_conditioning=False, lookup=16)
 
 
-def test_choose_budget_is_the_argmax_of_tokens_per_second():
-    tau = {8: 3.0, 16: 4.0, 32: 4.6, 64: 5.0}
-    verify = {8: 1.2, 16: 1.4, 32: 2.0, 64: 3.5}
-    # tokens per second: 8 -> 3/1.4=2.14, 16 -> 4/1.6=2.5, 32 -> 4.6/2.2=2.09, 64 -> 5/3.7=1.35
-    assert choose_budget(tau, verify, outside_verify_seconds=0.2) == 16
-    # free verification makes the largest tree best
-    assert choose_budget(tau, {b: 1.0 for b in tau}, outside_verify_seconds=0.0) == 64
-    # a costly draft flattens differences in verify cost: 32 wins at draft 10 (4.6/12 > 4/11.4 > 5/13.5)
-    assert choose_budget(tau, verify, outside_verify_seconds=10.0) == 32
+def test_the_head_alone_wins_on_a_costly_host_and_the_full_tree_on_a_cheap_one():
+    """The same head's table on two hosts. Where a verify of 16 nodes costs 3.5 plain steps and the trie's host work
+    0.6 of one (an AVX2 host in float32), the head alone at budget 4 is fastest: 2.0 / (1.5 + 0.1) = 1.25 against
+    at most 2.9 / (2.0 + 0.6) = 1.12 with the trie. Where verifies are nearly free (bf16 on AMX), the trie at budget
+    16 is: 3.4 / (1.05 + 0.2) = 2.72 against 2.5 / (1.05 + 0.15) = 2.08 for the head alone."""
+    costly = choose_point(TABLE, {4: 1.5, 8: 2.0, 16: 3.5}, {"head": 0.1, "head+lookup+trie": 0.6}, SHAPE)
+    cheap = choose_point(TABLE, {4: 1.0, 8: 1.0, 16: 1.05}, {"head": 0.15, "head+lookup+trie": 0.2}, SHAPE)
+    assert (costly.budget, costly.sources) == (4, "head")
+    assert (cheap.budget, cheap.sources) == (16, "head+lookup+trie")
+    assert costly.expected_speedup == pytest.approx(1.25) and cheap.expected_speedup == pytest.approx(2.72)
+    # every candidate's figures are recorded, and none beats the chosen one
+    assert set(cheap.figures) == {f"{s}@{b}" for s in TABLE for b in (4, 8, 16)}
+    assert cheap.figures["head@16"]["tau"] == 2.5 and cheap.figures["head@16"]["verify_ratio"] == 1.05
+    assert max(f["expected_speedup"] for f in costly.figures.values()) == costly.expected_speedup
+    assert cheap.reason == "chosen" and cheap.as_dict()["sources"] == "head+lookup+trie"
+
+
+def test_ties_go_to_the_smaller_budget_and_the_fewer_sources():
+    table = {"head": {4: 2.0, 8: 3.0}, "head+lookup": {4: 2.0}}
+    point = choose_point(table, {4: 1.0, 8: 1.5}, {"head": 0.0, "head+lookup": 0.0}, SHAPE)
+    assert (point.budget, point.sources) == (4, "head")  # 2 / 1 == 3 / 1.5, and head+lookup@4 ties too
+
+
+def test_only_budgets_the_tree_can_hold_are_weighed():
+    """Depth 2, width 3: the head's full tree has 12 nodes, so its 16 is left out; a lookup branch adds up to 16
+    nodes, so the sources with lookup keep 16. Budgets outside the candidate set are never weighed."""
+    shape = TreeShape(depth=2, width=3, budget="auto", scoring="logprob", path_conditioning=False)
+    table = {"head": {4: 2.0, 16: 9.0, 20: 9.0}, "head+lookup": {16: 3.0}}
+    assert candidates(table, shape) == {"head": [4], "head+lookup": [16]}
+    point = choose_point(table, {4: 1.0, 16: 1.0}, {"head": 0.0, "head+lookup": 0.0}, shape)
+    assert (point.budget, point.sources) == (16, "head+lookup")
+    with pytest.raises(ValueError, match="expected tau_by_budget budgets among .* got"):
+        choose_point({"head": {20: 3.0}}, {}, {}, shape)
+    with pytest.raises(ValueError, match="expected host costs for budget 4 and sources 'head', got none"):
+        choose_point({"head": {4: 3.0}}, {}, {}, shape)
+    assert max(CANDIDATE_BUDGETS) == 16
+
+
+def test_sources_switch_the_lookup_branch_and_keep_the_rest_of_the_shape():
+    shape = TreeShape(
+        depth=5, width=3, budget="auto", scoring="logprob", path_conditioning=False, lookup=8, lookup_branches="trie"
+    )
+    alone, chain, trie = (sources_shape(shape, s, 6) for s in ("head", "head+lookup", "head+lookup+trie"))
+    assert (alone.budget, alone.lookup) == (6, 0)
+    assert (chain.lookup, chain.lookup_branches) == (8, "chain") and (trie.lookup, trie.lookup_branches) == (8, "trie")
+    assert (trie.depth, trie.width, trie.scoring) == (5, 3, "logprob")
+    no_lookup = TreeShape(depth=5, width=3, budget="auto", scoring="logprob", path_conditioning=False)
+    assert sources_shape(no_lookup, "head+lookup", 4).lookup == LOOKUP_TOKENS
+    assert fallback_point(shape).as_dict() == {
+        "budget": 8,
+        "sources": "head+lookup+trie",
+        "expected_speedup": None,
+        "reason": "fallback: no tau_by_budget",
+        "figures": {},
+        "host_costs": None,
+    }
+    assert fallback_point(no_lookup).sources == "head"
+    with pytest.raises(ValueError, match="expected sources among"):
+        sources_shape(shape, "trie", 4)
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ([2.0], r"expected tau_by_budget to be a non-empty dict .*got \[2.0\]"),
+        ({}, "expected tau_by_budget to be a non-empty dict .*got {}"),
+        ({"trie": {"8": 2.0}}, r"expected tau_by_budget's sources among .*got 'trie'"),
+        ({"head": 2.0}, r"expected tau_by_budget\['head'\] to be a non-empty dict .*got 2.0"),
+        ({"head": {"eight": 2.0}}, r"expected tau_by_budget budgets among \(4, 6, 8, 10, 12, 16\) .*got 'eight'"),
+        ({"head": {"0": 2.0}}, "expected tau_by_budget budgets among .*got '0'"),
+        ({"head": {"32": 2.0}}, "expected tau_by_budget budgets among .*got '32'"),
+        ({"head": {"8": 0.5}}, r"expected tau_by_budget\['head'\]\['8'\] to be a number >= 1 .*got 0.5"),
+        ({"head": {"8": math.nan}}, "to be a number >= 1 .*got nan"),
+        ({"head": {"8": "2.0"}}, "to be a number >= 1 .*got '2.0'"),
+    ],
+)
+def test_bad_tables_are_refused_when_the_config_loads(table, message, tmp_path):
+    target = tiny_target("llama")
+    tiny_head(target).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["tau_by_budget"] = table
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        JetSpecConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        check_tau_by_budget(table)
+
+
+def test_a_table_survives_its_json_round_trip(tmp_path):
+    target = tiny_target("llama")
+    head = tiny_head(target, tau_by_budget={"head": {4: 2, 8: 2.5}})  # kept as given
+    assert check_tau_by_budget(head.config.tau_by_budget) == {"head": {4: 2.0, 8: 2.5}}
+    head.save_pretrained(tmp_path)
+    assert JetSpecConfig.from_pretrained(tmp_path).tau_by_budget == {"head": {"4": 2, "8": 2.5}}  # JSON keys
+    assert tiny_head(target).config.tau_by_budget is None
 
 
 def test_smaller_best_first_trees_are_prefixes_of_larger_ones():
@@ -32,52 +136,6 @@ def test_smaller_best_first_trees_are_prefixes_of_larger_ones():
     for b in (1, 8, 16, 32):
         small = build_tree(children, b, 6)
         assert small.tokens == big.tokens[:b] and small.parents == big.parents[:b]
-
-
-def test_committed_under_budgets_counts_the_surviving_prefix():
-    # accepted path: root, node 2, node 9, node 40 -> under budget 8 only node 2 survives
-    assert committed_under_budgets([0, 2, 9, 40], (1, 8, 16, 64)) == {1: 1, 8: 2, 16: 3, 64: 4}
-
-
-def test_controller_explores_then_exploits():
-    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 3.0}, explore_every=4)
-    used = []
-    for _ in range(8):
-        b = controller.next_budget()
-        used.append(b)
-        # every accepted path reaches node 12 at most: budgets >= 16 commit 3 tokens, budget 8 commits 2
-        controller.update([[0, 3, 12]], b, other_seconds=0.1)
-    assert used[:2] == [32, 32]  # warm-up: the largest budget informs every smaller one
-    assert used[2] == used[3] == 16  # 3/1.2 beats 2/1.1 and 3/3.1
-    assert used[4] == 32  # exploration: one step above the choice (16)
-
-
-def test_choose_budget_breaks_ties_towards_the_smaller_budget_and_refuses_gaps():
-    # 8 and 16 give the same tokens per second (2 / 1.0 == 4 / 2.0): the smaller tree is as fast and cheaper
-    assert choose_budget({8: 2.0, 16: 4.0}, {8: 0.9, 16: 1.9}, outside_verify_seconds=0.1) == 8
-    with pytest.raises(ValueError, match=r"verify cost for every candidate budget, got none for \[32\]"):
-        choose_budget({8: 2.0, 32: 3.0}, {8: 1.0}, outside_verify_seconds=0.0)
-    with pytest.raises(ValueError, match="at least one candidate budget"):
-        choose_budget({}, {8: 1.0}, outside_verify_seconds=0.0)
-
-
-def test_controller_converges_to_the_best_budget_as_acceptance_changes():
-    """Early paths stop at node 5 (budget 8 commits as much as 32 and is cheaper); later paths run through node 20,
-    which only budget 32 holds: once the window forgets the short paths, the controller moves to 32. Exploration
-    steps one budget above the choice every `explore_every` rounds (16 above 8 sees no gain: node 20 is past it)
-    and verifies the largest every `explore_every * climb_every` rounds, which finds the gain two steps up."""
-    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 1.3}, explore_every=4, window=4, climb_every=2)
-    used = []
-    for round_ in range(24):
-        b = controller.next_budget()
-        used.append(b)
-        path = [0, 5] if round_ < 8 else [0, 5, 20, 30]
-        controller.update([path], b, other_seconds=0.0)
-    assert used[:2] == [32, 32] and used[2] == used[3] == 8  # 2 tokens at every budget: the cheapest verify
-    assert used[4] == 16  # exploration one step above 8
-    assert used[8] == 32  # every explore_every * climb_every rounds: the largest
-    first = used.index(32, 9)
-    assert first <= 12 and used[-3:] == [32, 32, 32]  # 4 tokens / 1.3 s beats 2 / 1.0 and 2 / 1.1
 
 
 def test_verify_costs_time_the_round_s_own_verify_over_the_head_s_trees(monkeypatch):
@@ -96,22 +154,6 @@ def test_verify_costs_time_the_round_s_own_verify_over_the_head_s_trees(monkeypa
     assert sorted(seconds) == [4, 12]
     # one warm-up and one timed forward per budget, over trees of exactly b nodes per row, after the 16-token context
     assert verified == [((2, 4), (2, 16))] * 2 + [((2, 12), (2, 16))] * 2
-
-
-def test_auto_budget_decodes_losslessly():
-    target = tiny_target("qwen3")
-    ids, mask = prompts(3)
-    plain = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
-    head = oracle_head(target, plain, mask, tree_depth=5, tree_width=3)
-    tree = target.generate(
-        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, assistant_model=head, tree_budget="auto"
-    )
-    assert torch.equal(tree, plain)
-    budgets = head.last_stats.budgets
-    assert set(budgets) <= {8, 16, 32, 64} and budgets[:2] == [64, 64]  # warm-up rounds verify the largest tree
-    # the always-right drafter accepts whole paths whatever the budget: the cheapest verify then wins
-    # after the warm-up the measured costs move it off the largest tree (which smaller one first depends on timings)
-    assert min(budgets[2:]) < 64 and head.last_stats.tau > 4.0
 
 
 def test_median_seconds_is_the_median_of_the_timed_calls():
@@ -150,31 +192,3 @@ def test_bench_costs_time_the_round_s_own_draft_and_verify(monkeypatch):
     # per budget and for the chain: 2 untimed and 1 timed forward over one tree of exactly that many nodes
     assert verified == [(1, 4)] * 3 + [(1, 12)] * 3 + [(1, 3)] * 3
     assert [costs["verify"][b]["nodes"] for b in ("4", "12")] == [4, 12] and costs["chain"]["nodes"] == 3
-
-
-def test_controller_counts_the_round_work_that_grows_with_the_tree():
-    """Paths reach node 20, which only budget 32 holds (4 tokens against 2). Verify costs alone favour 32
-    (4 / 1.3 s > 2 / 1.0 s); when the call's rounds at 32 also spend 1 s outside the verify (tree building,
-    compaction) and those at 8 nothing, 32 costs 2.3 s a round and 8 wins (2 / 1.0 s > 4 / 2.3 s)."""
-    verify = {8: 1.0, 16: 1.1, 32: 1.3}
-    choices = {}
-    for other_at_32 in (0.0, 1.0):
-        controller = BudgetController([8, 16, 32], verify, explore_every=100, climb_every=100)
-        for _ in range(2):  # warm-up: the largest budget
-            assert controller.next_budget() == 32
-            controller.update([[0, 5, 20, 30]], 32, other_seconds=other_at_32)
-        controller.update([[0, 5, 20, 30]], 8, other_seconds=0.0)  # a round at 8, as an earlier choice would run
-        choices[other_at_32] = controller.next_budget()
-    assert choices == {0.0: 32, 1.0: 8}
-
-
-def test_round_seconds_of_unobserved_budgets_scale_the_nearest_observed_per_node():
-    controller = BudgetController([8, 16, 32], {8: 1.0, 16: 1.1, 32: 1.3})
-    assert controller.round_seconds() == {8: 1.0, 16: 1.1, 32: 1.3}  # nothing observed: the verify alone
-    controller.update([[0]], 32, other_seconds=0.8)
-    assert controller.round_seconds() == pytest.approx({8: 1.2, 16: 1.5, 32: 2.1})  # 0.8 s per 32 nodes
-    controller.update([[0]], 8, other_seconds=0.4)
-    assert controller.round_seconds() == pytest.approx({8: 1.4, 16: 1.9, 32: 2.1})  # 16 scales 8's, the nearer
-    # a verify timed in the call's own rounds replaces the up-front measurement of that budget
-    controller.update([[0]], 32, other_seconds=0.8, verify_seconds=2.0)
-    assert controller.round_seconds() == pytest.approx({8: 1.4, 16: 1.9, 32: 2.8})

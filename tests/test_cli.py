@@ -248,3 +248,59 @@ def test_cli_generate_shows_where_tokens_came_from(capsys, saved_target, saved_h
     )
     counted = [int(n) for n in re.findall(r"(?:head|lookup|both|target) (\d+) \(", legend)]
     assert len(counted) == 4 and sum(counted) == 12
+
+
+def run_generate(saved_target, head, *extra) -> str:
+    argv = ["generate", "abcabc", "--target", str(saved_target), "--head", str(head), "--max-new-tokens", "8"]
+    assert cli.main([*argv, "--dtype", "float32", *extra]) == 0
+    return argv
+
+
+def test_cli_generate_prints_the_operating_point_and_costs_lists_and_clears_its_figures(
+    capsys, tmp_path, monkeypatch, saved_target, saved_head
+):
+    """`--budget auto`: the chosen budget and sources with the figures behind them; `jetspec costs` then lists the
+    host costs the choice measured (one entry: this host, target, dtype and batch 1) and `--clear` deletes them."""
+    monkeypatch.setenv("JETSPEC_HOST_COSTS", str(tmp_path / "costs.json"))
+    config = json.loads((saved_head / "config.json").read_text())
+    config["tau_by_budget"] = {"head": {"4": 1.4, "8": 1.6}, "head+lookup+trie": {"6": 1.7}}
+    (saved_head / "config.json").write_text(json.dumps(config))
+    assert cli.main(["costs"]) == 0
+    assert "no host costs cached in" in capsys.readouterr().out
+    run_generate(saved_target, saved_head, "--budget", "auto")
+    printed = capsys.readouterr().out
+    line = next(line for line in printed.splitlines() if line.startswith("operating point: "))
+    chosen = re.match(r"operating point: budget (\d+), sources (\S+): expected [\d.]+x = tau ([\d.]+) ", line)
+    assert chosen and f"jetspec (B={chosen[1]}):" in printed
+    assert config["tau_by_budget"][chosen[2]][chosen[1]] == float(chosen[3]) and "next best" in line
+    assert cli.main(["costs"]) == 0
+    listed = capsys.readouterr().out
+    assert "| float32 | batch 1 |" in listed and "t(B)/t(1): 4: " in listed and "head+lookup+trie" in listed
+    assert cli.main(["costs", "--clear"]) == 0
+    assert "cleared 1 cached host cost entries" in capsys.readouterr().out
+    assert not (tmp_path / "costs.json").exists()
+
+
+def test_cli_generate_auto_without_a_table_names_the_fallback(capsys, tmp_path, monkeypatch, saved_target, saved_head):
+    monkeypatch.setenv("JETSPEC_HOST_COSTS", str(tmp_path / "costs.json"))
+    run_generate(saved_target, saved_head, "--budget", "auto")
+    printed = capsys.readouterr().out
+    assert "operating point: budget 8, sources head+lookup (fallback: no tau_by_budget)" in printed
+    assert "jetspec (B=8):" in printed and not (tmp_path / "costs.json").exists()
+
+
+def test_no_function_of_the_cli_is_over_80_lines():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cli))
+    lengths = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    assert max(lengths.values()) <= 80, lengths
+
+
+def test_cli_costs_reports_a_broken_cache_file_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("JETSPEC_HOST_COSTS", str(tmp_path / "costs.json"))
+    (tmp_path / "costs.json").write_text("[1, 2]")
+    assert "expected a JSON object of host keys" in cli_error(capsys, ["costs"])
+    (tmp_path / "costs.json").write_text("{not json")
+    assert "Expecting property name" in cli_error(capsys, ["costs"])

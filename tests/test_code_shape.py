@@ -26,7 +26,6 @@ FUNCTION_LIMITS = {"modeling_jetspec": 60}  # the remote code reads tighter
 SPLIT_ON_OTHER_BRANCHES = frozenset(
     {
         "jetspec/bench.py",
-        "jetspec/cli.py",
     }
 )
 

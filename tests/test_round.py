@@ -134,7 +134,7 @@ def test_stats_come_with_the_output_and_on_the_head():
 def test_verify_costs_are_kept_per_target_object():
     target = tiny_target("qwen3")
     ids, mask = prompts(1)
-    head = tiny_head(target, tree_budget="auto")
+    head = tiny_head(target, tree_budget="auto", tau_by_budget={"head": {"4": 1.5, "8": 2.0}})
     greedy(target, ids, mask, max_new_tokens=4, assistant_model=head)
     assert list(head.verify_cost_cache.keys()) == [target]
     del target
