@@ -41,11 +41,18 @@ Costs, measured once per run on the first prompt's prefilled cache (median of re
   own `draft`); the draft cost is c = t_draft / t(1);
 - limit speedup tau * t(1) / (t(B) + t_draft): what the measured tau would give without any other overhead.
 
-Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared CPU only ratios hold. The
-markdown report and the plots are drawn by `jetspec.report`.
+Round phases: every head method's call runs with the round hook (`jetspec_round_hook`,
+`modeling_jetspec/round_hook.py`), which times each round's draft (the head's forward), tree, verify (the target's
+forward), accept, commit and compact phases; per method, each phase's share of the rounds' time and the time outside
+the two forwards per round, over t(1) (`jetspec.bench_figures.phase_figures`).
+
+Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared CPU only ratios hold.
+
+The rooms: this module runs the benchmark (the prompts, the methods' calls, the costs, `results.json`);
+`jetspec.bench_methods` holds its settings (which methods, with which arguments); `jetspec.bench_figures` the
+per-prompt rows and their aggregates; `jetspec.report` draws the markdown report and the plots.
 """
 
-import dataclasses
 import datetime
 import json
 import os
@@ -53,7 +60,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -62,39 +69,62 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from modeling_jetspec import JetSpecDraftModel, JetSpecGenerateOutput, JetSpecStats, resolve_tree_shape
+from modeling_jetspec import JetSpecDraftModel, JetSpecGenerateOutput, resolve_tree_shape
 from modeling_jetspec.compat import attn_implementation
 from modeling_jetspec.configuration_jetspec import TREE_FIELDS
 from modeling_jetspec.steps import draft, logits_to_keep
 from modeling_jetspec.verifiers import verifier_for, verify_seconds
-from modeling_jetspec.timing import clock, median_seconds, timed_rounds
+from modeling_jetspec.timing import clock, median_seconds
 
-from .equality import DEFAULT_TIE_TOLERANCE, VERDICTS, LosslessError, Verdict, check_lossless, strict_for
+from .bench_figures import (
+    PromptRow,
+    RoundPhases,
+    aggregate,
+    aggregate_groups,
+    judged_counts,
+    limit_speedup,
+    phase_figures,
+    phase_lines,
+)
+from .bench_methods import (
+    DEFAULT_METHODS,
+    METHOD_KINDS,
+    PROMPT_LOOKUP_TOKENS,
+    BenchConfig,
+    Method,
+    build_methods,
+    check_budgets,
+    check_method_kinds,
+    with_baseline,
+)
+from .equality import LosslessError, check_lossless, strict_for
 from .host import host_kind
-from .prompts import check_suites, load_prompts
+from .prompts import load_prompts
 from .provenance import weights_identity
 from .report import markdown, write_plots
 from .targets import apply_chat_template
 
-__all__ = ["BenchConfig", "LosslessError", "Method", "PromptRow", "aggregate", "build_methods", "run_benchmark"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "METHOD_KINDS",
+    "BenchConfig",
+    "LosslessError",
+    "Method",
+    "PromptRow",
+    "aggregate",
+    "aggregate_groups",
+    "build_methods",
+    "check_budgets",
+    "check_method_kinds",
+    "judged_counts",
+    "limit_speedup",
+    "phase_figures",
+    "measure_costs",
+    "portable_name",
+    "run_benchmark",
+    "with_baseline",
+]
 
-
-METHOD_KINDS = (
-    "plain",
-    "prompt_lookup",
-    "chain",
-    "tree",
-    "auto",
-    "path_conditioning",
-    "lookup",
-    "lookup_first",
-    "gap",
-    "lookup_gap",
-    "trie",
-    "auto_lookup",
-)
-DEFAULT_METHODS = METHOD_KINDS[:-2]  # the trie and auto with the lookup branch are asked for by name
-PROMPT_LOOKUP_TOKENS = 10
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTES = {
     "chain": (
@@ -113,126 +143,6 @@ NOTES = {
 }
 
 
-# ------------------------------------------------------------------------------------------------ settings
-def check_budgets(budgets: Sequence[int]) -> list[int]:
-    """Validated list of tree budgets (integers >= 1, at least one, distinct)."""
-    budgets = list(budgets)
-    if not budgets:
-        raise ValueError("expected at least one tree budget, got an empty list")
-    bad = [b for b in budgets if isinstance(b, bool) or not isinstance(b, int) or b < 1]
-    if bad:
-        raise ValueError(f"expected tree budgets that are integers >= 1, got {bad}")
-    if len(set(budgets)) != len(budgets):
-        raise ValueError(f"expected distinct tree budgets, got {budgets}")
-    return budgets
-
-
-def check_method_kinds(kinds: Sequence[str]) -> list[str]:
-    """Validated method kinds: known, each once, `"plain"` among them (every output is checked against it)."""
-    kinds = list(kinds)
-    unknown = [k for k in kinds if k not in METHOD_KINDS]
-    if unknown:
-        raise ValueError(f"expected methods among {', '.join(METHOD_KINDS)}, got {', '.join(map(str, unknown))}")
-    if "plain" not in kinds:
-        raise ValueError(f"expected 'plain' among the methods (every output is checked against it), got {kinds}")
-    if len(set(kinds)) != len(kinds):
-        raise ValueError(f"expected each method once, got {kinds}")
-    return kinds
-
-
-@dataclass
-class BenchConfig:
-    """What one benchmark run measures; validated on construction (bad values raise `ValueError`)."""
-
-    suites: Sequence[str]  # prompt suites among `jetspec.prompts.SUITES`
-    budgets: Sequence[int]  # tree budgets B; one `tree-B` method each (and one `tree-B-lookup`, ...)
-    max_new_tokens: int = 256  # tokens generated per prompt (fewer when the target stops)
-    limit: Optional[int] = 10  # the first `limit` prompts of each suite; None for all
-    methods: Sequence[str] = DEFAULT_METHODS  # method kinds among METHOD_KINDS, "plain" included
-    warmup: bool = True  # run every method once, untimed, on the first prompt (at most 8 new tokens)
-    cost_repeats: int = 10  # timed repeats of each forward in `measure_costs`
-    tie_tolerance: float = DEFAULT_TIE_TOLERANCE  # float32 logit gap still called a tie (half precisions)
-
-    def __post_init__(self):
-        self.suites = check_suites(self.suites)
-        self.budgets = check_budgets(self.budgets)
-        self.methods = check_method_kinds(self.methods)
-        for name in ("max_new_tokens", "cost_repeats") + (("limit",) if self.limit is not None else ()):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"expected {name} to be an integer >= 1, got {value!r}")
-
-
-@dataclass
-class Method:
-    name: str  # row label: "plain", "prompt_lookup", "chain", "tree-16", "auto", "tree-16-lookup", ...
-    kind: str  # one of METHOD_KINDS
-    generate_kwargs: dict = field(default_factory=dict)  # extra arguments of `target.generate`
-    uses_head: bool = False
-    budget: Optional[int] = None  # draft nodes per round, when fixed
-    baseline: bool = False  # drafted by the run's baseline head (`name` ends in "@baseline") instead of its head
-
-
-def with_baseline(plan: Sequence[Method]) -> list[Method]:
-    """`plan` followed by a copy of each of its head methods drafted by the baseline head, named `<name>@baseline`,
-    with the same `generate` arguments: two heads side by side in one process, on the same prompts and plain run."""
-    copies = [dataclasses.replace(m, name=f"{m.name}@baseline", baseline=True) for m in plan if m.uses_head]
-    return list(plan) + copies
-
-
-def build_methods(
-    kinds: Sequence[str],
-    budgets: Sequence[int],
-    chain_depth: int,
-    default_budget: int = 32,
-    lookup_tokens: Optional[int] = None,
-) -> list[Method]:
-    """The measured methods, in the order of `kinds`.
-
-    `"tree"`, `"lookup"`, `"lookup_first"`, `"gap"` and `"lookup_gap"` expand to one method per budget (the `gap`
-    kinds shape the tree with `tree_scoring="gap"`, see docs/design.md); `"path_conditioning"` is the tree at
-    `default_budget`; the lookup branch holds `lookup_tokens` tokens, by default `chain_depth`. `chain`, `tree-B`,
-    `auto` and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default.
-    """
-    lookup_tokens = lookup_tokens or chain_depth
-    per_budget = {  # kind -> (name suffix, arguments besides the budget)
-        "tree": ("", {"tree_lookup": 0}),
-        "lookup": ("-lookup", {"tree_lookup": lookup_tokens}),
-        "lookup_first": ("-lookup-first", {"tree_lookup": lookup_tokens, "tree_lookup_prior": False}),
-        "gap": ("-gap", {"tree_lookup": 0, "tree_scoring": "gap"}),
-        "lookup_gap": ("-lookup-gap", {"tree_lookup": lookup_tokens, "tree_scoring": "gap"}),
-        # every earlier continuation of the matched n-gram (continuations.py) instead of the latest one
-        "trie": ("-trie", {"tree_lookup": lookup_tokens, "tree_lookup_branches": "trie"}),
-    }
-    chain = {"tree_depth": chain_depth, "tree_width": 1, "tree_budget": chain_depth, "tree_lookup": 0}
-    single = {
-        "plain": Method("plain", "plain"),
-        "prompt_lookup": Method("prompt_lookup", "prompt_lookup", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
-        "chain": Method("chain", "chain", chain, uses_head=True, budget=chain_depth),
-        "auto": Method("auto", "auto", {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True),
-        "auto_lookup": Method(
-            "auto-lookup", "auto_lookup", {"tree_budget": "auto", "tree_lookup": lookup_tokens}, uses_head=True
-        ),
-        "path_conditioning": Method(
-            f"tree-{default_budget}-pc",
-            "path_conditioning",
-            {"tree_budget": default_budget, "path_conditioning": True, "tree_lookup": 0},
-            uses_head=True,
-            budget=default_budget,
-        ),
-    }
-    methods = []
-    for kind in check_method_kinds(kinds):
-        if kind in single:
-            methods.append(single[kind])
-            continue
-        suffix, extra = per_budget[kind]
-        methods += [
-            Method(f"tree-{b}{suffix}", kind, {"tree_budget": b, **extra}, uses_head=True, budget=b) for b in budgets
-        ]
-    return methods
-
-
 def portable_name(name_or_path: Optional[str]) -> Optional[str]:
     """How `results.json` names a model: a Hub id as given, a local folder relative to the repository when inside
     it, else by its own name (never an absolute path, which would only hold on the machine that ran)."""
@@ -245,65 +155,6 @@ def portable_name(name_or_path: Optional[str]) -> Optional[str]:
         return path.resolve().relative_to(REPO_ROOT).as_posix()
     except ValueError:
         return path.resolve().name
-
-
-# ------------------------------------------------------------------------------------------------ per-prompt rows
-HEAD_FIELDS = (
-    "tau",
-    "acceptance_per_depth",
-    "target_forwards",
-    "rounds",
-    "outside_verify_seconds",
-    "verify_seconds",
-    "operating_point",  # tree_budget="auto": the budget and sources chosen, and the figures behind them
-)
-
-
-@dataclass
-class PromptRow:
-    """One method on one prompt: an entry of `results.json`'s `prompts`."""
-
-    suite: str
-    prompt_id: str
-    method: str  # `Method.name`
-    prompt_tokens: int
-    new_tokens: int
-    seconds: float  # the whole `generate` call, prefill included
-    speedup: float  # tokens/s over plain greedy's on the same prompt
-    slot: int  # the method's place in this prompt's rotating order
-    verdict: Verdict  # equality with plain greedy: `exact` or `tie`
-    stats: Optional[JetSpecStats] = None  # the call's `jetspec_stats`, for methods that use the head
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds
-
-    @property
-    def budget_mean(self) -> Optional[float]:
-        """Mean tree budget verified per round, None without a head or without a verify round."""
-        return float(np.mean(self.stats.budgets)) if self.stats is not None and self.stats.budgets else None
-
-    def as_dict(self) -> dict:
-        row = {
-            "suite": self.suite,
-            "prompt_id": self.prompt_id,
-            "method": self.method,
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "seconds": self.seconds,
-            "tokens_per_s": self.tokens_per_s,
-            "speedup": self.speedup,
-            "slot": self.slot,
-            "equality": self.verdict.kind,
-        }
-        if self.verdict.kind != "exact":
-            row["tie"] = {k: v for k, v in self.verdict.as_dict().items() if k != "judged"}
-        if self.verdict.judged is not None:
-            row["judged"] = self.verdict.judged.as_dict()
-        if self.stats is not None:
-            figures = self.stats.as_dict()
-            row.update({k: figures[k] for k in HEAD_FIELDS}, budget_mean=self.budget_mean)
-        return row
 
 
 @dataclass
@@ -327,18 +178,21 @@ class Bench:
         return enc["input_ids"].to(self.target.device), enc["attention_mask"].to(self.target.device)
 
     def generate(self, method: Method, input_ids, attention_mask, **overrides) -> tuple:
-        """Runs one method on one prompt: `(new tokens of shape (n,), seconds, jetspec_stats or None)`."""
+        """Runs one method on one prompt: `(new tokens of shape (n,), seconds, jetspec_stats or None, seconds per
+        round phase or None)`. A head method's rounds are timed by the round hook ([`RoundPhases`]), which also
+        fills the statistics' verify and outside-verify seconds."""
         kwargs = {**self.common, **method.generate_kwargs, **overrides}
+        phases = RoundPhases() if method.uses_head else None
         if method.uses_head:
             kwargs["assistant_model"] = self.baseline_head if method.baseline else self.head
+            kwargs["jetspec_round_hook"] = phases
         started = clock()
-        with timed_rounds():  # the head's rounds are timed for its statistics
-            out = self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        out = self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         seconds = clock() - started
         if method.uses_head and not isinstance(out, JetSpecGenerateOutput):
             raise ValueError(f"expected a JetSpecGenerateOutput from method {method.name!r}, got {type(out).__name__}")
         stats = out.jetspec_stats if method.uses_head else None
-        return out.sequences[0, input_ids.shape[1] :].cpu(), seconds, stats
+        return out.sequences[0, input_ids.shape[1] :].cpu(), seconds, stats, None if phases is None else phases.seconds
 
     def measure_prompt(self, suite: str, prompt: dict, turn: int) -> list[PromptRow]:
         """Every method once on one prompt, in an order rotated by `turn`; each output judged against plain's."""
@@ -346,10 +200,10 @@ class Bench:
         shift = turn % len(self.plan)
         order = self.plan[shift:] + self.plan[:shift]  # each method takes every slot in turn
         runs = {m.name: self.generate(m, input_ids, attention_mask) for m in order}
-        reference, plain_seconds, _ = runs["plain"]
+        reference, plain_seconds, _, _ = runs["plain"]
         rows, memo = [], {}  # memo: an output several methods share is teacher-forced once
         for method in self.plan:  # plain among them: in half precisions its own tokens are judged too
-            tokens, seconds, stats = runs[method.name]
+            tokens, seconds, stats, phases = runs[method.name]
             verdict = check_lossless(
                 input_ids[0].cpu(),
                 reference,
@@ -373,6 +227,7 @@ class Bench:
                     order.index(method),
                     verdict,
                     stats,
+                    phases,
                 )
             )
         return rows
@@ -444,103 +299,6 @@ def measure_costs(
         "verify": {str(b): verify_cost(resolve_tree_shape(head.config, tree_budget=b, **alone)) for b in budgets},
         "chain": verify_cost(chain),
     }
-
-
-def limit_speedup(tau: Optional[float], budget_costs: Optional[dict], costs: dict) -> Optional[float]:
-    """tau * t(1) / (t(B) + t_draft), or `None` when tau or t(B) is unknown."""
-    if tau is None or budget_costs is None:
-        return None
-    return tau * costs["target_step_seconds"] / (budget_costs["seconds"] + costs["draft_forward_seconds"])
-
-
-# ------------------------------------------------------------------------------------------------ aggregates
-def _quartiles(values: list) -> dict:
-    q25, q50, q75 = np.percentile(values, [25, 50, 75])
-    return {
-        "median": float(q50),
-        "q25": float(q25),
-        "q75": float(q75),
-        "iqr": float(q75 - q25),
-        "min": float(min(values)),
-        "max": float(max(values)),
-    }
-
-
-def aggregate(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) -> dict:
-    """
-    Figures of one method over its per-prompt rows (one suite, or all).
-
-    Args:
-        rows (`Sequence[PromptRow]`): the method's rows, at least one.
-        method (`Method`): the method they measured.
-        costs (`dict`, *optional*): [`measure_costs`]'s result, for the limit speedup of head methods.
-
-    Returns:
-        `dict`: prompts, tokens and seconds, median tokens/s, speedup quartiles, equality counts, and for head
-        methods the mean tau, budget and target forwards, mean acceptance per depth, seconds per round and the
-        limit speedup.
-    """
-    speedup = _quartiles([r.speedup for r in rows])
-    result = {
-        "prompts": len(rows),
-        "budget": method.budget,
-        "new_tokens": int(sum(r.new_tokens for r in rows)),
-        "seconds": float(sum(r.seconds for r in rows)),
-        "tokens_per_s_median": float(np.median([r.tokens_per_s for r in rows])),
-        **{f"speedup_{name}": value for name, value in speedup.items()},
-        "equality": {kind: sum(r.verdict.kind == kind for r in rows) for kind in VERDICTS},
-        "judged": judged_counts(rows),
-    }
-    if method.uses_head:
-        result.update(_head_figures(rows, method, costs))
-    return result
-
-
-def judged_counts(rows: Sequence[PromptRow]) -> Optional[dict]:
-    """Every emitted token judged on its own prefix (half precisions): `{"tokens", "near_ties", "violations"}`
-    summed over the rows, `None` under the bitwise float32 rule (nothing is judged token by token there)."""
-    judged = [r.verdict.judged for r in rows if r.verdict.judged is not None]
-    if not judged:
-        return None
-    return {name: int(sum(getattr(j, name) for j in judged)) for name in ("tokens", "near_ties", "violations")}
-
-
-def _head_figures(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) -> dict:
-    """Means over prompts of the head's per-call statistics (each prompt weighs the same), seconds per round."""
-    stats = [r.stats for r in rows]
-    rounds = max(sum(s.rounds for s in stats), 1)
-    depth = max(len(s.accepted_at_depth) for s in stats)
-    # (prompts, N); a prompt decoded with a shallower tree accepted nothing deeper
-    acceptance = np.array([s.acceptance_per_depth + [0.0] * (depth - len(s.accepted_at_depth)) for s in stats])
-    budgets = [r.budget_mean for r in rows if r.budget_mean is not None]
-    figures = {
-        "budget_mean": float(np.mean(budgets)) if budgets else method.budget,
-        "tau_mean": float(np.mean([s.tau for s in stats])),
-        "acceptance_per_depth": acceptance.mean(0).tolist(),
-        "target_forwards_mean": float(np.mean([s.target_forwards for s in stats])),
-        "outside_verify_seconds_per_round": sum(s.outside_verify_seconds for s in stats) / rounds,
-        "verify_seconds_per_round": sum(s.verify_seconds for s in stats) / rounds,
-        "limit_speedup": None,
-    }
-    if costs is not None:
-        budget_costs = costs["chain"] if method.kind == "chain" else costs["verify"].get(str(method.budget))
-        figures["limit_speedup"] = limit_speedup(figures["tau_mean"], budget_costs, costs)
-    return figures
-
-
-def aggregate_groups(rows: Sequence[PromptRow], plan: Sequence[Method], suites: Sequence[str], costs) -> dict:
-    """`{group: {method name: figures}}`: one group per suite, and `all` when there are several."""
-    groups = {suite: [suite] for suite in suites}
-    if len(suites) > 1:
-        groups["all"] = list(suites)
-    aggregates = {}
-    for group, members in groups.items():
-        aggregates[group] = {}
-        for method in plan:
-            mine = [r for r in rows if r.method == method.name and r.suite in members]
-            if mine:
-                aggregates[group][method.name] = aggregate(mine, method, costs)
-    return aggregates
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -742,5 +500,7 @@ def write_results(results: dict, out_dir) -> list[Path]:
     plots = write_plots(results, out_dir)
     results["plots"] = [p.name for p in plots]
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown(results))
+    (out_dir / "results.md").write_text(
+        markdown(results) + "".join(f"{line}\n" for line in phase_lines(results["aggregates"]))
+    )
     return [out_dir / "results.json", out_dir / "results.md", *plots]

@@ -7,6 +7,7 @@ from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .state import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
 from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput, stack_target_states
 from .integration import install_generate_hook, uninstall_generate_hook
+from .round_hook import RoundRecord
 from .tree import Tree, ancestor_mask, build_tree, marginal_children
 
 AutoConfig.register("jetspec", JetSpecConfig, exist_ok=True)
@@ -20,6 +21,7 @@ __all__ = [
     "JetSpecGenerateOutput",
     "JetSpecOutput",
     "JetSpecStats",
+    "RoundRecord",
     "Tree",
     "TreeShape",
     "ancestor_mask",

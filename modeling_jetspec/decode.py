@@ -7,6 +7,7 @@ each row's first token, then runs [`_round`] (draft, verify, accept, commit, com
 has finished, and returns the sequences (and, with `return_dict_in_generate`, scores, logits and statistics) as
 plain `generate` does. A `tree_budget="auto"` call first picks its operating point, a budget and the draft sources,
 from the head's acceptance and this host's costs (`budget.py`, `host_costs.py`), then decodes at it.
+A `jetspec_round_hook` receives each round's [`round_hook.RoundRecord`] (its phases timed, `round_hook.py`).
 """
 
 import functools
@@ -20,6 +21,7 @@ from .continuations import LookupRecord
 from .host_costs import operating_point
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState
 from .processors import check_processors, choose_token, pick_token, processors_per_row
+from .round_hook import PHASES, RoundRecord
 from .steps import accept, commit, draft, select_rows
 from .stopping import stop_plan
 from .timing import RoundClock, clock, rounds_timed
@@ -36,6 +38,7 @@ def _decode(
     jetspec_shape=None,
     jetspec_streamer=None,
     jetspec_verifier=None,
+    jetspec_round_hook=None,
     **model_kwargs,
 ):
     """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
@@ -54,47 +57,63 @@ def _decode(
     # a lookup chain may be accepted past the head's depths
     stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
     stats.operating_point = point.as_dict() if point is not None else None
-    timed = rounds_timed()
+    timed = rounds_timed() or jetspec_round_hook is not None  # a hook reads every round's phases
     started = clock() if timed else time.perf_counter()
     before = call.verifier.target_forwards
     state, logits = call.verifier.prefill(input_ids, attention_mask)
     stats.target_forwards += call.verifier.target_forwards - before
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
     while state.rows.numel():
-        state = _round(head, call, state, stats, RoundClock(state.anchors.device) if timed else None)
+        timer = RoundClock(state.anchors.device) if timed else None
+        state = _round(head, call, state, stats, timer, jetspec_round_hook)
         _stream(call)
     stats.total_seconds = (clock() if timed else time.perf_counter()) - started
     return _finish(head, call, stats, generation_config, input_ids.shape[1])
 
 
-def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: RoundClock | None = None):
-    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round").
+def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: RoundClock | None = None, hook=None):
+    """One round: draft, verify, accept, commit, compact (`docs/design.md`, "§2 The round"); `hook` receives its
+    [`RoundRecord`] (a `timer` times its phases, `round_hook.PHASES`).
 
     Its reads of the device: the draft's candidates and the commit's acceptance (`steps.draft`, `steps.commit`),
     and, when timed (`timer`), the clock's once at the end.
     """
-    mark = timer.mark if timer is not None else lambda: None
+    mark = timer.mark if timer is not None else _no_mark
     mark()
-    before = call.verifier.target_forwards
+    before, rows = call.verifier.target_forwards, len(call.active)
     budget = call.shape.budget
     histories = call.histories() if call.shape.lookup else None
     drafter = getattr(call.verifier, "draft", None) or draft  # the static path drafts over its fixed-shape buffers
-    trees = drafter(head, state, call.shape, budget, histories, call.lookup_record, call.lookup_index)
-    mark()
+    drafted = functools.partial(mark, "draft") if timer is not None else None  # the head's forward ends the draft
+    trees = drafter(head, state, call.shape, budget, histories, call.lookup_record, call.lookup_index, mark=drafted)
+    mark("tree")
+    nodes = trees.sizes if trees.sizes is not None else [trees.tokens.shape[1]] * rows
     trees, logits, features = call.verifier.verify(state, trees)
-    mark()
+    mark("verify")
     acc = accept(logits, trees, call.active, call.choose)
+    mark("accept")
     done = commit(call, acc, logits, trees, stats)
+    mark("commit")
     state = call.verifier.compact(state, trees, done.acceptance, features, done.keep)
     if call.active and hasattr(call.verifier, "reclaim"):  # holes and out-of-window columns (reclaim.py)
         state = call.verifier.reclaim(state, max(call.lengths[row] for row in call.active) - 1)
-    mark()
+    mark("compact")
+    phases = dict.fromkeys(PHASES, 0.0) | (timer.phases() if timer is not None else {})
     outside, verify = 0.0, 0.0
     if timer is not None:
-        drafting, verify, rest = timer.intervals()
-        outside = drafting + rest  # the round outside its verify forward
-    stats.add_round(budget, done.counts, done.tokens, outside, verify, forwards=call.verifier.target_forwards - before)
+        verify = phases["verify"]
+        outside = sum(phases.values()) - verify  # the round outside its verify forward
+    forwards = call.verifier.target_forwards - before
+    stats.add_round(budget, done.counts, done.tokens, outside, verify, forwards=forwards)
+    if hook is not None:
+        accepted = [count - 1 for count in done.counts]
+        index = stats.rounds - 1
+        hook(RoundRecord(index, rows, budget, list(nodes), accepted, done.tokens, forwards, phases, state))
     return state
+
+
+def _no_mark(phase: str | None = None):
+    """An untimed round's clock: marks nothing."""
 
 
 def _check_call(input_ids, attention_mask, processors, stopping, generation_config):

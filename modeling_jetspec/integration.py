@@ -22,6 +22,7 @@ from .budget import DEFAULT_CANDIDATES
 from .compat import attn_implementation
 from .configuration_jetspec import TREE_FIELDS
 from .decode import _decode
+from .round_hook import check_round_hook
 from .state import TreeShape, resolve_tree_shape
 from .static import resolve_static, static_decode, static_verifier
 from .tree import max_tree_nodes
@@ -98,6 +99,7 @@ def tree_generate(head, target, *args, **kwargs):
     tree_verify = kwargs.pop("tree_verify", None) or "auto"  # hybrid targets: "tree", "chain" or "auto"
     static = resolve_static(kwargs)  # jetspec_static / cache_implementation="static": `static.py`
     verify_linear = kwargs.pop("verify_linear", None) or "auto"  # the verify's linear form: "auto", "linear", "mm"
+    round_hook = check_round_hook(kwargs.pop("jetspec_round_hook", None))  # called with each round's record
     check_generate_kwargs(kwargs)
     _check_lengths(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -134,15 +136,15 @@ def tree_generate(head, target, *args, **kwargs):
         )
     if switch:  # flash-attn cannot take a tree mask: verify with sdpa, restore afterwards
         target.set_attn_implementation("sdpa")
-    loop = _decode if static is None else static_decode
     try:
         return target.generate(
             *args,
-            custom_generate=loop,
+            custom_generate=_decode if static is None else static_decode,
             jetspec_head=head,
             jetspec_shape=shape,
             jetspec_streamer=streamer,
             jetspec_verifier=verifier,
+            jetspec_round_hook=round_hook,
             **kwargs,
         )
     finally:

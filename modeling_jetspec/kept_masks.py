@@ -8,9 +8,18 @@ written: an appended column keeps its entry until a pack builds new columns, and
 the last one and the T x T part of the new tokens; [`WindowMask`] also hides, once, the columns that fell out of the
 window of every later query, and rewrites the few columns near the window's edge, which depend on the query's
 position. Each returns a view of its buffer `(A, 1, T_cap, C)`, rebuilt (C doubled) when it lacks rows or columns.
+
+Every value is made in the mask's own dtype ([`_additive`]): a float64 mask's minimum does not fit the float32 that
+`torch.where` of two Python numbers would make.
 """
 
 import torch
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `allowed`, the minimum of `dtype` elsewhere, in `dtype` (of `allowed`'s shape)."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)  # a tensor: the result takes its dtype
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
 class PastMask:
@@ -31,7 +40,7 @@ class PastMask:
         (`positions`, the past's and the new tokens', are [`WindowMask`]'s)."""
         a, s = past_valid.shape
         t = seen.shape[1]
-        buffer, low = self.buffer, torch.finfo(self.dtype).min
+        buffer = self.buffer
         if buffer is None or buffer.shape[0] != a or buffer.shape[2] < t or buffer.shape[3] < s + t or self.filled > s:
             rows, columns = (0, 0) if buffer is None else buffer.shape[2:]
             rows, columns = max(t, rows), columns if columns >= s + t else max(s + t, 2 * columns)
@@ -39,9 +48,9 @@ class PastMask:
             self.filled = 0
         if self.filled < s:  # the columns added since the last call, for every query row
             added = past_valid[:, None, self.filled : s].expand(a, buffer.shape[2], -1)
-            buffer[:, 0, :, self.filled : s] = torch.where(added, 0.0, low)
+            buffer[:, 0, :, self.filled : s] = _additive(added, self.dtype)
             self.filled = s
-        buffer[:, 0, :t, s : s + t] = torch.where(seen, 0.0, low)
+        buffer[:, 0, :t, s : s + t] = _additive(seen, self.dtype)
         return buffer[:, :, :t, : s + t]
 
 
@@ -110,6 +119,6 @@ class WindowMask(PastMask):
         index = columns.clamp(max=buffer.shape[-1] - 1)[:, None, :].expand(-1, rows, -1)  # (A, rows, width)
         current = buffer[:, :rows].gather(2, index)
         low = torch.finfo(self.dtype).min
-        own = torch.where(past_valid.gather(1, columns.clamp(max=s - 1)), 0.0, low)[:, None, :]
+        own = _additive(past_valid.gather(1, columns.clamp(max=s - 1)), self.dtype)[:, None, :]
         value = own if hide is None else torch.where(j < hide[..., None], low, own)
         buffer[:, :rows].scatter_(2, index, torch.where(inside[:, None, :], value, current).to(self.dtype))

@@ -133,6 +133,7 @@ def static_decode(
     jetspec_shape=None,
     jetspec_streamer=None,
     jetspec_verifier=None,
+    jetspec_round_hook=None,
     **model_kwargs,
 ):
     """`decode._decode` once the static verifier knows the call's batch, lengths and compile settings (what
@@ -149,6 +150,7 @@ def static_decode(
         jetspec_shape=jetspec_shape,
         jetspec_streamer=jetspec_streamer,
         jetspec_verifier=jetspec_verifier,
+        jetspec_round_hook=jetspec_round_hook,
         **model_kwargs,
     )
 
@@ -314,15 +316,18 @@ class StaticVerifier:
         histories: dict | None = None,
         record=None,
         indexes: RowIndexes | None = None,
+        mark=None,
     ) -> DraftTrees:
         """`steps.draft` over the buffers: one head forward for every row, finished rows included, then the active
-        rows' trees as `steps.draft` builds them (`steps.draft_trees`), each padded to
-        [`nodes`]."""
+        rows' trees as `steps.draft` builds them (`steps.draft_trees`), each padded to [`nodes`]; `mark` is
+        called once the head's forward is queued, as in `steps.draft`."""
         ctx = state.context
         self._step()
         logits = self._draft(
             head, state.anchors, state.anchor_pos, ctx.keys, ctx.values, ctx.valid, ctx.last, ctx.positions, shape.depth
         )  # (B, depth, V_draft)
+        if mark is not None:
+            mark()
         if state.rows.shape[0] < self.batch:
             logits = logits[state.rows]
         trees, _, branches, head_tokens = draft_trees(head, logits, shape, budget, histories, record, indexes)

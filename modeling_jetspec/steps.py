@@ -23,6 +23,7 @@ explicit position ids make the holes invisible. Finished rows leave the batch.
 
 import functools
 import inspect
+import weakref
 
 import torch
 from transformers.cache_utils import Cache
@@ -128,6 +129,7 @@ def draft(
     histories: dict | None = None,
     record: LookupRecord | None = None,
     indexes: RowIndexes | None = None,
+    mark=None,
 ) -> DraftTrees:
     """One head forward over `[anchor, MASK x N]` (the full block when bidirectional), a best-first tree per row.
 
@@ -147,12 +149,16 @@ def draft(
         indexes (`RowIndexes`, *optional*): the rows' n-gram indexes in the call ([`Call.lookup_index`]), each
             updated with the tokens committed since its last draft; without them every row's history is indexed
             anew.
+        mark (`Callable[[], None]`, *optional*): called once the head's forward is queued (a timed round's clock,
+            `round_hook.py`: the `draft` phase ends there, the `tree` phase begins).
 
     The trees are built on the host from one read of every row's top-W candidates per depth (two with path
     conditioning); the returned [`DraftTrees`] keep them (`host`), so the round reads them back nowhere.
     """
     device = state.anchors.device
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
+    if mark is not None:
+        mark()
     trees, children, branches, head_tokens = draft_trees(head, logits, shape, budget, histories, record, indexes)
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
@@ -381,6 +387,13 @@ def float_dtype(model) -> torch.dtype:
     return model.dtype if model.dtype.is_floating_point else torch.float32
 
 
+_KEEPS_LOGITS = weakref.WeakKeyDictionary()  # target -> whether its forward takes `logits_to_keep`
+
+
 def logits_to_keep(target, count: int) -> dict:
-    """`logits_to_keep=count` for a target that takes it (0: every position), else nothing."""
-    return {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+    """`logits_to_keep=count` for a target that takes it (0: every position), else nothing. The forward's signature
+    is read once per target (reading it costs about a tenth of a millisecond, every round otherwise)."""
+    takes = _KEEPS_LOGITS.get(target)
+    if takes is None:
+        takes = _KEEPS_LOGITS[target] = "logits_to_keep" in inspect.signature(target.forward).parameters
+    return {"logits_to_keep": count} if takes else {}

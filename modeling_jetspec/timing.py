@@ -3,8 +3,9 @@
 On a GPU a forward returns as soon as its kernels are queued; reading the clock without waiting times the launches,
 not the work. [`clock`] first synchronizes the accelerator, as `torch.utils.benchmark.Timer` does (which is not
 used directly: each `timeit` call runs two extra warm-up calls, too many for forwards that take hundreds of
-milliseconds on a CPU). A round is timed only when something reads its times ([`timed_rounds`], or the measured
-budget): a synchronize stalls the launch queue, so untimed rounds never read a clock that waits. [`RoundClock`]
+milliseconds on a CPU). A round is timed only when something reads its times ([`timed_rounds`], a round hook
+(`round_hook.py`), or the measured budget): a synchronize stalls the launch queue, so untimed rounds never read a
+clock that waits. [`RoundClock`]
 times a round through device events where the device has them, read once at the round's end.
 """
 
@@ -54,9 +55,11 @@ class RoundClock:
     def __init__(self, device: torch.device):
         self.events = device.type not in ("cpu", "meta")
         self.device = device
-        self.marks = []
+        self.marks, self.names = [], []
 
-    def mark(self):
+    def mark(self, phase: str | None = None):
+        """The time now; `phase` names what ends here (`None`: the round's start), for [`phases`]."""
+        self.names.append(phase)
         if self.events:
             if self.device.type == "cuda":  # the Python class (its reads are visible to `jetspec.host_reads`)
                 event = torch.cuda.Event(enable_timing=True)
@@ -74,6 +77,13 @@ class RoundClock:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
         self.marks[-1].synchronize()
         return [a.elapsed_time(b) / 1000.0 for a, b in zip(self.marks, self.marks[1:])]
+
+    def phases(self) -> dict:
+        """`{phase: seconds}`: each interval under the name of the mark that ends it (a name marked twice adds up)."""
+        spent = {}
+        for name, seconds in zip(self.names[1:], self.intervals()):
+            spent[name] = spent.get(name, 0.0) + seconds
+        return spent
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

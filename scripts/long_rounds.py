@@ -7,11 +7,12 @@ head at tree-8 with the trie branch, greedy, batch 1 and 4: a round should cost 
     python -m scripts.long_rounds --archs smollm2 --lengths 256,4096 --batches 1   # SmolLM2 in float32, shipped head
 
 One `generate` per target and batch makes the longest length (EOS ignored; the output is checked against plain
-greedy unless `--no-check`); every round is timed on its own:
+greedy unless `--no-check`); every round is timed on its own, by the round hook (`jetspec_round_hook`,
+`modeling_jetspec/round_hook.py`):
 
-- round: the whole round's wall time, from its draft to its cache reclaiming (both forwards included);
-- host: the round minus its two forwards (the head's draft forward, `steps.draft_block`, and the target's verify
-  forward), i.e. tree building, the trie, acceptance, commit, compaction and reclaiming;
+- round: the whole round's time, from its draft to its cache reclaiming (both forwards included);
+- host: the round outside its `draft` and `verify` phases (the head's draft forward and the target's verify
+  forward, its mask included), i.e. tree building, the trie, acceptance, commit, compaction and reclaiming;
 - the cache: bytes of the target cache's keys/values and of the head's context after the round (the head's buffers
   hold up to twice their columns, `columns.py`), and its width (columns) against the longest live row;
 - a plain decode step: one target forward of one token per row on a cache of that length (median of 20).
@@ -30,10 +31,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-import modeling_jetspec.steps as steps
-import modeling_jetspec.verifiers as verifiers
 from jetspec.equality import FLOAT32_TIE_TOLERANCE, row_verdicts
-from modeling_jetspec import JetSpecDraftModel
+from modeling_jetspec import JetSpecDraftModel, RoundRecord
 from modeling_jetspec.reclaim import live_columns
 
 WINDOW = 64
@@ -73,52 +72,27 @@ def cache_bytes(state) -> int:
 
 
 class RoundSpy:
-    """Times every round (`decode._round` runs draft, verify, compact through these module attributes)."""
+    """Keeps every round's times and cache figures: the call's round hook (`jetspec_round_hook=spy`)."""
 
     def __init__(self, window):
-        self.window, self.rounds, self.forward = window, [], 0.0
-        self.spent = {"draft": 0.0, "verify": 0.0}  # the round's head draft and target verify, apart
-        self.started = None
+        self.window, self.rounds = window, []
 
-    def install(self):
-        draft_block, verify, reclaim = steps.draft_block, verifiers.verify, verifiers.reclaim
-
-        def timed(fn, part):
-            def wrapper(*args, **kwargs):
-                started = time.perf_counter()
-                out = fn(*args, **kwargs)
-                spent = time.perf_counter() - started
-                self.forward += spent
-                self.spent[part] += spent
-                return out
-
-            return wrapper
-
-        def draft_entry(*args, **kwargs):  # the first thing a round does is its draft
-            if self.started is None:
-                self.started, self.forward = time.perf_counter(), 0.0
-                self.spent = {"draft": 0.0, "verify": 0.0}
-            return timed(draft_block, "draft")(*args, **kwargs)
-
-        def reclaim_exit(state, window=None, live_bound=None, force=False):  # the round's last step
-            state = reclaim(state, window, live_bound, force)
-            if self.started is not None and state.rows.numel():
-                wall = time.perf_counter() - self.started
-                self.rounds.append(
-                    dict(
-                        history=int(state.anchor_pos[0]),
-                        round=wall,
-                        host=wall - self.forward,
-                        **self.spent,
-                        bytes=cache_bytes(state),
-                        width=state.valid.shape[1],
-                        live=int(live_columns(state, self.window).sum(1).max()),
-                    )
-                )
-            self.started = None
-            return state
-
-        steps.draft_block, verifiers.verify, verifiers.reclaim = draft_entry, timed(verify, "verify"), reclaim_exit
+    def __call__(self, record: RoundRecord):
+        state = record.state
+        if not state.rows.numel():  # the last round: every row finished, nothing left to measure
+            return
+        self.rounds.append(
+            dict(
+                history=int(state.anchor_pos[0]),
+                round=record.seconds,
+                host=record.outside_forwards_seconds,
+                draft=record.phases["draft"],
+                verify=record.phases["verify"],
+                bytes=cache_bytes(state),
+                width=state.valid.shape[1],
+                live=int(live_columns(state, self.window).sum(1).max()),
+            )
+        )
 
 
 def plain_step_seconds(target, length: int, batch: int, vocab: int, repeats: int = 20) -> float:
@@ -143,7 +117,6 @@ def plain_step_seconds(target, length: int, batch: int, vocab: int, repeats: int
 def run(target, head, arch: str, batch: int, longest: int, vocab: int, check: bool) -> RoundSpy:
     """One call of `longest` tokens per row, every round timed; checked against plain greedy with `check`."""
     spy = RoundSpy(WINDOW if arch == "mistral" else None)
-    saved = steps.draft_block, verifiers.verify, verifiers.reclaim
     ids = torch.randint(1, vocab, (batch, 16), generator=torch.Generator().manual_seed(batch))
     kwargs = dict(
         input_ids=ids,
@@ -153,12 +126,8 @@ def run(target, head, arch: str, batch: int, longest: int, vocab: int, check: bo
         eos_token_id=None,
         pad_token_id=0,
     )
-    spy.install()
-    try:
-        with torch.no_grad():
-            out = target.generate(**kwargs, assistant_model=head)
-    finally:
-        steps.draft_block, verifiers.verify, verifiers.reclaim = saved
+    with torch.no_grad():
+        out = target.generate(**kwargs, assistant_model=head, jetspec_round_hook=spy)
     if check:
         with torch.no_grad():
             check_output(target, ids, target.generate(**kwargs), out, f"{arch}, batch {batch}")

@@ -9,7 +9,8 @@
    (`modeling_jetspec.linear_forms.mm_linear`), interleaved, median of `--repeats` passes; per row count the totals,
    their ratio to one row, and the LM head alone. The forms the `verify_linear="auto"` probe picks are printed too.
 2. Trie nodes: `generate` at the head's defaults over `--prompts` prompts per suite; per verify round the tree's
-   draft nodes against the budget (the lookup branch's nodes beyond it), from the trees the round verified.
+   draft nodes against the budget (the lookup branch's nodes beyond it), from the round hook's records
+   (`jetspec_round_hook`: each round's budget and its rows' draft nodes).
 
 Writes `--out` (JSON) when given. Timings are of this host and this process's threads; say which host (and whether
 the AVX2 variables above emulate one) with any number quoted.
@@ -22,7 +23,6 @@ import time
 
 import torch
 
-import modeling_jetspec.decode as decode
 from modeling_jetspec.linear_forms import mm_linear, probe_form
 
 
@@ -61,30 +61,25 @@ def time_linears(target, rows_list, repeats: int) -> dict:
 
 @torch.no_grad()
 def trie_nodes(target, tokenizer, head, prompts: list, tokens: int) -> dict:
-    sizes = []
-    draft = decode.draft
+    sizes = []  # (draft nodes, budget) per round: batch 1, one tree a round
 
-    def recording(head_, state, shape, budget, *args, **kwargs):
-        trees = draft(head_, state, shape, budget, *args, **kwargs)
-        sizes.append((trees.tokens.shape[1], budget))
-        return trees
+    def recording(record):
+        sizes.append((max(record.nodes), record.budget))
 
-    decode.draft = recording
-    try:
-        for prompt in prompts:
-            ids = (
-                prompt
-                if tokenizer is None
-                else tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    return_tensors="pt",
-                    return_dict=True,
-                )["input_ids"]
-            )
-            target.generate(input_ids=ids, do_sample=False, max_new_tokens=tokens, assistant_model=head)
-    finally:
-        decode.draft = draft
+    for prompt in prompts:
+        ids = (
+            prompt
+            if tokenizer is None
+            else tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )["input_ids"]
+        )
+        target.generate(
+            input_ids=ids, do_sample=False, max_new_tokens=tokens, assistant_model=head, jetspec_round_hook=recording
+        )
     extra = [n - b for n, b in sizes]
     return {
         "rounds": len(sizes),

@@ -20,15 +20,18 @@ from jetspec.bench import (
     PromptRow,
     aggregate,
     aggregate_groups,
+    phase_figures,
     portable_name,
     run_benchmark,
 )
+from jetspec.bench_figures import phase_lines
 from jetspec.report import summary_table
 from jetspec.equality import LosslessError, Verdict
 from jetspec.prompts import SUITES
 from modeling_jetspec import JetSpecDraftModel, JetSpecStats
 from modeling_jetspec.configuration_jetspec import TREE_FIELDS
 from jetspec.tiny import tiny_head, tiny_target
+from modeling_jetspec.round_hook import PHASES
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -187,6 +190,60 @@ def test_head_statistics_are_each_calls_own(run):
             assert row["tau"] == pytest.approx((MAX_NEW - 1) / (row["target_forwards"] - 1))
 
 
+def test_head_rows_time_their_rounds_phases_through_the_hook(run):
+    """Each head row's phase seconds come from its own call's round hook: their verify phase is the call's
+    statistics' verify seconds, the rest its outside-verify seconds (both filled by the same timed rounds); each head
+    method's shares cover its rounds' time, and the time outside its two forwards is put against t(1)."""
+    results, _, out = run
+    for row in results["prompts"]:
+        if "tau" not in row:
+            assert "phase_seconds" not in row, row["method"]  # plain and prompt lookup run no rounds of ours
+            continue
+        phases = row["phase_seconds"]
+        assert tuple(phases) == PHASES and all(seconds >= 0.0 for seconds in phases.values())
+        assert phases["verify"] == pytest.approx(row["verify_seconds"])
+        assert sum(phases.values()) - phases["verify"] == pytest.approx(row["outside_verify_seconds"])
+    step = results["costs"]["target_step_seconds"]
+    for name, figures in results["aggregates"]["all"].items():
+        if figures.get("tau_mean") is None:
+            assert "phase_shares" not in figures, name
+            continue
+        assert tuple(figures["phase_shares"]) == PHASES
+        assert sum(figures["phase_shares"].values()) == pytest.approx(1.0)
+        outside = figures["outside_forwards_seconds_per_round"]
+        assert figures["outside_forwards_per_target_step"] == pytest.approx(outside / step)
+    report = (out / "results.md").read_text()
+    table = report.split("## Round phases")[1]
+    assert all(f"| {name} |" in table for name in METHODS if name not in ("plain", "prompt_lookup"))
+
+
+def test_phase_figures_of_known_rows():
+    """Two calls of 2 rounds each with known phase seconds: shares over the summed time, the time outside the draft
+    and verify phases per round, and that time over a known t(1)."""
+    stats = JetSpecStats(rounds=2, row_rounds=2, round_tokens=4, accepted_at_depth=[1])
+    first = dict(draft=1.0, tree=0.5, verify=5.0, accept=0.25, commit=0.25, compact=1.0)
+    second = dict(draft=1.0, tree=1.5, verify=5.0, accept=0.25, commit=0.25, compact=0.0)
+    rows = [make_row("tree-4", 1.0, 1.0, stats=stats, phases=p) for p in (first, second)]
+    figures = phase_figures(rows, {"target_step_seconds": 0.5})
+    # 16 s in all: draft 2, tree 2, verify 10, accept 0.5, commit 0.5, compact 1; outside the forwards 4 s / 4 rounds
+    assert figures["phase_shares"] == {
+        "draft": 0.125,
+        "tree": 0.125,
+        "verify": 0.625,
+        "accept": 0.03125,
+        "commit": 0.03125,
+        "compact": 0.0625,
+    }
+    assert figures["outside_forwards_seconds_per_round"] == 1.0
+    assert figures["outside_forwards_per_target_step"] == 2.0
+    assert phase_figures(rows, None)["outside_forwards_per_target_step"] is None
+    untimed = phase_figures([make_row("tree-4", 1.0, 1.0, stats=stats)], None)
+    assert untimed == dict.fromkeys(untimed) and len(untimed) == 3  # nothing timed: no figures, not zeros
+    method = Method("tree-4", "tree", uses_head=True, budget=4)
+    lines = phase_lines({"gsm8k": {"tree-4": aggregate(rows, method, {"target_step_seconds": 0.5, "verify": {}})}})
+    assert lines[-1] == "| tree-4 | 12.5% | 12.5% | 62.5% | 3.1% | 3.1% | 6.2% | 2.000 | 1000.00 |"
+
+
 def test_costs_time_the_trees_the_methods_verify(run):
     costs = run[0]["costs"]
     assert set(costs["verify"]) == {"4", "12"}
@@ -244,9 +301,11 @@ def test_report_names_every_method_of_every_suite(run):
 
 
 # ------------------------------------------------------------------------------------------------ aggregates
-def make_row(method: str, seconds: float, speedup: float, kind: str = "exact", suite: str = "gsm8k", stats=None):
+def make_row(
+    method: str, seconds: float, speedup: float, kind: str = "exact", suite: str = "gsm8k", stats=None, phases=None
+):
     verdict = Verdict(kind) if kind == "exact" else Verdict(kind, 3, 7, 8, 0.1)
-    return PromptRow(suite, f"p{seconds}", method, 20, 10, seconds, speedup, 0, verdict, stats)
+    return PromptRow(suite, f"p{seconds}", method, 20, 10, seconds, speedup, 0, verdict, stats, phases)
 
 
 def test_aggregate_of_known_rows():

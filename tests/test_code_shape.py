@@ -22,12 +22,6 @@ PACKAGES = ("jetspec", "modeling_jetspec", "training", "scripts")
 FILE_LIMIT = 600
 FUNCTION_LIMIT = 80
 FUNCTION_LIMITS = {"modeling_jetspec": 60}  # the remote code reads tighter
-# split on other branches: these files are being split where they break a rule; empty this when they land
-SPLIT_ON_OTHER_BRANCHES = frozenset(
-    {
-        "jetspec/bench.py",
-    }
-)
 
 
 def source_files() -> list[str]:
@@ -38,7 +32,7 @@ def source_files() -> list[str]:
     return [f for f in files if "/tests/" not in f and "__pycache__" not in f]
 
 
-CHECKED = [f for f in source_files() if f not in SPLIT_ON_OTHER_BRANCHES]
+CHECKED = source_files()  # no allow-list: every file keeps every rule
 
 
 def function_lengths(source: str) -> dict:
@@ -114,21 +108,6 @@ def test_every_source_file_is_seen():
     for expected in ("jetspec/tiny.py", "modeling_jetspec/tree.py", "training/step_timer.py", "scripts/gpu_check.py"):
         assert expected in files
     assert "scripts/campaigns/depth_table.py" in files
-
-
-def test_the_allow_list_names_existing_files_that_still_break_a_rule():
-    """An entry whose file fits again (or is gone) leaves the list, so the rules cover it."""
-    for path in sorted(SPLIT_ON_OTHER_BRANCHES):
-        assert (ROOT / path).is_file(), f"{path} is allow-listed but does not exist"
-        source = read(path)
-        limit = FUNCTION_LIMITS.get(path.split("/")[0], FUNCTION_LIMIT)
-        breaks = (
-            len(source.splitlines()) > FILE_LIMIT
-            or max(function_lengths(source).values(), default=0) > limit
-            or sys_path_uses(source)
-            or private_imports(source, path.split("/")[0])
-        )
-        assert breaks, f"{path} fits every rule now: remove it from SPLIT_ON_OTHER_BRANCHES"
 
 
 @pytest.mark.parametrize("path", CHECKED)

@@ -107,6 +107,7 @@ def test_decode_mirrors_sample_and_receives_its_own_arguments():
     # `model` is the callable's first positional argument (`self` in `_sample`), never passed by keyword
     assert compat.custom_decode_kwargs(_decode) - {"model"} == {
         "jetspec_head",
+        "jetspec_round_hook",
         "jetspec_shape",
         "jetspec_streamer",
         "jetspec_verifier",

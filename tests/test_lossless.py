@@ -665,3 +665,25 @@ def test_a_processor_that_reads_the_batch_index_sees_plain_decoding_s_layout():
     head = oracle_head(target, plain, mask, mode="sometimes")
     assert torch.equal(greedy(target, ids, mask, assistant_model=head, **kwargs), plain)
     assert head.last_stats.tau > 1.5
+
+
+@pytest.mark.parametrize("head_dtype,target_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+@pytest.mark.parametrize("arch,static", [("llama", None), ("llama", "eager"), ("mistral", None)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_head_in_another_float_dtype_than_its_target(head_dtype, target_dtype, arch, static, batch):
+    """A float64 head next to a float32 target, and a float32 head next to a float64 target: every mask of the call
+    (the head's draft masks in its dtype, the verify's in the target's, kept across rounds) is built in its own
+    dtype, so the call decodes plain greedy's tokens (it crashed where a float64 minimum met a float32 `where`).
+    Mistral's sliding window at 6 makes the kept window masks rewrite their band every round; the "sometimes" oracle
+    accepts non-contiguous paths, so compaction of the mixed dtypes is exercised too."""
+    overrides = {"sliding_window": 6} if arch == "mistral" else {}
+    target = tiny_target(arch, **overrides).to(target_dtype)
+    ids, mask = prompts(batch)
+    plain = greedy(target, ids, mask, max_new_tokens=24)
+    kwargs = {"jetspec_static": static} if static else {}
+    head = tiny_head(target, tree_lookup=4, tree_lookup_branches="trie").to(head_dtype)
+    assert head.dtype == head_dtype and target.dtype == target_dtype
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=head, **kwargs), plain)
+    oracle = oracle_head(target, plain, mask, mode="sometimes").to(head_dtype)
+    assert torch.equal(greedy(target, ids, mask, max_new_tokens=24, assistant_model=oracle, **kwargs), plain)
+    assert oracle.last_stats.tau > 1.5
