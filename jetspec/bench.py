@@ -14,7 +14,8 @@ Methods:
   chain baseline. transformers' own `speculation_type="dflash"` is not run: it needs a head honouring the
   `muse_glimmer_assistant` contract (`noise_embeds`, `context_hidden_states`, ...), which the JetSpec head does not.
 - `tree-B`: the head with a best-first tree of `B` draft nodes, one method per budget.
-- `auto`: the head with `tree_budget="auto"`; `auto_lookup` (`auto-lookup`): the same with the lookup branch.
+- `auto`: the head with `tree_budget="auto"`: the budget and the draft sources chosen from the head's `tau_by_budget`
+  and this host's measured costs (`modeling_jetspec/budget.py`), recorded per prompt as `operating_point`.
 - `trie`: the tree with the trie of every earlier continuation (`tree_lookup_branches="trie"`, `tree-B-trie`).
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
   `tree-B` without it.

@@ -20,9 +20,8 @@ METHOD_KINDS = (
     "gap",
     "lookup_gap",
     "trie",
-    "auto_lookup",
 )
-DEFAULT_METHODS = METHOD_KINDS[:-2]  # the trie and auto with the lookup branch are asked for by name
+DEFAULT_METHODS = METHOD_KINDS[:-1]  # the trie is asked for by name
 PROMPT_LOOKUP_TOKENS = 10
 
 
@@ -101,10 +100,11 @@ def build_methods(
 ) -> list[Method]:
     """The measured methods, in the order of `kinds`.
 
-    `"tree"`, `"lookup"`, `"lookup_first"`, `"gap"` and `"lookup_gap"` expand to one method per budget (the `gap`
+    `"tree"`, `"lookup"`, `"lookup_first"`, `"gap"`, `"lookup_gap"` and `"trie"` expand to one method per budget (the `gap`
     kinds shape the tree with `tree_scoring="gap"`, see docs/design.md); `"path_conditioning"` is the tree at
-    `default_budget`; the lookup branch holds `lookup_tokens` tokens, by default `chain_depth`. `chain`, `tree-B`,
-    `auto` and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default.
+    `default_budget`; the lookup branch holds `lookup_tokens` tokens, by default `chain_depth`. `chain`, `tree-B`
+    and `tree-B-pc` measure the head alone: they set `tree_lookup=0` whatever the head's default; `auto` runs the
+    operating point `tree_budget="auto"` chooses, its draft sources included.
     """
     lookup_tokens = lookup_tokens or chain_depth
     per_budget = {  # kind -> (name suffix, arguments besides the budget)
@@ -121,10 +121,8 @@ def build_methods(
         "plain": Method("plain", "plain"),
         "prompt_lookup": Method("prompt_lookup", "prompt_lookup", {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}),
         "chain": Method("chain", "chain", chain, uses_head=True, budget=chain_depth),
-        "auto": Method("auto", "auto", {"tree_budget": "auto", "tree_lookup": 0}, uses_head=True),
-        "auto_lookup": Method(
-            "auto-lookup", "auto_lookup", {"tree_budget": "auto", "tree_lookup": lookup_tokens}, uses_head=True
-        ),
+        # the operating point the head's tau table and this host's costs choose: budget and draft sources
+        "auto": Method("auto", "auto", {"tree_budget": "auto"}, uses_head=True),
         "path_conditioning": Method(
             f"tree-{default_budget}-pc",
             "path_conditioning",
