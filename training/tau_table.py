@@ -14,6 +14,7 @@ included, as `JetSpecStats.tau`. `--write` puts the table into the head folder's
 
 import argparse
 import json
+import functools
 import time
 from pathlib import Path
 
@@ -32,17 +33,22 @@ from .evaluate_head import (
 )
 
 
-def tau_table(head, rows: list, budgets=CANDIDATE_BUDGETS, sources=SOURCES, batch_size: int = 32) -> dict:
+def tau_table(head, rows: list, budgets=CANDIDATE_BUDGETS, sources=SOURCES, batch_size: int = 32, report=None) -> dict:
     """`{sources: {budget: tau}}` of `head` (its target attached) over prepared rows (`evaluate_head.prepare_rows`),
-    each point the head's own tree settings at that budget with those sources (`budget.sources_shape`)."""
+    each point the head's own tree settings at that budget with those sources (`budget.sources_shape`); `report`
+    (e.g. `print`) is told each point as it is measured (a table over hundreds of rows takes minutes)."""
     if head.config.path_conditioning:
         raise ValueError("expected a head without path_conditioning (auto budgets need a fixed tree), got one with it")
     table = {}
     for name in sources:
         table[name] = {}
         for budget in budgets:
+            started = time.perf_counter()
             shape = sources_shape(tree_shape(head, budget, lookup=True), name, budget)
             table[name][budget] = evaluate(head, rows, shape, batch_size, first_round=False).tau
+            if report is not None:
+                seconds = time.perf_counter() - started
+                report(f"{name} at budget {budget}: tau {table[name][budget]:.4f} ({seconds:.0f} s)")
     return table
 
 
@@ -129,7 +135,7 @@ def main(argv=None) -> dict:
     if not rows:
         raise ValueError(f"expected held-out rows in the feature store with a round to score, got none of {len(held)}")
     started = time.perf_counter()
-    table = tau_table(head, rows, budgets, SOURCES, args.batch_size)
+    table = tau_table(head, rows, budgets, SOURCES, args.batch_size, report=functools.partial(print, flush=True))
     print(f"{len(rows)} held-out rows, {len(skipped)} skipped, {time.perf_counter() - started:.1f} s")
     print(format_table(table))
     if args.json:
