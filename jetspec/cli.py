@@ -6,7 +6,8 @@
         --out results/ [--head DIR] [--target smollm2-135m]
     jetspec convert SRC DST [--to jetspec|dflash] [--mask-token-id N]
     jetspec costs [--clear]
-    jetspec serve [--model smollm2-135m] [--head DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto]
+    jetspec serve [--model smollm2-135m] [--head DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto] [--device cuda]
+        [--api-key KEY] [--max-queue N] [--request-timeout S] [--max-batch N]
 
 Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
 exit with status 2 and a one-line message.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .prompts import check_suites
+from .serve_limits import add_arguments as add_serve_limits  # stdlib only: no torch before the arguments are checked
 
 # Bad input is reported before torch and transformers are imported (seconds): models load lazily.
 DEFAULT_TARGET = "smollm2-135m"  # `jetspec.targets.SMOLLM2_ALIAS`
@@ -223,13 +225,7 @@ def _add_serve(commands) -> argparse.ArgumentParser:
         default=None,
         help="the name requests give as `model` and /v1/models lists (default: --model as given)",
     )
-    serve.add_argument(
-        "--max-batch",
-        type=_positive_int,
-        default=None,
-        help="at most N waiting requests decoded together in one call (default: measured at start-up, the batch size "
-        "past which a row's round stops getting 10%% cheaper; 1 decodes one request at a time)",
-    )
+    add_serve_limits(serve)  # --device, --api-key, --max-queue, --request-timeout, --max-batch
     return serve
 
 
@@ -302,7 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     print(f"jetspec: target dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})", file=sys.stderr)
     try:  # a Hub id that does not resolve, a head built for another target: one line, no traceback
-        target, tokenizer = load_target(args.target, dtype=dtype)
+        target, tokenizer = load_target(args.target, dtype=dtype, device=getattr(args, "device", None))
         head = load_head(head_path, target)
         baseline = None
         if args.command == "bench" and args.baseline_head is not None:
@@ -315,7 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "serve":
         from .serve import serve
 
-        serve(target, tokenizer, head, args.served_model_name or args.target, args.host, args.port, args.max_batch)
+        name = args.served_model_name or args.target
+        serve(target, tokenizer, head, name, args.host, args.port, args.limits, args.max_batch)
         return 0
     # float32 is held to bitwise equality; a half precision's ties are judged against float32 logits, from the
     # checkpoint reloaded in float32 only if an output ever diverges
@@ -335,6 +332,10 @@ def _check_inputs(args):
     from .targets import resolve_dtype
 
     dtype, dtype_reason = resolve_dtype(args.dtype)
+    if args.command == "serve":
+        from .serve_limits import check_arguments
+
+        args.device, dtype, dtype_reason, args.limits = check_arguments(args)
     check_target_name(args.target, "--model" if args.command == "serve" else "--target")
     if args.command == "bench":
         suites, budgets = parse_suites(args.suite), parse_budgets(args.budgets)

@@ -8,16 +8,19 @@ changes, each in a subclass of those (design: `docs/serve.md`):
 
 - one inference thread decodes the requests that wait when the target is free together, in one `generate` call
   (`serve_batching.BatchScheduler`, up to a batch cap measured at start-up or `--max-batch`);
-- every request is checked first (`serve_requests.check_request`): what the server cannot honour exactly is refused
-  with a 4xx and an OpenAI-shaped error naming the field, before any work;
+- every request is checked first (`serve_requests.check_request`): a field whose value changes nothing is accepted
+  and dropped, what the server cannot honour exactly is refused with a 4xx and an OpenAI-shaped error naming the
+  field, before any work; then admitted (`serve_limits`: the API key, the queue limit, the deadline);
 - the generate call gets the head (`assistant_model=head`: the tree route, exactly as `generate` runs it), the
-  request's seed on the inference thread right before its own call, sampling on for a temperature > 0, and a length
-  that fits the model's context;
+  request's seed on the inference thread right before its own call, sampling on for a temperature > 0, a length
+  that fits the model's context, and the request's deadline;
 - the answer's text ends before its first stop string, as the OpenAI API returns it (the tokens, as `generate`
-  commits them, end with the one that completes it);
-- every answer carries the call's tree statistics in a `jetspec` field (the last chunk of a stream);
+  commits them, end with the one that completes it), on targets with a response template too (reasoning text
+  included);
+- every answer carries the call's tree statistics in a `jetspec` field, and a stream is shaped as OpenAI clients
+  read it (`serve_stream`: no event held back, the usage chunk, error objects, the finish reason);
 - `/v1/models` lists the one served model without the Hub; the routes of other model kinds are gone; errors are
-  OpenAI-shaped, never a traceback.
+  OpenAI-shaped, never a traceback nor an internal message (a 500 names the request id its log line has).
 """
 
 import asyncio
@@ -25,6 +28,7 @@ import contextvars
 import json
 import logging
 import time
+import uuid
 
 import torch
 from fastapi.exceptions import RequestValidationError
@@ -36,12 +40,14 @@ from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
 from transformers.cli.serving.server import build_server
-from transformers.cli.serving.utils import DirectStreamer, GenerateManager, GenerationState
+from transformers.cli.serving.utils import DirectStreamer, GenerateManager, GenerationState, get_response_template
 
 from modeling_jetspec.compat import stream_error
 
 from .serve_batching import BatchScheduler, Row, measure_batch_cap
+from .serve_limits import Admission, Limits, RequestExpired, add_api_key, begin
 from .serve_requests import Job, RequestError, StopTrimmer, check_request, error_body, tree_report
+from .serve_stream import TrimmedParser, internal_error_message, reparse_trimmed, shaped_json, shaped_stream
 
 SERVED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
 # the request being handled, from its check on the event loop to its generation manager (same task, same context)
@@ -83,12 +89,13 @@ class ServedState(GenerationState):
 
 
 class TrimmedQueue(asyncio.Queue):
-    """A streamer's queue whose content text ends before the first stop string (`StopTrimmer`); reasoning text (a
-    `str` subclass), tool calls and errors pass as they are."""
+    """A streamer's queue whose text ends before the first stop string (`StopTrimmer`, kept as `job.trimmer`); tool
+    calls and errors pass as they are. A target with a response template trims in its parser instead
+    (`TreeStreamer`), and its queue is given no stop strings."""
 
-    def __init__(self, stops: tuple):
+    def __init__(self, job: Job, stops: tuple):
         super().__init__()
-        self.trimmer = StopTrimmer(stops) if stops else None
+        self.trimmer = job.trimmer = StopTrimmer(stops) if stops else None
 
     def put_nowait(self, item):
         if self.trimmer is not None and item is None:  # the end: what was held back for a stop string that never came
@@ -104,9 +111,16 @@ class TrimmedQueue(asyncio.Queue):
 
 class TreeStreamer(DirectStreamer):
     """transformers' streamer, except that the stream ends when the inference thread has the call's statistics
-    (`close`, not `generate`'s `end`), and that a client's disconnect is remembered (`disconnected`)."""
+    (`close`, not `generate`'s `end`), that a client's disconnect is remembered (`disconnected`), and that a response
+    template's parser reads the raw text only up to its first stop string (`TrimmedParser`)."""
 
     disconnected = False
+
+    def __init__(self, tokenizer, loop, queue, response_parser=None, job: Job = None):
+        super().__init__(tokenizer, loop, queue, response_parser=response_parser)
+        if response_parser is not None and job.stops:
+            job.trimmer = StopTrimmer(job.stops)
+            self._parser = TrimmedParser(response_parser, job.trimmer)
 
     def end(self):
         pass  # `generate` returns right after: `TreeGenerateManager` closes the stream once the statistics are set
@@ -133,8 +147,8 @@ class TreeGenerateManager(GenerateManager):
         job = CURRENT_JOB.get()
         prepare(job, model, inputs, gen_config)
         loop = asyncio.get_running_loop()
-        queue = TrimmedQueue(job.stops)
-        streamer = TreeStreamer(processor.backend_tokenizer, loop, queue, response_parser=response_parser)
+        queue = TrimmedQueue(job, job.stops if response_parser is None else ())
+        streamer = TreeStreamer(processor.backend_tokenizer, loop, queue, response_parser=response_parser, job=job)
         self.scheduler.add(Row(job, model, processor, inputs, gen_config, loop, streamer=streamer, queue=queue))
         self.submit(self.scheduler.run_next)
         return queue, streamer
@@ -149,10 +163,12 @@ class TreeGenerateManager(GenerateManager):
         await row.done
         new = torch.tensor(job.new_ids, dtype=torch.long)  # (N,)
         log_request(job, len(job.new_ids))
-        return StopTrimmer(job.stops).trim(processor.decode(new, skip_special_tokens=True)), len(job.prompt_ids), new
+        job.trimmer = StopTrimmer(job.stops)
+        return job.trimmer.trim(processor.decode(new, skip_special_tokens=True)), len(job.prompt_ids), new
 
     def decode(self, job: Job, model, processor, inputs, gen_config, streamer=None):
         """One request's `generate`, on the inference thread; its tokens and statistics go to `job`."""
+        begin(job, gen_config)  # its deadline; a request answered 503 while it waited raises here
         if job.seed is not None:  # here, not on the event loop: no other request's call runs between seed and draw
             torch.manual_seed(job.seed)
         job.prompt_ids = inputs["input_ids"][0].tolist()
@@ -176,15 +192,18 @@ class TreeGenerateManager(GenerateManager):
         self.end_stream(job, streamer, loop, queue)
 
     def end_stream(self, job: Job, streamer: TreeStreamer, loop, queue, error: Exception | None = None):
-        """End a streamed request's stream once its tokens and statistics are set, or with an error event."""
+        """End a streamed request's stream once its tokens and statistics are set, or with an error event (its
+        message without internal text: the log line has it, under the request's id)."""
+        if isinstance(error, RequestExpired):  # answered 503 while it waited: no stream to end
+            return
         if streamer.disconnected:  # in a shared call, the row stopped without an error
             log_request(job, streamer.total_tokens, "stopped: the client disconnected")
         elif error is None:
             log_request(job, len(job.new_ids))
             streamer.close()
         else:
-            logger.error("jetspec serve: a streamed %s request failed", job.endpoint, exc_info=error)
-            message = json.dumps(f"{type(error).__name__}: {error}")[1:-1]  # transformers quotes it as is
+            logger.error("jetspec serve: streamed %s request %s failed", job.endpoint, job.request_id, exc_info=error)
+            message = json.dumps(internal_error_message(job))[1:-1]  # transformers quotes it as is
             loop.call_soon_threadsafe(queue.put_nowait, stream_error(message))
 
 
@@ -200,6 +219,8 @@ def prepare(job: Job, model, inputs, gen_config):
     if job.temperature:
         gen_config.do_sample = True
     gen_config.return_dict_in_generate = True
+    eos = gen_config.eos_token_id
+    job.eos_ids = tuple(eos if isinstance(eos, (list, tuple)) else () if eos is None else (eos,))
     limit, prompt = context_length(model), inputs["input_ids"].shape[-1]
     if limit is None:
         return
@@ -227,32 +248,34 @@ def log_request(job: Job, tokens: int, note: str = "done"):
     logger.info("jetspec serve: %s request %s after %d tokens%s", job.endpoint, note, tokens, tau)
 
 
-def jetspec_field(job: Job) -> dict:
-    """The response's `jetspec` field: the call's tree statistics, and its token ids when asked for."""
-    field = dict(job.report)
-    if job.return_token_ids:
-        field["prompt_token_ids"], field["token_ids"] = job.prompt_ids, job.new_ids
-    return field
-
-
 class TreeHandling:
-    """What both endpoints add around transformers' handler: the request's check before it, the statistics after."""
+    """What both endpoints add around transformers' handler: the request's check and admission before it, the
+    statistics and the stream's shape after (`serve_stream`)."""
 
     endpoint: str
+    admission: Admission
 
     async def handle_request(self, body: dict, request_id: str):
         job = check_request(body, self.endpoint, self.model_manager.force_model)
+        job.request_id = request_id
         token = CURRENT_JOB.set(job)
         try:
-            response = await super().handle_request(body, request_id)
+            response = await self.admission.run(job, lambda: super(TreeHandling, self).handle_request(body, request_id))
+        except (HTTPException, TemplateError, ValueError):  # refusals: their handlers answer 4xx
+            raise
+        except Exception:  # answered here: raised past the app, it would also close the client's connection
+            return internal_error(request_id, f"POST /v1/{'chat/' if self.endpoint == 'chat' else ''}completions")
         finally:
             CURRENT_JOB.reset(token)
         if isinstance(response, StreamingResponse):
-            response.body_iterator = with_report(response.body_iterator, job)
+            response.body_iterator = shaped_stream(response.body_iterator, job, self.admission.record)
             return response
         payload = json.loads(response.body)
-        payload["jetspec"] = jetspec_field(job)
-        return JSONResponse(payload, status_code=response.status_code)
+        template = get_response_template(self.model_manager.tokenizer, self.model_manager.target)
+        if self.endpoint == "chat" and job.stops and template is not None:
+            payload = reparse_trimmed(payload, job, self.model_manager.tokenizer, template)
+        self.admission.record(job)
+        return JSONResponse(shaped_json(payload, job), status_code=response.status_code)
 
 
 class TreeChatHandler(TreeHandling, ChatCompletionHandler):
@@ -263,41 +286,27 @@ class TreeCompletionHandler(TreeHandling, CompletionHandler):
     endpoint = "completions"
 
 
-async def with_report(chunks, job: Job):
-    """A stream's SSE events, the last one (finish reason and usage) with the `jetspec` field, then `[DONE]`."""
-    last = None
-    try:
-        async for chunk in chunks:
-            if last is not None:
-                yield last
-            last = chunk
-        if last is not None:
-            yield with_field(last, job)
-        yield "data: [DONE]\n\n"
-    finally:
-        await chunks.aclose()  # a disconnect: transformers' stream cancels its streamer
-
-
-def with_field(chunk: str, job: Job) -> str:
-    try:
-        payload = json.loads(chunk.removeprefix("data: "))
-    except ValueError:  # several events in one piece: the stream ended with an error event
-        return chunk
-    if "choices" not in payload or job.report is None:  # an error event
-        return chunk
-    payload["jetspec"] = jetspec_field(job)
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def build_app(target, tokenizer, head, name: str, max_batch: int = 1):
-    """transformers' serving app over `target`, served as `name`, every answer decoded with `head`, up to
-    `max_batch` waiting requests in one call."""
+def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1) -> tuple:
+    """The chat and completions handlers over `target`, served as `name`, every answer decoded with `head`, up to
+    `max_batch` waiting requests in one call, within `limits` (`serve_limits`)."""
     models = ServedModel(name, target, tokenizer)
     state = ServedState(TreeGenerateManager(head, max_batch))
+    admission = Admission(limits or Limits())
+    handlers = TreeChatHandler(models, state), TreeCompletionHandler(models, state)
+    for handler in handlers:
+        handler.admission = admission
+    return handlers
+
+
+def build_app(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1):
+    """transformers' serving app over `target`, served as `name`, every answer decoded with `head`, up to
+    `max_batch` waiting requests in one call, within `limits` (`serve_limits`)."""
+    chat, completions = build_handlers(target, tokenizer, head, name, limits, max_batch)
+    models, state = chat.model_manager, chat.generation_state
     app = build_server(
         models,
-        TreeChatHandler(models, state),
-        completion_handler=TreeCompletionHandler(models, state),
+        chat,
+        completion_handler=completions,
         response_handler=None,  # their routes are removed below
         transcription_handler=None,
         systemone_handler=None,
@@ -306,6 +315,8 @@ def build_app(target, tokenizer, head, name: str, max_batch: int = 1):
     # the routes of other model kinds and of model loading (a client could unload the target) answer 404
     app.router.routes[:] = [r for r in app.router.routes if not isinstance(r, APIRoute) or r.path in SERVED_ROUTES]
     add_error_handlers(app)
+    if limits is not None and limits.api_key is not None:
+        add_api_key(app, limits.api_key)
     return app
 
 
@@ -317,7 +328,9 @@ def add_error_handlers(app):
 
     @app.exception_handler(RequestError)
     async def refused(request, error: RequestError):
-        return answer(str(error), error.status, error.param, error.code)
+        response = answer(str(error), error.status, error.param, error.code)
+        response.headers.update(error.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request, error: RequestValidationError):
@@ -343,11 +356,20 @@ def add_error_handlers(app):
 
     @app.exception_handler(Exception)
     async def internal(request, error: Exception):
-        logger.exception("jetspec serve: %s %s failed", request.method, request.url.path)
-        return answer(f"internal error ({type(error).__name__}: {error}); see the server's log", 500, code="internal")
+        request_id = getattr(request.state, "request_id", None) or uuid.uuid4().hex
+        return internal_error(request_id, f"{request.method} {request.url.path}")
 
 
-def serve(target, tokenizer, head, name: str, host: str, port: int, max_batch: int | None = None):
+def internal_error(request_id: str, where: str) -> JSONResponse:
+    """A 500 without internal text: the log has the exception being handled, under the request's id (also the
+    answer's `X-Request-ID`)."""
+    logger.exception("jetspec serve: request %s (%s) failed", request_id, where)
+    message = f"internal error while answering request {request_id}; the server's log has its details"
+    body = error_body(message, 500, code="internal")
+    return JSONResponse(body, status_code=500, headers={"X-Request-ID": request_id})
+
+
+def serve(target, tokenizer, head, name: str, host: str, port: int, limits: Limits = None, max_batch: int = None):
     """Serve until interrupted (Ctrl-C, SIGTERM); `max_batch` `None`: the batch cap measured on this host."""
     import uvicorn
 
@@ -358,6 +380,6 @@ def serve(target, tokenizer, head, name: str, host: str, port: int, max_batch: i
         max_batch, costs = measure_batch_cap(target, head)
         found = ", ".join(f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in costs.items())
         logger.info("jetspec serve: batch cap %d (time per row and round at each batch size: %s)", max_batch, found)
-    app = build_app(target, tokenizer, head, name, max_batch)
-    logger.info("jetspec serve: %s with its head at http://%s:%d/v1", name, host, port)
+    app = build_app(target, tokenizer, head, name, limits, max_batch)
+    logger.info("jetspec serve: %s with its head on %s at http://%s:%d/v1", name, target.device, host, port)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -7,8 +7,9 @@ its two top logits, where the batch's padded shapes may round the other way). Wh
 row:
 
 - [`RowStops`], one stopping criterion of the call: a row stops at its own `max_tokens`, at its own stop strings
-  (transformers' `StopStringCriteria` over that row), or when its client disconnected; the call's own EOS criterion
-  stops every row at an EOS. A stopped row leaves the batch (the criterion declares an `eos_token_id`, so the loop
+  (transformers' `StopStringCriteria` over that row), at its own deadline (`--request-timeout`: `generate`'s
+  `max_time` would end the whole call), or when its client disconnected; the call's own EOS criterion stops every
+  row at an EOS. A stopped row leaves the batch (the criterion declares an `eos_token_id`, so the loop
   pads finished rows as plain decoding does with an EOS);
 - [`RowsStreamer`], the call's streamer: it splits each `(B,)` step into the rows' own streamers, and judges where
   each row ended with the same criteria, which gives each row its tokens;
@@ -18,7 +19,9 @@ row:
 own, `serve.TreeGenerateManager`). A call takes the oldest waiting request and every later one that may share its
 call, up to the batch cap ([`batch_key`]: greedy rows always share, sampling rows share with the same sampling
 settings and no seed; a seeded request decodes alone, its seed set right before its own call); a call of one row is
-the manager's own call, as without batching. [`measure_batch_cap`] picks the cap from the host's costs at start-up.
+the manager's own call, as without batching. Each row of a shared call begins (`serve_limits.begin`) right before
+the call, as a lone request does: a request already answered 503 at its deadline is dropped from it.
+[`measure_batch_cap`] picks the cap from the host's costs at start-up.
 """
 
 import collections
@@ -34,6 +37,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCrite
 
 from modeling_jetspec.state import JetSpecStats
 
+from .serve_limits import RequestExpired, begin
 from .serve_requests import Job, tree_report
 
 # generation-config fields that differ per row of a call (judged by `RowStops`) or that greedy decoding ignores
@@ -89,33 +93,74 @@ def batch_key(job: Job, gen_config) -> Optional[str]:
 
 
 class RowStops(StoppingCriteria):
-    """Each row's own stops in a batched call: its `max_tokens`, its stop strings, its client's disconnect.
+    """Each row's own stops in a batched call: its `max_tokens`, its stop strings, its deadline, its client's
+    disconnect.
 
     `eos_token_id` marks this criterion as one that finishes rows: the tree loop (as plain decoding, which checks
     that attribute) then pads a stopped row and drops it from the batch instead of decoding it on.
+
+    The loop judges one row at a time (`input_ids`: that row, repeated over the batch), without saying which. A row
+    past its deadline ends at the first token judged after it, as `max_time` ends a lone call: the call judging it is
+    known by its padded prompt, and where it ended is kept (`ends`), so that [`RowsStreamer`] ends it at the same
+    token. Rows of one prompt cannot be told apart: such a row past its deadline is `unsure`, and the streamer ends it
+    by the clock, at a token no later than the loop's.
     """
 
     eos_token_id = None
 
-    def __init__(self, rows: list, width: int, tokenizer):
+    def __init__(self, rows: list, width: int, tokenizer, pad: int):
         self.rows, self.width = rows, width  # width: the padded prompt length P
         self.pads = [width - len(row.prompt) for row in rows]  # each row's left padding
+        self.padded = [[pad] * (width - len(row.prompt)) + row.prompt for row in rows]  # (B, P) on the host
         self.limits = [row.gen_config.max_new_tokens for row in rows]
         # each row's stop strings, as `generate(stop_strings=...)` judges them alone
         self.strings = [stop_strings(tokenizer, row.gen_config.stop_strings) for row in rows]
+        self.deadlines = [row.job.deadline for row in rows]  # `time.monotonic()`, or None
+        self.ends = [None] * len(rows)  # the new-token count at which a row's deadline ended it
+        self.unsure = [False] * len(rows)
+        self.finished = [False] * len(rows)  # the rows the streamer has ended (`RowsStreamer.ended`)
 
     def row_done(self, i: int, ids: torch.Tensor, new: int) -> bool:
         """Whether row `i` stops after its `new`-th token; `ids` `(1, L)`: the row with its prompt (read only for its
         stop strings)."""
-        if new >= self.limits[i] or self.rows[i].disconnected:
+        if new >= self.limits[i] or self.rows[i].disconnected or (self.ends[i] is not None and new >= self.ends[i]):
             return True
         return self.strings[i] is not None and bool(self.strings[i](ids, None)[0])
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         new = input_ids.shape[1] - self.width  # (B, L): every row holds the padded prompt and `new` tokens
+        self.judge_deadlines(input_ids, new)
         # each row judged on its own tokens, without its left padding, as alone
-        done = [self.row_done(i, input_ids[i : i + 1, self.pads[i] :], new) for i in range(input_ids.shape[0])]
+        done = [
+            self.unsure[i] or self.row_done(i, input_ids[i : i + 1, self.pads[i] :], new)
+            for i in range(input_ids.shape[0])
+        ]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # (B,)
+
+    def judge_deadlines(self, input_ids: torch.Tensor, new: int):
+        """Where a row past its deadline ends: at this token, if this call judges it (`input_ids` `(B, L)`)."""
+        if all(d is None for d in self.deadlines):
+            return
+        now = clock()
+        due = [
+            i
+            for i, d in enumerate(self.deadlines)
+            if d is not None and now > d and self.ends[i] is None and not (self.unsure[i] or self.finished[i])
+        ]
+        if not due:
+            return
+        head = input_ids[0, : self.width].tolist()  # the judged row's padded prompt
+        judged = [i for i, padded in enumerate(self.padded) if padded == head]
+        for i in due:
+            if judged == [i]:
+                self.ends[i] = new
+            elif i in judged:
+                self.unsure[i] = True
+
+
+def clock() -> float:
+    """The time deadlines are judged by (`time.monotonic()`, as `Job.deadline`)."""
+    return time.monotonic()
 
 
 def stop_strings(tokenizer, strings) -> Optional[StopStringCriteria]:
@@ -128,15 +173,18 @@ def stop_strings(tokenizer, strings) -> Optional[StopStringCriteria]:
 class RowsStreamer:
     """The streamer of a batched call: each `(B,)` step goes to the rows' own streamers, up to each row's end (judged
     as the call judges it: an EOS, or [`RowStops`]), and each row's tokens are kept (`tokens`). A row whose client
-    disconnected gets nothing more; its end is not known (`counts` holds `None` for it)."""
+    disconnected gets nothing more; its end is not known (`counts` holds `None` for it), nor that of a row its deadline
+    ended by the clock (`RowStops.unsure`: its answer ends at the token the streamer had when it saw the deadline
+    pass)."""
 
     def __init__(self, rows: list, stops: RowStops, eos):
         self.rows, self.stops = rows, stops
         self.eos = set([eos] if isinstance(eos, int) else eos or [])
         self.prompts = [row.prompt for row in rows]
         self.tokens = [[] for _ in rows]
-        self.ended = [False] * len(rows)
+        self.ended = stops.finished  # (B,) whether each row has ended
         self.lost = [False] * len(rows)
+        self.cut = [False] * len(rows)
         self.started = False
 
     def put(self, value: torch.Tensor):
@@ -157,6 +205,8 @@ class RowsStreamer:
         has_strings = self.stops.strings[i] is not None
         ids = torch.tensor([self.prompts[i] + tokens]) if has_strings else None  # (1, P_i + n): for stop strings
         self.ended[i] = token in self.eos or self.stops.row_done(i, ids, len(tokens))
+        if not self.ended[i] and self.stops.unsure[i]:  # the loop ends it at this token or a later one
+            self.ended[i] = self.cut[i] = True
 
     def _give(self, i: int, value: torch.Tensor) -> bool:
         """Hand `value` to row `i`'s streamer, if it has one; `False` when its client has left."""
@@ -177,8 +227,9 @@ class RowsStreamer:
         pass  # each row's stream is closed once its statistics are set (`BatchScheduler`)
 
     def counts(self) -> list:
-        """`(B,)` each row's new tokens, `None` for a row whose client left."""
-        return [None if lost else len(tokens) for lost, tokens in zip(self.lost, self.tokens)]
+        """`(B,)` each row's new tokens, `None` for a row whose end in the call is not known (its client left, or the
+        clock ended it)."""
+        return [None if lost or cut else len(tokens) for lost, cut, tokens in zip(self.lost, self.cut, self.tokens)]
 
 
 def split_stats(stats: JetSpecStats, counts: list) -> list:
@@ -250,6 +301,8 @@ class BatchScheduler:
         """Decode the next call's rows, if any wait (on the inference thread)."""
         with self.lock:
             rows = next_call(self.waiting, self.max_batch) if self.waiting else []
+        if len(rows) > 1:
+            rows = self.begin_rows(rows)
         if len(rows) == 1:
             self.decode_alone(rows[0])
         elif rows:
@@ -261,6 +314,19 @@ class BatchScheduler:
                 return
             for row in rows:
                 self.settle(row)
+
+    def begin_rows(self, rows: list) -> list:
+        """`rows` less those answered 503 while they waited: each row begins (`serve_limits.begin`: its handler stops
+        counting it as waiting, a stream's headers go out), as a lone request does in its own call."""
+        kept = []
+        for row in rows:
+            try:
+                begin(row.job, row.gen_config)
+            except RequestExpired as error:  # its handler has its answer; its task ends with the error
+                self.settle(row, error)
+                continue
+            kept.append(row)
+        return kept
 
     def decode_alone(self, row: Row):
         """One request's own `generate` call, as `generate` runs it in a notebook (the manager's)."""
@@ -300,8 +366,9 @@ class BatchScheduler:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (B, P)
         config.max_new_tokens = max(row.gen_config.max_new_tokens for row in rows)
         config.stop_strings, config.return_dict_in_generate = None, True
+        config.max_time = None  # `begin` set the first row's: each row's deadline is its own (`RowStops`)
         config.pad_token_id = pad
-        stops = RowStops(rows, width, first.processor)
+        stops = RowStops(rows, width, first.processor, pad)
         streamer = RowsStreamer(rows, stops, config.eos_token_id)
         out = first.model.generate(
             input_ids=ids,
@@ -315,7 +382,9 @@ class BatchScheduler:
         for i, (row, stats) in enumerate(zip(rows, split_stats(out.jetspec_stats, counts))):
             row.job.prompt_ids = prompts[i]
             row.job.new_ids = out.sequences[i, width : width + len(streamer.tokens[i])].tolist()
-            if counts[i] is not None:
+            if streamer.cut[i]:  # the loop ended it at this token or later: the sources of the answer's own
+                stats.token_sources = [stats.token_sources[0][: len(row.job.new_ids)]]
+            if not streamer.lost[i]:
                 self.report(row.job, stats, started, len(rows))
 
     def report(self, job: Job, stats: JetSpecStats, started: float, batch: int):

@@ -12,17 +12,84 @@ This module imports neither torch nor the serving packages: its checks run befor
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-# The request fields each endpoint honours, beyond which everything is refused by name (transformers' own handlers
-# log and ignore fields they do not implement, such as `n`, `logprobs` or `presence_penalty`: an answer that
-# silently ignores a field is not the answer asked for). `return_token_ids` (vLLM's name) adds the prompt's and the
-# answer's token ids to the response's `jetspec` field.
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "return_token_ids")
+# The request fields each endpoint honours, beyond which a field is accepted only with a value that changes nothing
+# (`HARMLESS`) and everything else is refused by name (transformers' own handlers log and ignore fields they do not
+# implement, such as `n`, `logprobs` or `presence_penalty`: an answer that silently ignores a field is not the answer
+# asked for). `return_token_ids` (vLLM's name) adds the prompt's and the answer's token ids to the `jetspec` field.
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "return_token_ids")
 ENDPOINT_FIELDS = {
     "chat": (*COMMON_FIELDS, "messages", "max_completion_tokens"),
     "completions": (*COMMON_FIELDS, "prompt"),
 }
+# what transformers' handlers read from a checked body; the rest is taken out before them (a `frequency_penalty` of
+# 0 would become generate's `repetition_penalty` of 1, over the model's own)
+FORWARDED = ("model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop")
+FORWARDED += ("stream",)
+
+
+def _same(value, allowed) -> bool:
+    """`value == allowed`, without `False == 0` or `1 == True`."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(allowed, (int, float)):
+        return isinstance(value, (int, float)) and value == allowed
+    return value == allowed
+
+
+def _values(*allowed):
+    """A check that takes null or one of `allowed`."""
+    return lambda value: value is None or any(_same(value, a) for a in allowed)
+
+
+def _strings(value) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _metadata(value) -> bool:
+    return value is None or (isinstance(value, dict) and all(isinstance(v, str) for v in value.values()))
+
+
+def _any_bool(value) -> bool:
+    return value is None or isinstance(value, bool)
+
+
+# A field whose value changes nothing in the answer: (its check, the values it takes, in words). Such a field is
+# accepted and dropped; any other value of it is refused by name. Tool fields are harmless only without tools.
+HARMLESS = {
+    "n": (_values(1), "1 (jetspec serve answers one choice per request)"),
+    "user": (_strings, "a string"),
+    "safety_identifier": (_strings, "a string"),
+    "prompt_cache_key": (_strings, "a string"),
+    "metadata": (_metadata, "an object of strings"),
+    "store": (_values(False), "false (nothing is stored)"),
+    "service_tier": (_values("auto", "default"), "auto or default"),
+    "frequency_penalty": (_values(0), "0 (no penalty is applied)"),
+    "presence_penalty": (_values(0), "0 (no penalty is applied)"),
+    "logit_bias": (_values({}), "{} (no bias is applied)"),
+    "logprobs": (_values(False), "false (log-probabilities are not returned)"),
+    "top_logprobs": (_values(0), "0 (log-probabilities are not returned)"),
+    "response_format": (_values({"type": "text"}), '{"type": "text"}'),
+    "modalities": (_values(["text"]), '["text"]'),
+    "tools": (_values([]), "[] (jetspec serve calls no tools)"),
+    "functions": (_values([]), "[] (jetspec serve calls no tools)"),
+    "tool_choice": (_values("none", "auto"), "none or auto, without tools"),
+    "function_call": (_values("none", "auto"), "none or auto, without tools"),
+    "parallel_tool_calls": (_any_bool, "true or false, without tools"),
+    "reasoning_effort": (_values(), "null (the chat template decides)"),
+    "verbosity": (_values(), "null"),
+    "prediction": (_values(), "null"),
+    "audio": (_values(), "null (text only)"),
+    "web_search_options": (_values(), "null"),
+}
+COMPLETIONS_HARMLESS = {
+    "best_of": (_values(1), "1"),
+    "echo": (_values(False), "false (the prompt is not repeated)"),
+    "suffix": (_values(""), "null or empty (no fill-in-the-middle)"),
+    "logprobs": (_values(), "null (log-probabilities are not returned)"),
+}
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second pads chunks against side channels: harmless
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4  # as the OpenAI API
 MAX_TEMPERATURE = 2.0  # as the OpenAI API
@@ -31,11 +98,18 @@ MAX_SEED = 2**64  # torch.manual_seed takes [0, 2**64)
 
 class RequestError(ValueError):
     """A request the server refuses: the HTTP `status`, the message, and the offending field (`param`) and `code` of
-    the OpenAI error body."""
+    the OpenAI error body; `headers` go with the answer (a 429's `Retry-After`)."""
 
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, code: Optional[str] = None):
+    def __init__(
+        self,
+        message: str,
+        param: Optional[str] = None,
+        status: int = 400,
+        code: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ):
         super().__init__(message)
-        self.param, self.status, self.code = param, status, code or "invalid_request"
+        self.param, self.status, self.code, self.headers = param, status, code or "invalid_request", headers
 
 
 def error_body(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None) -> dict:
@@ -44,7 +118,7 @@ def error_body(message: str, status: int, param: Optional[str] = None, code: Opt
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: hashed by identity (`Admission.waiting`)
 class Job:
     """One request's settings that transformers' handlers do not carry, and what its decoding returned."""
 
@@ -54,18 +128,32 @@ class Job:
     max_tokens: Optional[int] = None  # None: as many as transformers' default allows within the context
     stops: tuple = ()  # the answer's text ends before the first of them
     return_token_ids: bool = False
+    include_usage: bool = False  # `stream_options.include_usage`: a last chunk with `usage` and no choices
+    request_id: str = ""
     started: float = field(default_factory=time.monotonic)
+    eos_ids: tuple = ()  # the generation config's end-of-sequence ids, set before the call is queued
+    trimmer: Optional["StopTrimmer"] = None  # what cut the text at a stop string (`stopped`), once one did
+    deadline: Optional[float] = None  # `time.monotonic()` by which the answer ends (`serve_limits`)
+    admission: Any = None  # `serve_limits.Admission`'s hand-over between the event loop and the inference thread
     prompt_ids: Optional[list] = None  # (P,) set on the inference thread
     new_ids: Optional[list] = None  # (N,) the committed tokens, set once decoded
     report: Optional[dict] = None  # the response's `jetspec` field, set once decoded
 
+    def finish_reason(self) -> str:
+        """`stop` when the answer ended on its own (an end-of-sequence token, a stop string), even on its last allowed
+        token; `length` otherwise (`max_tokens`, the context, the request's deadline)."""
+        ended = bool(self.new_ids) and self.new_ids[-1] in self.eos_ids
+        return "stop" if ended or (self.trimmer is not None and self.trimmer.stopped) else "length"
+
 
 def check_request(body: dict, endpoint: str, served: str) -> Job:
-    """Refuse a request the server cannot answer as asked; else its [`Job`], with `seed` and `return_token_ids`
-    taken out of `body` (transformers' handlers would seed on the event loop, or refuse the field)."""
+    """Refuse a request the server cannot answer as asked; else its [`Job`]. What transformers' handlers do not
+    read (`seed` and `return_token_ids`: they would seed on the event loop, or refuse the field; the harmless fields)
+    is taken out of `body`."""
     if not isinstance(body, dict):
         raise RequestError(f"expected a JSON object as the request body, got a {type(body).__name__}")
-    allowed = ENDPOINT_FIELDS[endpoint]
+    harmless = {**HARMLESS, **COMPLETIONS_HARMLESS} if endpoint == "completions" else HARMLESS
+    allowed = (*ENDPOINT_FIELDS[endpoint], *harmless, "stream_options")
     unknown = sorted(name for name in body if name not in allowed)
     if unknown:
         raise RequestError(
@@ -85,21 +173,40 @@ def check_request(body: dict, endpoint: str, served: str) -> Job:
     for name in ("stream", "return_token_ids"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise RequestError(f"expected {name} to be true or false, got {body[name]!r}", param=name)
-    if body.get("n") is not None and (not _is_int(body["n"]) or body["n"] != 1):
-        raise RequestError(
-            f"expected n == 1 (jetspec serve answers one choice per request), got {body['n']!r}", param="n"
-        )
+    for name, (check, words) in harmless.items():
+        if name in body and not check(body[name]):
+            raise RequestError(
+                f"expected {name} to be {words}, got {body[name]!r}"[:300], name, code="unsupported_value"
+            )
+    include_usage = _check_stream_options(body.get("stream_options"))
     seed = body.pop("seed", None)
     if seed is not None and not (_is_int(seed) and 0 <= seed < MAX_SEED):
         raise RequestError(f"expected seed to be an integer in [0, 2**64), got {seed!r}", param="seed")
-    return Job(
+    job = Job(
         endpoint=endpoint,
         seed=seed,
         temperature=temperature,
         max_tokens=max_tokens,
         stops=_check_stop(body.get("stop")),
         return_token_ids=bool(body.pop("return_token_ids", False)),
+        include_usage=include_usage,
     )
+    for name in [name for name in body if name not in FORWARDED]:
+        del body[name]
+    return job
+
+
+def _check_stream_options(options) -> bool:
+    """`stream_options.include_usage`; any other key or value refused by name."""
+    if options is None:
+        return False
+    if not isinstance(options, dict) or any(k not in STREAM_OPTIONS or not _any_bool(v) for k, v in options.items()):
+        raise RequestError(
+            f"expected stream_options to be an object of {' and '.join(STREAM_OPTIONS)}, each true or false, got "
+            f"{options!r}"[:300],
+            param="stream_options",
+        )
+    return bool(options.get("include_usage"))
 
 
 def _is_int(value) -> bool:

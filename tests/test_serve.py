@@ -19,6 +19,13 @@ e) Bad requests: a 4xx with an OpenAI-shaped error naming the problem, and the s
 f) A client that disconnects mid-stream stops its generation (the server's log says after how many tokens).
 g) `transformers serve` on the same folder, without the head, gives the same greedy answers (marked slow-ish: one
    more server process).
+h) Streams read as raw bytes (the `openai` client hides missing framing): `data: ` events, the finish chunk with the
+   statistics, OpenAI's usage chunk when asked for, `data: [DONE]`; through the `openai` client, the usage chunk and
+   the message of an error inside a stream.
+i) The server runs with an API key and a queue limit (as a deployment does): a request without the key gets a 401;
+   one more request than the queue holds, while one decodes, a 429 with `Retry-After`.
+(tests/test_serve_protocol.py checks the rest of the protocol in process: client bodies, finish reasons, stop
+strings on a response-template target, deadlines, `--device`.)
 """
 
 import json
@@ -58,6 +65,8 @@ PROMPTS = [
 ]
 NEW = 16
 SAMPLING = {"temperature": 0.9, "top_p": 0.95}
+KEY = "none"  # what the `openai` clients here, and scripts/serve_bench.py, send
+MAX_QUEUE = 8
 
 
 def free_port() -> int:
@@ -69,10 +78,10 @@ def free_port() -> int:
 class Server:
     """A server process on a free loopback port; its stderr goes to `log`."""
 
-    def __init__(self, command: list, log: Path, name: str):
+    def __init__(self, command: list, log: Path, name: str, key: str = "none", env: dict = None):
         self.port, self.log, self.name = free_port(), log, name
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
         with open(log, "w") as err:
             self.process = subprocess.Popen(
                 [*command, "--host", "127.0.0.1", "--port", str(self.port)],
@@ -81,7 +90,7 @@ class Server:
                 stdout=subprocess.DEVNULL,
                 stderr=err,
             )
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
     def wait(self, seconds: float = 240):
         deadline = time.monotonic() + seconds
@@ -128,9 +137,12 @@ def local(folders):
 
 @pytest.fixture(scope="module")
 def server(folders):
+    """`jetspec serve` with an API key (from the environment: the `openai` clients here send it) and a queue limit of
+    8 (the 8 concurrent clients below all fit)."""
     command = [sys.executable, "-m", "jetspec", "serve", "--model", str(folders / "target")]
     command += ["--head", str(folders / "head"), "--served-model-name", NAME, "--dtype", "float32", "--threads", "1"]
-    served = Server(command, folders / "jetspec-serve.log", NAME)
+    command += ["--max-queue", str(MAX_QUEUE)]
+    served = Server(command, folders / "jetspec-serve.log", NAME, key=KEY, env={"JETSPEC_API_KEY": KEY})
     try:
         yield served.wait()
     finally:
@@ -316,12 +328,17 @@ def test_concurrent_clients_each_get_their_own_answer(server, local, clients):
         assert max(a["jetspec"]["queued_seconds"] for a in answers) > min(a["jetspec"]["seconds"] for a in answers)
 
 
-def post(url: str, data: bytes, method: str = "POST", kind: str = "application/json") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": kind})
+def post(url: str, data: bytes, method: str = "POST", kind: str = "application/json", key=KEY, answer=None):
+    """`(status, JSON body)` of a request sent without the `openai` client; its headers (lower-cased) go into
+    `answer`."""
+    headers = {"Content-Type": kind, **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
+            (answer if answer is not None else {}).update((k.lower(), v) for k, v in response.headers.items())
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
+        (answer if answer is not None else {}).update((k.lower(), v) for k, v in error.headers.items())
         return error.code, json.loads(error.read())
 
 
@@ -332,9 +349,13 @@ BAD = [  # (path, body: a dict, or raw bytes; status; words of the message; the 
     ("/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 0}, 400, "integer >= 1, got 0", "max_tokens"),
     ("/v1/chat/completions", b'{"model": "tiny-served", "messages": [', 400, "JSON object", None),
     ("/v1/chat/completions", b"[1, 2]", 400, "JSON object", None),
-    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n == 1", "n"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "got also logprobs", "logprobs"),
-    ("/v1/completions", {"model": NAME, "prompt": "a", "best_of": 3}, 400, "got also best_of", "best_of"),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "expected n to be 1", "n"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "expected logprobs to be false", "logprobs"),
+    ("/v1/completions", {"model": NAME, "prompt": "a", "best_of": 3}, 400, "expected best_of to be 1", "best_of"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 0.5}, 400, "frequency_penalty to be 0", "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "calls no tools", "tools"),
+    ("/v1/chat/completions", {**CHAT, "stream_options": {"x": 1}}, 400, "include_usage", "stream_options"),
+    ("/v1/chat/completions", {**CHAT, "best_of": 2}, 400, "got also best_of", "best_of"),
     ("/v1/chat/completions", {**CHAT, "temperature": 3}, 400, "temperature in [0, 2]", "temperature"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p in (0, 1]", "top_p"),
     ("/v1/chat/completions", {**CHAT, "seed": -1}, 400, "seed to be an integer", "seed"),
@@ -398,6 +419,121 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(server):
     line = next(line for line in server.log.read_text().splitlines() if "disconnected" in line)
     assert line.startswith("jetspec serve: completions request stopped: the client disconnected after ")
     assert 3 <= int(line.split(" after ")[1].split()[0]) < longest
+
+
+def sse(url: str, body: dict, key=KEY) -> tuple[str, str]:
+    """A stream read as raw bytes, without the `openai` client (which hides missing framing): content type, text."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_raw_sse_framing_has_the_chunks_the_usage_chunk_and_done(server, local, endpoint):
+    _, tokenizer, _ = local
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    body = {"model": NAME, "max_tokens": NEW, "temperature": 0, "stream": True, "return_token_ids": True}
+    body.update(
+        {"messages": [{"role": "user", "content": PROMPTS[3]}]} if endpoint == "chat" else {"prompt": PROMPTS[3]}
+    )
+    for include_usage in (True, False):
+        kind, text = sse(server.url + path, {**body, "stream_options": {"include_usage": include_usage}})
+        assert kind.startswith("text/event-stream") and text.endswith("\n\ndata: [DONE]\n\n")
+        parts = text.split("\n\n")  # every event one `data: ` line and a blank line
+        assert parts[-1] == "" and all(p.startswith("data: ") and "\n" not in p for p in parts[:-1]), text[:400]
+        chunks = [json.loads(p.removeprefix("data: ")) for p in parts[:-2]]
+        assert len({c["id"] for c in chunks}) == 1 and all("error" not in c for c in chunks)
+        finish = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+        assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+        ids = finish[0]["jetspec"]["token_ids"]
+        assert len(ids) == NEW
+        pieces = [c["choices"][0]["delta" if endpoint == "chat" else "text"] for c in chunks if c["choices"]]
+        joined = "".join((p.get("content") or "") if endpoint == "chat" else p for p in pieces)
+        assert joined == tokenizer.decode(ids, skip_special_tokens=True)
+        if include_usage:  # OpenAI's last chunk: no choices, the usage; the finish chunk has none
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == NEW
+            assert chunks[-2] is finish[0] and "usage" not in finish[0]
+        else:
+            assert all(c["choices"] for c in chunks) and chunks[-1] is finish[0]
+
+
+def test_the_openai_client_reads_the_usage_chunk_and_the_message_of_an_error_in_a_stream_or_a_500(server):
+    chunks = list(
+        server.client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    # a temperature so small that sampling's probabilities overflow: `generate` raises after the stream began
+    made = server.client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=1e-300, stream=True
+    )
+    with pytest.raises(openai.APIError, match="internal error while answering request .+; the server's log") as got:
+        list(made)
+    request_id = str(got.value).split("request ")[1].split(";")[0]
+    assert "probability" not in str(got.value) and "probability" in server.tail()  # the log has it, not the client
+    assert f"request {request_id} failed" in server.log.read_text()
+    with pytest.raises(openai.InternalServerError, match="internal error while answering request") as got:
+        server.client.completions.create(model=NAME, prompt="hi", max_tokens=5, temperature=1e-300)
+    request_id = got.value.response.headers["x-request-id"]  # a 500 names the request id, and nothing internal
+    assert (
+        got.value.body["message"]
+        == f"internal error while answering request {request_id}; the server's log has its details"
+    )
+    assert f"request {request_id} (POST /v1/completions) failed" in server.log.read_text()
+    assert ask(server.client, "chat", "still here", max_tokens=3)["usage"].completion_tokens == 3
+
+
+def test_requests_without_the_api_key_get_a_401(server):
+    url = server.url
+    body = json.dumps({"model": NAME, "prompt": "a", "max_tokens": 2}).encode()
+    for key, words in (("", "got none"), ("wrong", "got another key")):
+        answer = {}
+        status, error = post(url + "/v1/completions", body, key=key, answer=answer)
+        assert status == 401 and answer["www-authenticate"] == "Bearer", (key, error)
+        assert words in error["error"]["message"] and error["error"]["code"] == "invalid_api_key"
+    assert post(url + "/v1/models", b"", method="GET", key="")[0] == 401
+    with urllib.request.urlopen(url + "/health", timeout=10) as health:  # a load balancer's probe needs no key
+        assert health.status == 200
+    wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert ask(server.client, "completions", "a", max_tokens=2)["usage"].completion_tokens == 2
+
+
+def test_a_full_queue_is_answered_429_with_retry_after(server):
+    url = server.url
+    body = {"model": NAME, "prompt": "abc", "max_tokens": 4000, "temperature": 0, "stream": True}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    decoding = urllib.request.urlopen(
+        urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers), timeout=60
+    )
+    decoding.readline()  # its headers came: it is decoding (a stream's headers go out when its decoding begins)
+    results = []
+
+    def short(text: str):
+        answer = {}
+        data = json.dumps({"model": NAME, "prompt": text, "max_tokens": 2}).encode()
+        results.append((*post(url + "/v1/completions", data, key=KEY, answer=answer), answer))
+
+    # one more than the queue holds, at once, while one decodes: the last to come is refused at once
+    threads = [threading.Thread(target=short, args=(PROMPTS[i],)) for i in range(MAX_QUEUE + 1)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.05)
+    decoding.close()  # a disconnect: its generation stops, the waiting ones decode
+    for thread in threads:
+        thread.join(timeout=60)
+    (status, error, answer), *others = results
+    assert status == 429 and int(answer["retry-after"]) >= 1 and error["error"]["code"] == "queue_full"
+    assert [(code, done["usage"]["completion_tokens"]) for code, done, _ in others] == [(200, 2)] * MAX_QUEUE
 
 
 @pytest.fixture(scope="module")
@@ -493,6 +629,9 @@ def test_serve_reports_bad_arguments_on_one_line_before_loading(capsys, tmp_path
         (["serve", "--model", str(tmp_path / "none")], "expected --model to be the alias smollm2-135m"),
         (["serve", "--head", str(tmp_path)], "expected a trained JetSpec head"),
         (["serve", "--dtype", "float16"], "expected --dtype in auto, float32, bfloat16"),
+        (["serve", "--device", "tpu"], "expected --device cpu, cuda or cuda:N, got 'tpu'"),
+        (["serve", "--max-queue", "-1"], "expected an integer >= 0, got '-1'"),
+        (["serve", "--request-timeout", "0"], "expected a number of seconds > 0, got '0'"),
     ]:
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:

@@ -9,6 +9,7 @@ a) Greedy rows with different `max_tokens`, stop strings and an EOS, streamed an
    top logits within 1e-4 there, checked, never assumed), its text the one-client text cut before its stop string,
    its statistics those of the same request decoded alone through the tree.
 b) A client that left before its call: the others still get their answers and statistics.
+   A row whose deadline passes in mid-call ends there, with `length`, and the other row finishes as alone.
 c) Which requests share a call: greedy ones whatever their lengths and stops, sampling ones with the same settings,
    a seeded one alone, one with a repetition penalty alone, up to the cap; sampling rows of one call.
 d) The statistics split by row, on hand-made rounds; the batch cap's measurement.
@@ -28,6 +29,7 @@ from test_bench import char_tokenizer
 from test_serve import NAME, Server, ask, prompt_ids
 from transformers import GenerationConfig
 
+from jetspec import serve_batching
 from jetspec.serve import TreeGenerateManager, TreeStreamer, TrimmedQueue, prepare
 from jetspec.serve_batching import BatchScheduler, Row, measure_batch_cap, next_call, split_stats
 from jetspec.serve_requests import Job, StopTrimmer
@@ -62,8 +64,8 @@ def make_row(served, loop, text, max_tokens, stops=(), stream=False, eos=None, s
     prepare(job, target, inputs, config)
     if not stream:
         return Row(job, target, tokenizer, inputs, config, loop, done=loop.create_future())
-    queue = TrimmedQueue(job.stops)
-    streamer = TreeStreamer(tokenizer.backend_tokenizer, loop, queue)
+    queue = TrimmedQueue(job, job.stops)
+    streamer = TreeStreamer(tokenizer.backend_tokenizer, loop, queue, job=job)
     return Row(job, target, tokenizer, inputs, config, loop, streamer=streamer, queue=queue)
 
 
@@ -84,7 +86,9 @@ def decode_together(served, specs: list, max_batch: int = 8) -> list:
     async def run():
         loop = asyncio.get_running_loop()
         manager = TreeGenerateManager(served[2], max_batch)
-        rows = [make_row(served, loop, **spec) for spec in specs]
+        rows = [make_row(served, loop, **{k: v for k, v in spec.items() if k != "deadline"}) for spec in specs]
+        for row, spec in zip(rows, specs):
+            row.job.deadline = spec.get("deadline")
         for row, spec in zip(rows, specs):
             if spec.get("gone"):
                 row.streamer.cancel()  # the client left before its call
@@ -187,6 +191,36 @@ def test_a_client_that_left_before_its_call_leaves_the_others_exact(served, capl
         want, logits = one_client(served, spec["text"], spec["max_tokens"])
         if assert_one_client_answer(row.job.new_ids, want, logits, spec):
             assert row.job.report["rounds"] == tree_alone(served, spec["text"], spec["max_tokens"]).rounds
+
+
+@pytest.mark.parametrize("same_prompt", [False, True], ids=["own-prompts", "one-prompt"])
+def test_a_row_past_its_deadline_ends_with_length_while_the_other_finishes(served, monkeypatch, same_prompt):
+    # the deadlines' clock counts the call's verdicts: row 0's deadline passes after the 12th, in mid-call. With its
+    # own prompt, the verdict that ends it is known (its statistics are exact); with the other row's prompt it is not
+    # (the stream ends it by the clock, its statistics are those of the rounds it took part in)
+    texts = [TEXTS[2], TEXTS[2] if same_prompt else TEXTS[4]]
+    for stream in (False, True):
+        ticks = iter(range(10**6))
+        monkeypatch.setattr(serve_batching, "clock", lambda: next(ticks))
+        specs = [
+            {"text": texts[0], "max_tokens": 30, "stream": stream, "deadline": 12},
+            {"text": texts[1], "max_tokens": 16, "stream": not stream},
+        ]
+        rows, answers = decode_together(served, specs)
+        for row, spec in zip(rows, specs):
+            want, logits = one_client(served, spec["text"], spec["max_tokens"])
+            got = row.job.new_ids
+            assert row.job.report["batch"] == 2 and row.job.report["new_tokens"] == len(got)
+            assert sum(row.job.report["tokens_by_source"].values()) == len(got)
+            if not assert_one_client_answer(got, want[: len(got)], logits, spec):
+                continue
+            assert answers[rows.index(row)] == served[1].decode(got, skip_special_tokens=True)
+            if "deadline" in spec:
+                assert 2 <= len(got) < 30 and row.job.finish_reason() == "length"
+            else:
+                assert got == want and row.job.finish_reason() == "length"  # its own max_tokens
+            if not same_prompt or "deadline" not in spec:  # exact: the rounds of the row decoded alone to its end
+                assert row.job.report["rounds"] == tree_alone(served, spec["text"], len(got)).rounds, spec
 
 
 def test_sampling_rows_of_the_same_settings_share_a_call_each_to_its_own_length(served):
