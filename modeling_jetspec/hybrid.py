@@ -151,7 +151,8 @@ class HybridVerifier:
 
     def _mode_seconds(self, state, trees) -> dict:
         """ "auto": the seconds of a chain verify and of a tree verify (forward 1) of this batch and tree size, timed
-        once per (target, device, dtype, batch, nodes) and kept on the head beside the measured budget's costs."""
+        once per (target, device, dtype, batch, nodes) and kept on the head beside the operating point's host costs
+        (`host_costs.py`)."""
         a, n1 = trees.depths.shape
         per_target = self.head.verify_cost_cache.setdefault(self.target, {})
         key = ("tree_verify", str(self.target.device), self.target.dtype, a, n1)

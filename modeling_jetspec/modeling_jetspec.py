@@ -86,8 +86,10 @@ class JetSpecDraftModel(DraftVocabulary, JetSpecPreTrainedModel):
         # outlives the call); the call's own copy is `jetspec_stats` of its output with `return_dict_in_generate=True`,
         # which is the one to read when a head serves several threads
         self.last_stats = None
-        # target -> {(device, dtype, batch, budgets): verify seconds}, for tree_budget="auto"; weak, so an entry goes
-        # with its target and a new target never inherits a freed one's costs
+        # target -> {key: costs} measured for that target: the host costs of tree_budget="auto"'s operating point
+        # (`host_costs.operating_point`: host, dtype, batch, budgets, sources) and a hybrid target's verify seconds per
+        # mode for tree_verify="auto" (`hybrid.HybridVerifier`); weak, so an entry goes with its target and a new
+        # target never inherits a freed one's costs
         self.verify_cost_cache = weakref.WeakKeyDictionary()
         # transformers' DFlash generator's cache -> this head's context in that generation (`dflash_forward`); weak,
         # so a generation's context goes with its cache when the call ends

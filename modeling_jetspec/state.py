@@ -53,7 +53,7 @@ class JetSpecStats:
     # and the model-free branch proposed it) or "target" (`calibration.TOKEN_SOURCES`); recorded by `steps.commit`
     token_sources: list = field(default_factory=list)
     # seconds of the rounds outside their verify forward (draft, tree, accept, commit, compaction) and in it; timed
-    # only in timed rounds (inside `timing.timed_rounds()`), else 0
+    # only in timed rounds (inside `timing.timed_rounds()`, or with a `jetspec_round_hook`), else 0
     outside_verify_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0  # the whole call, up to its last host read (synchronized in timed rounds)

@@ -24,9 +24,9 @@ Compiled (`"compile"`), [`verify_forward`] and [`draft_forward`] run through `to
 `mode="reduce-overhead"`, CUDA graphs, on CUDA; a `compile_config` in the generation config overrides). The
 cache length is rounded up to a multiple of `LENGTH_BUCKET`, so calls of nearby lengths share a compiled graph.
 
-Refused on this path, by name: `tree_budget="auto"` (the node count is fixed per call), `path_conditioning=True`
-(its second draft pass has another shape), targets with recurrent or convolution layers, sliding-window targets
-(a static sliding layer keeps a ring of the window, not the columns the tree loop moves).
+Refused on this path, by name: `tree_budget="auto"` (the buffers are sized before it would choose a budget),
+`path_conditioning=True` (its second draft pass has another shape), targets with recurrent or convolution layers,
+sliding-window targets (a static sliding layer keeps a ring of the window, not the columns the tree loop moves).
 """
 
 import copy
@@ -114,7 +114,10 @@ def static_verifier(target, head, shape: TreeShape, verifier, mode: str) -> "Sta
             "sliding_window: a static sliding layer keeps a ring of the window, not the tree loop's columns"
         )
     if shape.budget == "auto":
-        raise ValueError("expected a fixed tree_budget on the static path (its node count is fixed), got 'auto'")
+        raise ValueError(
+            "expected a fixed tree_budget on the static path (its buffers are sized for a node count before "
+            "tree_budget='auto' would choose one), got 'auto'"
+        )
     if shape.path_conditioning:
         raise ValueError(
             "expected path_conditioning=False on the static path (its second draft pass has another shape), got True"

@@ -1,7 +1,7 @@
 """The round's steps over explicit tensors (arXiv 2606.18394, sections 3.2-3.4; `docs/design.md`, "§2 The round").
 
-A round is five functions; `generate` (`decode.py`), the benchmark and the measured budget call the same ones, and
-all five are importable from here:
+A round is five functions; `generate` (`decode.py`), the benchmark and the host costs of `tree_budget="auto"`
+(`verifiers.measure_verify_seconds`) call the same ones, and all five are importable from here:
 
 - [`draft`]: one head forward over `[anchor, MASK x N]` per row, a best-first tree of `budget` nodes per row;
 - [`verify`]: one target forward over root + tree nodes under the tree-causal mask (position = past length + depth);

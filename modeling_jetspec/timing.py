@@ -1,12 +1,13 @@
-"""Wall-clock timing that waits for the accelerator (the costs behind the measured budget and the benchmark).
+"""Wall-clock timing that waits for the accelerator (the host costs behind `tree_budget="auto"`'s operating point,
+`host_costs.py`, and the benchmark).
 
 On a GPU a forward returns as soon as its kernels are queued; reading the clock without waiting times the launches,
 not the work. [`clock`] first synchronizes the accelerator, as `torch.utils.benchmark.Timer` does (which is not
 used directly: each `timeit` call runs two extra warm-up calls, too many for forwards that take hundreds of
-milliseconds on a CPU). A round is timed only when something reads its times ([`timed_rounds`], a round hook
-(`round_hook.py`), or the measured budget): a synchronize stalls the launch queue, so untimed rounds never read a
-clock that waits. [`RoundClock`]
-times a round through device events where the device has them, read once at the round's end.
+milliseconds on a CPU). A round is timed only when something reads its times ([`timed_rounds`], which the host
+costs' short call runs in, or a round hook, `round_hook.py`, which the benchmark passes): a synchronize stalls the
+launch queue, so untimed rounds never read a clock that waits. [`RoundClock`] times a round through device events where
+the device has them, read once at the round's end.
 """
 
 import contextlib
@@ -30,8 +31,9 @@ def clock() -> float:
 @contextlib.contextmanager
 def timed_rounds():
     """Inside this block every round of a tree-decoding call is timed (`JetSpecStats.verify_seconds`,
-    `outside_verify_seconds`, and a synchronized `total_seconds`); outside it only `tree_budget="auto"` times its
-    rounds, since it chooses budgets from those times."""
+    `outside_verify_seconds`, and a synchronized `total_seconds`); outside it only a call with a round hook times its
+    rounds (`round_hook.py`). `tree_budget="auto"` chooses its operating point before the rounds, from costs measured
+    once (`host_costs.py`), so its own rounds are timed only as any other call's."""
     token = _TIMED.set(True)
     try:
         yield

@@ -63,8 +63,8 @@ def check_tree_shape(
         scoring (`str`): one of `TREE_SCORINGS`.
         block_size (`int`): the head's block length.
         path_conditioning (`bool`, *optional*, defaults to `False`): the second, path-conditioned draft pass. It
-            rebuilds the tree from probes placed under the first tree, so a smaller budget's tree is not a prefix of
-            a larger one's, which the measured budget (`"auto"`) relies on: the two are rejected together.
+            rebuilds the tree from probes placed under the first tree. Rejected with `"auto"`: the operating point's
+            acceptance table and host costs are measured without it, and two of its three sources add a lookup branch.
         lookup (`int`, *optional*, defaults to 0): tokens of the prompt-lookup branch, in `[0, MAX_TREE_LOOKUP]`
             (0: none). It may run deeper than `depth`: past the head's depths the chain alone continues. Its nodes
             are placed before the head's ranks would put them, which path conditioning would rebuild away: also
@@ -94,8 +94,8 @@ def check_tree_shape(
         )
     if budget == "auto" and path_conditioning:
         raise ValueError(
-            "expected a fixed tree_budget with path_conditioning=True (its trees are not nested, and the measured "
-            "budget needs nested trees), got tree_budget='auto'"
+            "expected a fixed tree_budget with path_conditioning=True (tree_budget='auto' weighs a tau table and "
+            "host costs measured without it), got tree_budget='auto'"
         )
 
 

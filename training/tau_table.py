@@ -38,7 +38,10 @@ def tau_table(head, rows: list, budgets=CANDIDATE_BUDGETS, sources=SOURCES, batc
     each point the head's own tree settings at that budget with those sources (`budget.sources_shape`); `report`
     (e.g. `print`) is told each point as it is measured (a table over hundreds of rows takes minutes)."""
     if head.config.path_conditioning:
-        raise ValueError("expected a head without path_conditioning (auto budgets need a fixed tree), got one with it")
+        raise ValueError(
+            "expected a head without path_conditioning (tree_budget='auto', which reads this table, refuses it), got "
+            "one with it"
+        )
     table = {}
     for name in sources:
         table[name] = {}
