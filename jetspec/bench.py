@@ -25,6 +25,8 @@ Methods:
   odds.
 - `lookup_first`: the same with `tree_lookup_prior=False` (`tree-B-lookup-first`): the whole chain first, whatever
   its odds (the ablation of the prior).
+- `answers`: the head's defaults with an answer cache (`modeling_jetspec.AnswerCache`) shared across the run's
+  prompts: each prompt drafts also from the answers of the prompts before it (`jetspec_answer_cache`).
 
 Equality (`docs/design.md`, "§4 Lossless: exactness and the bf16 tie rule"): every output is judged against plain
 greedy's by [`jetspec.equality.check_lossless`]; in float32 it must be equal token for token, in bfloat16/float16
@@ -61,7 +63,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -70,7 +72,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from modeling_jetspec import JetSpecDraftModel, JetSpecGenerateOutput, resolve_tree_shape
+from modeling_jetspec import AnswerCache, JetSpecDraftModel, JetSpecGenerateOutput, resolve_tree_shape
 from modeling_jetspec.compat import attn_implementation
 from modeling_jetspec.configuration_jetspec import TREE_FIELDS
 from modeling_jetspec.steps import draft, logits_to_keep
@@ -170,6 +172,7 @@ class Bench:
     float32_logits: Optional[Callable]  # the tie check's float32 reference, None for a float32 target
     tie_tolerance: float
     baseline_head: Optional[JetSpecDraftModel] = None  # drafts the `@baseline` methods
+    answer_caches: dict = field(default_factory=dict)  # `answers` method name -> the cache its prompts share
 
     def encode(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`(input_ids, attention_mask)`, each of shape `(1, L)`: the chat template already holds the special
@@ -187,6 +190,8 @@ class Bench:
         if method.uses_head:
             kwargs["assistant_model"] = self.baseline_head if method.baseline else self.head
             kwargs["jetspec_round_hook"] = phases
+        if method.kind == "answers":
+            kwargs["jetspec_answer_cache"] = self.answer_caches.setdefault(method.name, AnswerCache())
         started = clock()
         out = self.target.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         seconds = clock() - started
@@ -401,6 +406,7 @@ def run_benchmark(
     if config.warmup:
         for method in bench.plan:
             bench.generate(method, first_ids, first_mask, max_new_tokens=min(8, config.max_new_tokens))
+        bench.answer_caches.clear()  # the measured prompts start from an empty answer cache
     costs = None
     if any(m.uses_head for m in bench.plan):
         costs = measure_costs(

@@ -20,8 +20,9 @@ METHOD_KINDS = (
     "gap",
     "lookup_gap",
     "trie",
+    "answers",
 )
-DEFAULT_METHODS = METHOD_KINDS[:-1]  # the trie is asked for by name
+DEFAULT_METHODS = METHOD_KINDS[:-2]  # the trie and the answer cache are asked for by name
 PROMPT_LOOKUP_TOKENS = 10
 
 
@@ -123,6 +124,9 @@ def build_methods(
         "chain": Method("chain", "chain", chain, uses_head=True, budget=chain_depth),
         # the operating point the head's tau table and this host's costs choose: budget and draft sources
         "auto": Method("auto", "auto", {"tree_budget": "auto"}, uses_head=True),
+        # the head's lookup branch (the one the cache drafts in) and an answer cache shared by the run's prompts
+        # (`Bench.answer_caches`): each prompt drafts also from the answers of the prompts before it
+        "answers": Method("answers", "answers", {"tree_lookup": lookup_tokens}, uses_head=True),
         "path_conditioning": Method(
             f"tree-{default_budget}-pc",
             "path_conditioning",

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from modeling_jetspec.calibration import TOKEN_SOURCES
 
-SOURCES = TOKEN_SOURCES  # ("head", "lookup", "both", "target")
-_COLOURS = {"head": "\033[32m", "lookup": "\033[36m", "both": "\033[33m", "target": ""}  # green, cyan, yellow, own
+SOURCES = TOKEN_SOURCES  # ("head", "lookup", "both", "answers", "target"): "answers" only with an answer cache
+_COLOURS = {
+    "head": "\033[32m",
+    "lookup": "\033[36m",
+    "both": "\033[33m",
+    "answers": "\033[35m",
+    "target": "",
+}  # green, cyan, yellow, magenta
 _RESET = "\033[0m"
-_BRACKETS = {"head": ("[", "]"), "lookup": ("{", "}"), "both": ("<", ">"), "target": ("", "")}
+_BRACKETS = {"head": ("[", "]"), "lookup": ("{", "}"), "both": ("<", ">"), "answers": ("|", "|"), "target": ("", "")}
 
 
 def row_sources(stats, new_tokens: list, row: int = 0) -> list:
@@ -58,5 +64,7 @@ def legend(colour: bool) -> str:
 
 
 def counts(sources: list) -> str:
+    """Tokens per source, with its share; "answers" only where an answer cache proposed some."""
     total = max(len(sources), 1)
-    return ", ".join(f"{name} {sources.count(name)} ({100 * sources.count(name) / total:.0f}%)" for name in SOURCES)
+    named = [name for name in SOURCES if name != "answers" or name in sources]
+    return ", ".join(f"{name} {sources.count(name)} ({100 * sources.count(name) / total:.0f}%)" for name in named)

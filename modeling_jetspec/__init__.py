@@ -2,6 +2,7 @@
 
 from transformers import AutoConfig, AutoModel
 
+from .answer_cache import AnswerCache
 from .candidate_generator import JetSpecCandidateGenerator, chain_generate
 from .configuration_jetspec import JetSpecConfig, default_target_layer_ids
 from .state import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_shape
@@ -14,6 +15,7 @@ AutoConfig.register("jetspec", JetSpecConfig, exist_ok=True)
 AutoModel.register(JetSpecConfig, JetSpecDraftModel, exist_ok=True)
 
 __all__ = [
+    "AnswerCache",
     "JetSpecCandidateGenerator",
     "JetSpecConfig",
     "JetSpecContext",

@@ -163,7 +163,8 @@ def _sources(trees: DraftTrees | None, i: int, tokens: list) -> list:
         return ["target"] * len(tokens)
     head_tokens = trees.head_tokens[i] if trees.head_tokens is not None else None
     trie = trees.branches[i] if trees.branches is not None else None
-    return committed_sources(head_tokens, trie, tokens)
+    answers = trees.answers[i] if trees.answers is not None else None
+    return committed_sources(head_tokens, trie, tokens, answers)
 
 
 def _read_acceptance(acc: Acceptance, stops: torch.Tensor | None) -> tuple[list, list, list, list | None]:

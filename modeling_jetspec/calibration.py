@@ -6,14 +6,15 @@ the lookup prior, or 0 for the first continuation), or from both when they propo
 (`continuations.merge_children` keeps the higher). The two scales are not the same thing: a head probability of 0.6
 at depth 3 and a trie count share of 0.6 are accepted at different rates, and neither is accepted at 0.6.
 
-A calibration maps, per depth and per source ("head", "lookup", "both"), a node's conditional draft probability
+A calibration maps, per depth and per source ("head", "lookup", "both", "answers": see [`node_source`]), a node's conditional draft probability
 (binned into 10 bins of width 0.1) to the acceptance rate measured offline on held-out rows
 (`python -m training.evaluate_head --fit_calibration`): a monotone (isotonic) fit per (depth, source). The tree then
 ranks nodes by the log of their calibrated acceptance instead of their raw score. Scores choose which nodes enter
 the tree, never which tokens are committed: decoding stays lossless whatever the map says.
 
 In a head's config the map is `tree_calibration`: `{"<depth>:<source>": [10 acceptance rates]}`; a (depth, source)
-the map does not name keeps its raw score.
+the map does not name keeps its raw score, except an "answers" node (earlier calls' answers, `answer_cache.py`), mapped as a
+"lookup" node of its depth until the map names "answers".
 
 [`node_source`] is the one rule for who proposed a token; the round applies it again to what it commits
 ([`committed_sources`], `JetSpecStats.token_sources`), so the calibration's sources, `jetspec generate
@@ -24,7 +25,7 @@ the target chose itself, the round's bonus token or the prefill's, is "target".
 
 import math
 
-SOURCES = ("head", "lookup", "both")
+SOURCES = ("head", "lookup", "both", "answers")
 TOKEN_SOURCES = SOURCES + ("target",)  # a committed token's source (`JetSpecStats.token_sources`)
 BINS = 10
 FLOOR = 1e-6  # the smallest calibrated probability (a measured acceptance of 0 still ranks, last)
@@ -50,20 +51,23 @@ def check_calibration(table) -> dict | None:
     return table
 
 
-def node_source(head_tokens, trie: dict | None, path: tuple, token: int) -> str:
+def node_source(head_tokens, trie: dict | None, path: tuple, token: int, answers: dict | None = None) -> str:
     """Who proposed `token` after `path`: "head" (among the head's candidates at that depth, `head_tokens[len(path)]`),
-    "lookup" (a child of `path` in the model-free branch's `trie`) or "both". The row's own arguments come first, so
-    `functools.partial(node_source, head_tokens, trie)` is the row's `(path, token) -> source`."""
+    "lookup" (a child of `path` in the model-free branch's `trie`), "both", or "answers" (a child of `path` in the
+    answer cache's trie `answers`, `answer_cache.py`, and proposed by neither of the others). The row's own arguments
+    come first, so `functools.partial(node_source, head_tokens, trie)` is the row's `(path, token) -> source`."""
     depth = len(path)
     by_head = head_tokens is not None and depth < len(head_tokens) and token in head_tokens[depth]
     counts = trie.get(tuple(path)) if trie else None
     by_lookup = bool(counts) and token in counts
     if by_head and by_lookup:
         return "both"
+    if not by_head and not by_lookup and answers and token in answers.get(tuple(path), ()):
+        return "answers"
     return "lookup" if by_lookup else "head"
 
 
-def committed_sources(head_tokens, trie: dict | None, tokens: list) -> list:
+def committed_sources(head_tokens, trie: dict | None, tokens: list, answers: dict | None = None) -> list:
     """The source of each of a round's committed `tokens` (the accepted path, then the target's bonus token):
     [`node_source`] of every accepted draft token after the path before it, "target" for the last one.
 
@@ -73,9 +77,11 @@ def committed_sources(head_tokens, trie: dict | None, tokens: list) -> list:
             the branch proposed it.
         trie (`dict`, *optional*): the row's model-free branch (`DraftTrees.branches`); None: no branch.
         tokens (`list[int]`): what the round commits for the row, at least its bonus token.
+        answers (`dict`, *optional*): the row's answer-cache trie (`DraftTrees.answers`); None: no cache.
     """
     path = tokens[:-1]
-    return [node_source(head_tokens, trie, tuple(path[:depth]), token) for depth, token in enumerate(path)] + ["target"]
+    sources = [node_source(head_tokens, trie, tuple(path[:d]), token, answers) for d, token in enumerate(path)]
+    return sources + ["target"]
 
 
 def probability_bin(probability: float) -> int:
@@ -87,6 +93,8 @@ def calibrated_logprob(table: dict, depth: int, source: str, logprob: float) -> 
     """A node's score under `table` (a config's `tree_calibration`): the log of the measured acceptance of its bin, or
     its own `logprob` where the table has no entry for (depth, source)."""
     rates = table.get(f"{depth}:{source}")
+    if rates is None and source == "answers":  # scored by the lookup prior as the trie is: its map until one is fitted
+        rates = table.get(f"{depth}:lookup")
     if rates is None:
         return logprob
     return math.log(max(rates[probability_bin(math.exp(min(logprob, 0.0)))], FLOOR))

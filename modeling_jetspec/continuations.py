@@ -10,6 +10,9 @@ Scores: a trie child's conditional log-prob is the measured survival ratio of a 
 depth (the head's `tree_lookup_prior`, as for the single chain) times the child's share of its parent's count.
 With a single earlier occurrence this is exactly the single chain's score.
 
+The same counts over the answers of earlier calls (`answer_cache.AnswerCache`, `jetspec_answer_cache=`) are merged
+the same way and scored by the same prior ([`RowIndexes.answer_branch`]).
+
 [`LookupRecord`] (`tree_lookup_record=True`) lets the branch's record in the call move those survival ratios: per
 row and match order, how often the target continued along the branch at each depth in recent rounds, mixed with the
 prior. A row stuck in a loop, whose chain the target keeps following, thus scores its chain above the prior.
@@ -69,12 +72,7 @@ class NgramIndex:
         first n with a match), up to `length` tokens each: `({path: Counter(next token)}, n)`, `({}, 0)` without a
         match."""
         n, starts = self._earlier(max_occurrences)
-        trie: dict = {}
-        for start in starts:
-            follow = self.tokens[start + n : start + n + length]
-            for depth, token in enumerate(follow):
-                trie.setdefault(tuple(follow[:depth]), Counter())[token] += 1
-        return trie, n
+        return count_continuations([self.tokens[start + n : start + n + length] for start in starts]), n
 
     def chain(self, count: int) -> tuple[list, int]:
         """The `count` tokens after the most recent earlier occurrence of the longest matching suffix, and its
@@ -85,8 +83,42 @@ class NgramIndex:
         return self.tokens[starts[0] + n : starts[0] + n + count], n
 
 
+def count_continuations(follows: list) -> dict:
+    """The trie `{path: Counter(next token)}` of the continuations `follows` (lists of tokens), each counted once
+    along its path."""
+    trie: dict = {}
+    for follow, count in Counter(map(tuple, follows)).items():  # repeated continuations are walked once
+        path = ()
+        for token in follow:
+            counts = trie.get(path)
+            if counts is None:
+                counts = trie[path] = Counter()
+            counts[token] += count
+            path += (token,)
+    return trie
+
+
 class RowIndexes(dict):
-    """`{batch row: NgramIndex}` of one `generate` call, kept across its rounds (`state.Call.lookup_index`)."""
+    """`{batch row: NgramIndex}` of one `generate` call, kept across its rounds (`state.Call.lookup_index`), and the
+    call's answer cache (`answers`: an `answer_cache.AnswerCache` shared across calls, or None).
+
+    Args:
+        answers (`AnswerCache`, *optional*): the earlier answers the rows' trees also draft from ([`answer_branch`]).
+    """
+
+    def __init__(self, answers=None):
+        super().__init__()
+        self.answers = answers
+
+    def answer_branch(self, history: list, length: int, prior) -> tuple[dict, list | None, int]:
+        """The answer cache's branch for a row whose committed tokens are `history`, as `steps._lookup_branch`
+        gives the row's own: `(trie, prior, order)`, the trie of the answers' continuations of the row's last n
+        tokens (up to `length` tokens each; `{}` without a cache or a match), scored by the lookup `prior` as the
+        row's own trie is ([`trie_children`])."""
+        if self.answers is None:
+            return {}, None, 0
+        trie, order = self.answers.trie(history, length, len(prior) if prior else LOOKUP_MAX_NGRAM)
+        return trie, prior or None, order
 
     def updated(self, row: int, history: list, max_ngram: int) -> NgramIndex:
         """Row `row`'s index brought up to `history`; built anew when the history is not an extension of what it

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from .compat import pad_token_tensor, pads_finished_rows
-from .continuations import LookupRecord
+from .continuations import LookupRecord, RowIndexes
 from .host_costs import operating_point
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState
 from .processors import check_processors, choose_token, pick_token, processors_per_row
@@ -39,6 +39,7 @@ def _decode(
     jetspec_streamer=None,
     jetspec_verifier=None,
     jetspec_round_hook=None,
+    jetspec_answer_cache=None,
     **model_kwargs,
 ):
     """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
@@ -54,6 +55,7 @@ def _decode(
     call = _start_call(
         input_ids, shape, jetspec_verifier, logits_processor, stopping_criteria, generation_config, streamer
     )
+    call.lookup_index = RowIndexes(answers=jetspec_answer_cache)  # earlier calls' answers (`answer_cache.py`)
     # a lookup chain may be accepted past the head's depths
     stats = JetSpecStats(accepted_at_depth=[0] * max(shape.depth, shape.lookup))
     stats.operating_point = point.as_dict() if point is not None else None
@@ -68,6 +70,9 @@ def _decode(
         state = _round(head, call, state, stats, timer, jetspec_round_hook)
         _stream(call)
     stats.total_seconds = (clock() if timed else time.perf_counter()) - started
+    if jetspec_answer_cache is not None:  # each row's new tokens, the prompt excluded (`answer_cache.py`)
+        for row in call.history:
+            jetspec_answer_cache.add(row[input_ids.shape[1] : call.end()])
     return _finish(head, call, stats, generation_config, input_ids.shape[1])
 
 

@@ -49,7 +49,14 @@ def best_path(trees: DraftTrees) -> DraftTrees:
     ancestors = torch.ones(k + 1, k + 1, dtype=torch.bool, device=nodes.device).tril().expand(a, -1, -1)
     tokens = trees.tokens.gather(1, nodes - 1)  # (A, k); the draft's branches and head tokens name their sources
     return DraftTrees(
-        tokens, parents, depths, ancestors, trees.budget, branches=trees.branches, head_tokens=trees.head_tokens
+        tokens,
+        parents,
+        depths,
+        ancestors,
+        trees.budget,
+        branches=trees.branches,
+        head_tokens=trees.head_tokens,
+        answers=trees.answers,
     )
 
 

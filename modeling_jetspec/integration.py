@@ -18,6 +18,7 @@ import os
 import torch
 from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
+from .answer_cache import AnswerCache
 from .budget import DEFAULT_CANDIDATES
 from .compat import attn_implementation
 from .configuration_jetspec import TREE_FIELDS
@@ -39,6 +40,7 @@ GENERATE_HONOURED = (
     "prefix_allowed_tokens_fn",
     "tokenizer",
     "trust_remote_code",
+    "jetspec_answer_cache",  # the loop's own (`answer_cache.py`), checked by [`check_answer_cache`]
 )
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
 UNSUPPORTED_GENERATION = {
@@ -100,6 +102,7 @@ def tree_generate(head, target, *args, **kwargs):
     static = resolve_static(kwargs)  # jetspec_static / cache_implementation="static": `static.py`
     verify_linear = kwargs.pop("verify_linear", None) or "auto"  # the verify's linear form: "auto", "linear", "mm"
     round_hook = check_round_hook(kwargs.pop("jetspec_round_hook", None))  # called with each round's record
+    answers = check_answer_cache(kwargs.get("jetspec_answer_cache"), shape)  # passed on to the loop
     check_generate_kwargs(kwargs)
     _check_lengths(kwargs)
     prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -123,7 +126,7 @@ def tree_generate(head, target, *args, **kwargs):
     # refuses layer kinds no verifier handles and unknown settings, before any work
     verifier = verifier_for(target, head, tree_verify, verify_linear)
     if static is not None:
-        verifier = static_verifier(target, head, shape, verifier, static)
+        verifier = static_verifier(target, head, shape, verifier, static, answers is not None)
     impl = attn_implementation(target)
     # flex_attention takes the tree mask as a BlockMask (`steps.verify`); the hybrid verifier builds float masks only
     flex_kept = impl == "flex_attention" and isinstance(verifier, TreeVerifier)
@@ -150,6 +153,21 @@ def tree_generate(head, target, *args, **kwargs):
     finally:
         if switch:
             target.set_attn_implementation(impl)
+
+
+def check_answer_cache(cache, shape: TreeShape) -> AnswerCache | None:
+    """`jetspec_answer_cache` checked: None, or an [`AnswerCache`] with a lookup branch to draft in (its continuations
+    are as long as the branch's and scored by its prior)."""
+    if cache is None:
+        return None
+    if not isinstance(cache, AnswerCache):
+        raise ValueError(f"expected jetspec_answer_cache to be an AnswerCache or None, got {type(cache).__name__}")
+    if not shape.lookup:
+        raise ValueError(
+            "expected tree_lookup >= 1 with jetspec_answer_cache (the cached answers draft as the lookup branch "
+            "does, as long and scored by its prior), got tree_lookup=0"
+        )
+    return cache
 
 
 def _as_int(value):

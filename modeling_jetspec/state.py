@@ -205,6 +205,7 @@ class DraftTrees:
     # `{path: Counter(next token)}` (`{}`: no match); None: the trees were drafted without one
     head_tokens: list | None = None  # (A,) per row and depth 1..N, the head's top-W target tokens (what every branch
     # at that depth was offered); None: not at hand
+    answers: list | None = None  # (A,) each row's answer-cache trie (`answer_cache.py`); None: drafted without one
 
     def max_depth(self) -> int:
         """The deepest node's depth, from the host trees (n, the deepest possible, without them): no read."""

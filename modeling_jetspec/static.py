@@ -101,7 +101,7 @@ def compile_options(device: torch.device, config=None) -> dict:
     return {"dynamic": False, "mode": "reduce-overhead" if device.type == "cuda" else None}
 
 
-def static_verifier(target, head, shape: TreeShape, verifier, mode: str) -> "StaticVerifier":
+def static_verifier(target, head, shape: TreeShape, verifier, mode: str, answers: bool = False) -> "StaticVerifier":
     """The call's [`StaticVerifier`]; refuses, before any work, what the static path cannot run."""
     if not isinstance(verifier, TreeVerifier):
         raise ValueError(
@@ -122,7 +122,7 @@ def static_verifier(target, head, shape: TreeShape, verifier, mode: str) -> "Sta
         raise ValueError(
             "expected path_conditioning=False on the static path (its second draft pass has another shape), got True"
         )
-    return StaticVerifier(target, head, shape, mode)
+    return StaticVerifier(target, head, shape, mode, answers)
 
 
 def static_decode(
@@ -137,6 +137,7 @@ def static_decode(
     jetspec_streamer=None,
     jetspec_verifier=None,
     jetspec_round_hook=None,
+    jetspec_answer_cache=None,
     **model_kwargs,
 ):
     """`decode._decode` once the static verifier knows the call's batch, lengths and compile settings (what
@@ -154,6 +155,7 @@ def static_decode(
         jetspec_streamer=jetspec_streamer,
         jetspec_verifier=jetspec_verifier,
         jetspec_round_hook=jetspec_round_hook,
+        jetspec_answer_cache=jetspec_answer_cache,
         **model_kwargs,
     )
 
@@ -227,11 +229,12 @@ class StaticVerifier:
     """The [`Verifier`] of the static path (see the module's docstring), and its drafter (`decode._round` drafts
     through a verifier's `draft` where it has one) and row selection (`decode._first_token`)."""
 
-    def __init__(self, target, head, shape: TreeShape, mode: str):
+    def __init__(self, target, head, shape: TreeShape, mode: str, answers: bool = False):
         self.target, self.head, self.shape, self.mode = target, head, shape, mode
         self.target_forwards = 0
         self.repacks = 0  # times the holes were squeezed out ([`repack`])
         extra = shape.lookup * (1 if shape.lookup_branches == "chain" else MAX_OCCURRENCES)
+        extra += shape.lookup * MAX_OCCURRENCES if answers else 0  # an answer cache's trie (`answer_cache.py`)
         # the most draft nodes a tree can have: its budget, at most a full tree plus the model-free branch
         self.nodes = min(shape.budget, max_tree_nodes(shape.depth, shape.width) + extra)
         self.batch = self.length = None
@@ -333,9 +336,9 @@ class StaticVerifier:
             mark()
         if state.rows.shape[0] < self.batch:
             logits = logits[state.rows]
-        trees, _, branches, head_tokens = draft_trees(head, logits, shape, budget, histories, record, indexes)
+        trees, _, branches, head_tokens, answers = draft_trees(head, logits, shape, budget, histories, record, indexes)
         padded = self._padded(trees, state.anchors.device)
-        padded.branches, padded.head_tokens = branches, head_tokens
+        padded.branches, padded.head_tokens, padded.answers = branches, head_tokens, answers
         return padded
 
     def _padded(self, trees: list, device) -> DraftTrees:

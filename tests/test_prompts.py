@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jetspec.prompts import SUITES, load_prompts
+from jetspec.prompts import CONVERSATIONS, SUITES, load_conversations, load_prompts
 
-EXPECTED_COUNTS = {"gsm8k": 100, "humaneval": 164, "mtbench": 80}
+EXPECTED_COUNTS = {"gsm8k": 100, "humaneval": 164, "mtbench": 80, "repeated": 48}
 ROOT = Path(__file__).resolve().parent.parent
 EVALUATION_DIR = ROOT / "jetspec" / "prompts"
 TRAINING_DIR = ROOT / "training" / "prompts"
@@ -24,7 +24,8 @@ def load_training_prompts(name: str = "sharegpt_train.jsonl") -> list[dict]:
 
 
 def test_suites_constant():
-    assert SUITES == ("gsm8k", "humaneval", "mtbench")
+    assert SUITES == ("gsm8k", "humaneval", "mtbench", "repeated")
+    assert CONVERSATIONS == ("mtbench_turn2",)
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -71,13 +72,53 @@ def test_suite_specific_fields():
 
 
 def test_unknown_suite_raises():
-    with pytest.raises(ValueError, match="unknown suite 'x': expected one of gsm8k, humaneval, mtbench"):
+    with pytest.raises(ValueError, match="unknown suite 'x': expected one of gsm8k, humaneval, mtbench, repeated"):
         load_prompts("x")
+    with pytest.raises(ValueError, match="unknown suite 'mtbench_turn2'"):
+        load_prompts("mtbench_turn2")  # conversations are not single prompts
+    with pytest.raises(ValueError, match="unknown conversation set 'mtbench': expected one of mtbench_turn2"):
+        load_conversations("mtbench")
+
+
+def test_mtbench_turn2_holds_both_turns_of_every_first_turn():
+    """Each conversation's first turn is the `mtbench` suite's prompt of the same id, followed by its second."""
+    conversations = load_conversations("mtbench_turn2")
+    first = {row["id"]: row for row in load_prompts("mtbench")}
+    assert [row["id"] for row in conversations] == list(first)
+    for row in conversations:
+        assert len(row["turns"]) == 2 and all(isinstance(t, str) and t.strip() for t in row["turns"])
+        assert row["turns"][0] == first[row["id"]]["prompt"] and row["category"] == first[row["id"]]["category"]
+        assert row["turns"][1] != row["turns"][0]
+    assert load_conversations("mtbench_turn2", limit=3) == conversations[:3]
+
+
+def test_repeated_workload_repeats_four_tasks_over_twelve_items_each():
+    """The same task over different inputs, in rounds: every `limit` of 4k prompts holds each task k times, and each
+    input is an item of the GSM8K suite or a HumanEval problem (the suites it is not independent of)."""
+    rows = load_prompts("repeated")
+    tasks = [row["task"] for row in rows]
+    assert tasks[:4] == sorted(set(tasks), key=tasks.index) and len(set(tasks)) == 4
+    assert all(tasks[k] == tasks[k % 4] for k in range(len(rows)))
+    gsm8k = {row["id"]: row["prompt"] for row in load_prompts("gsm8k")}
+    humaneval = {row["id"]: row["prompt"] for row in load_prompts("humaneval")}
+    for row in rows:
+        task, _, item = row["id"].partition("/")
+        assert task == row["task"]
+        if item in gsm8k:
+            assert row["prompt"].endswith(gsm8k[item])
+        else:  # the HumanEval problem's code, inside the suite's prompt for it
+            code = row["prompt"].split("```python\n", 1)[1].removesuffix("```")
+            assert code in humaneval[item]
+    for task in set(tasks):
+        prompts = [row["prompt"] for row in rows if row["task"] == task]
+        assert len(set(prompts)) == 12 and len({p[:40] for p in prompts}) == 1  # one template, twelve inputs
 
 
 def test_package_holds_only_the_evaluation_suites():
     """The training prompts stay out of the wheel: `jetspec/prompts/` (package data) holds the suites' files only."""
-    assert sorted(p.name for p in EVALUATION_DIR.glob("*.jsonl")) == [f"{suite}.jsonl" for suite in SUITES]
+    assert sorted(p.name for p in EVALUATION_DIR.glob("*.jsonl")) == sorted(
+        f"{s}.jsonl" for s in SUITES + CONVERSATIONS
+    )
     assert sorted(p.name for p in TRAINING_DIR.glob("*.jsonl")) == ["sharegpt_train.jsonl", "train_mix.jsonl"]
 
 
@@ -115,7 +156,7 @@ def test_vendored_files_match_build_script(tmp_path, monkeypatch):
     assert script.main(["--out", str(evaluation), "--train-out", str(training)]) == 0
 
     for built_dir, vendored, expected in (
-        (evaluation, EVALUATION_DIR, {f"{suite}.jsonl" for suite in SUITES} | {"LICENSES.md"}),
+        (evaluation, EVALUATION_DIR, {f"{suite}.jsonl" for suite in SUITES + CONVERSATIONS} | {"LICENSES.md"}),
         (training, TRAINING_DIR, {"sharegpt_train.jsonl", "LICENSES.md"}),
     ):
         built = sorted(p.relative_to(built_dir) for p in built_dir.rglob("*") if p.is_file())
