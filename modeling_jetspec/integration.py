@@ -92,6 +92,20 @@ def check_generate_kwargs(kwargs: dict):
             )
 
 
+def _checked_prompt(args, kwargs):
+    """The call's prompt (positional, `inputs` or `input_ids`), refused unless `(batch, length)` with a mask of its
+    shape; checked here: `generate` drops an all-ones mask before the loop sees it, whatever its shape."""
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
+        raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
+    mask = kwargs.get("attention_mask")
+    if isinstance(prompt, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.shape != prompt.shape:
+        raise ValueError(
+            f"expected an attention_mask of the shape of input_ids {tuple(prompt.shape)}, got {tuple(mask.shape)}"
+        )
+    return prompt
+
+
 def tree_generate(head, target, *args, **kwargs):
     """Route `target.generate(..., assistant_model=head)` to tree decoding; see `JetSpecDraftModel.tree_generate`."""
     kwargs.pop("assistant_model", None)
@@ -105,15 +119,7 @@ def tree_generate(head, target, *args, **kwargs):
     answers = check_answer_cache(kwargs.get("jetspec_answer_cache"), shape)  # passed on to the loop
     check_generate_kwargs(kwargs)
     _check_lengths(kwargs)
-    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if isinstance(prompt, torch.Tensor) and (prompt.dim() != 2 or prompt.shape[-1] == 0):
-        raise ValueError(f"expected a non-empty prompt of shape (batch, length), got shape {tuple(prompt.shape)}")
-    mask = kwargs.get("attention_mask")
-    # checked here: `generate` drops an all-ones mask before the loop sees it, whatever its shape
-    if isinstance(prompt, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.shape != prompt.shape:
-        raise ValueError(
-            f"expected an attention_mask of the shape of input_ids {tuple(prompt.shape)}, got {tuple(mask.shape)}"
-        )
+    prompt = _checked_prompt(args, kwargs)
     if head.device != target.device:
         raise ValueError(
             f"expected the head on the target's device {target.device}, got {head.device}: move it with "

@@ -108,6 +108,7 @@ def test_decode_mirrors_sample_and_receives_its_own_arguments():
     assert compat.custom_decode_kwargs(_decode) - {"model"} == {
         "jetspec_head",
         "jetspec_round_hook",
+        "jetspec_answer_cache",
         "jetspec_shape",
         "jetspec_streamer",
         "jetspec_verifier",
