@@ -18,7 +18,8 @@ Methods:
   and this host's measured costs (`modeling_jetspec/budget.py`), recorded per prompt as `operating_point`.
 - `trie`: the tree with the trie of every earlier continuation (`tree_lookup_branches="trie"`, `tree-B-trie`).
 - `path_conditioning`: the tree at the head's default budget with `path_conditioning=True` (`tree-B-pc`), next to
-  `tree-B` without it.
+  `tree-B` without it. A head whose default is `tree_budget="auto"` runs it at the largest of the run's budgets
+  instead ([`path_conditioning_budget`]): path conditioning needs a fixed budget (its trees are not nested).
 - `lookup`: the tree with a prompt-lookup branch of L tokens (`tree_lookup=L`, the head's default, else the tree
   depth; `tree-B-lookup`), one method per budget: the head and transformers-style n-gram drafting in one verify
   forward. With the head's `tree_lookup_prior` the chain's tokens compete with the head's nodes at their measured
@@ -123,6 +124,7 @@ __all__ = [
     "limit_speedup",
     "phase_figures",
     "measure_costs",
+    "path_conditioning_budget",
     "portable_name",
     "run_benchmark",
     "with_baseline",
@@ -432,7 +434,11 @@ def run_benchmark(
 def _bench(target, tokenizer, head, config: BenchConfig, float32_logits, baseline_head=None) -> Bench:
     """The run's constants; the lookup methods use the head's own chain length when it has one."""
     plan = build_methods(
-        config.methods, config.budgets, head.config.tree_depth, head.config.tree_budget, head.config.tree_lookup
+        config.methods,
+        config.budgets,
+        head.config.tree_depth,
+        path_conditioning_budget(head.config.tree_budget, config.budgets),
+        head.config.tree_lookup,
     )
     if baseline_head is not None:
         plan = with_baseline(plan)
@@ -441,6 +447,13 @@ def _bench(target, tokenizer, head, config: BenchConfig, float32_logits, baselin
     if pad is not None:
         common["pad_token_id"] = pad
     return Bench(target, tokenizer, head, plan, common, float32_logits, config.tie_tolerance, baseline_head)
+
+
+def path_conditioning_budget(default, budgets) -> int:
+    """The budget of the `path_conditioning` method: the head's default `tree_budget`, or, where the default is
+    `"auto"` (a point chosen per call, which path conditioning refuses: its trees are not nested), the largest of the
+    run's `budgets`."""
+    return max(budgets) if default == "auto" else default
 
 
 def _measure_prompts(bench: Bench, prompts: list, progress: bool) -> list[PromptRow]:

@@ -264,6 +264,7 @@ def split_stats(stats: JetSpecStats, counts: list) -> list:
         row.target_forwards += outside
         row.new_tokens += 1  # the prefill's token
         row.token_sources = [sources[i][:count] if count is not None else sources[i]]
+        row.operating_point = stats.operating_point  # one point for the whole batched call
     return rows
 
 

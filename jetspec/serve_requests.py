@@ -350,4 +350,5 @@ def tree_report(stats, new_ids: list, seconds: float) -> dict:
         "acceptance_per_depth": stats.acceptance_per_depth,
         "tokens_by_source": {name: sources.count(name) for name in SOURCES},
         "seconds": seconds,
+        "operating_point": stats.operating_point,  # tree_budget="auto": the budget and sources chosen, else None
     }

@@ -16,7 +16,8 @@ Owns two ways in, both lossless because transformers' loop verifies every candid
   vector and keeps its context per generator cache.
 
 Trees, batches > 1, sampling with per-node processors and hybrid targets go through the tree loop instead
-(`integration.py`): transformers' loop is batch 1 and verifies one chain per target forward.
+(`integration.py`): transformers' loop is batch 1 and verifies one chain per target forward. Neither reads the head's
+`tree_budget` (a fixed number or `"auto"`): a chain's length is `tree_depth` (or the lookup's), not a node budget.
 """
 
 from __future__ import annotations

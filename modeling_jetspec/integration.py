@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, StoppingCriteriaList, StopStringCriteria
 
 from .answer_cache import AnswerCache
-from .budget import DEFAULT_CANDIDATES
+from .budget import DEFAULT_CANDIDATES, LOOKUP_TOKENS
 from .compat import attn_implementation
 from .configuration_jetspec import TREE_FIELDS
 from .decode import _decode
@@ -241,8 +241,9 @@ def check_tree_bounds(shape: TreeShape, head, target, batch: int, prompt_length:
             f"expected tree_width <= {draft_vocab} (the head's draft vocabulary: a node has at most that many "
             f"children), got {shape.width}"
         )
-    budget = max(DEFAULT_CANDIDATES) if shape.budget == "auto" else shape.budget
-    n = min(budget, max_tree_nodes(shape.depth, shape.width) + shape.lookup)
+    auto = shape.budget == "auto"  # any candidate point: up to the largest budget, lookup on where the shape has none
+    budget, lookup = (max(DEFAULT_CANDIDATES), shape.lookup or LOOKUP_TOKENS) if auto else (shape.budget, shape.lookup)
+    n = min(budget, max_tree_nodes(shape.depth, shape.width) + lookup)
     config = target.config.get_text_config()
     element = torch.finfo(target.dtype).bits // 8 if target.dtype.is_floating_point else 4
     per_row = (n + 1) * (

@@ -24,9 +24,14 @@ Compiled (`"compile"`), [`verify_forward`] and [`draft_forward`] run through `to
 `mode="reduce-overhead"`, CUDA graphs, on CUDA; a `compile_config` in the generation config overrides). The
 cache length is rounded up to a multiple of `LENGTH_BUCKET`, so calls of nearby lengths share a compiled graph.
 
-Refused on this path, by name: `tree_budget="auto"` (the buffers are sized before it would choose a budget),
-`path_conditioning=True` (its second draft pass has another shape), targets with recurrent or convolution layers,
-sliding-window targets (a static sliding layer keeps a ring of the window, not the columns the tree loop moves).
+A `tree_budget="auto"` call (a head whose config says so, or the call's argument) picks its operating point, one
+budget and draft sources for the whole call (`host_costs.operating_point`), in [`static_decode`] once the batch is
+known and before the buffers are sized, so its node count is fixed per call as on any other budget. The costs it
+weighs are the default path's, cached per host (`host_costs.py`): both paths choose the same point.
+
+Refused on this path, by name: `path_conditioning=True` (its second draft pass has another shape), targets with
+recurrent or convolution layers, sliding-window targets (a static sliding layer keeps a ring of the window, not the
+columns the tree loop moves).
 """
 
 import copy
@@ -38,6 +43,7 @@ from transformers.cache_utils import StaticCache, StaticLayer
 from .compat import compile_all_devices, mark_static_address
 from .continuations import MAX_OCCURRENCES, RowIndexes
 from .decode import _decode
+from .host_costs import operating_point
 from .layers import JetSpecContext
 from .state import Acceptance, DraftTrees, TreeShape
 from .compaction import gather_nodes
@@ -113,11 +119,6 @@ def static_verifier(target, head, shape: TreeShape, verifier, mode: str, answers
             f"expected a target without sliding-window layers on the static path, got {type(target).__name__} with "
             "sliding_window: a static sliding layer keeps a ring of the window, not the tree loop's columns"
         )
-    if shape.budget == "auto":
-        raise ValueError(
-            "expected a fixed tree_budget on the static path (its buffers are sized for a node count before "
-            "tree_budget='auto' would choose one), got 'auto'"
-        )
     if shape.path_conditioning:
         raise ValueError(
             "expected path_conditioning=False on the static path (its second draft pass has another shape), got True"
@@ -140,10 +141,14 @@ def static_decode(
     jetspec_answer_cache=None,
     **model_kwargs,
 ):
-    """`decode._decode` once the static verifier knows the call's batch, lengths and compile settings (what
-    `generate` has prepared by now)."""
-    jetspec_verifier.plan(input_ids.shape[0], generation_config)
-    return _decode(
+    """`decode._decode` once the static verifier knows the call's batch, lengths, compile settings (what `generate`
+    has prepared by now) and tree: a `tree_budget="auto"` call's operating point is chosen here, for this batch, and
+    recorded in the call's statistics (`JetSpecStats.operating_point`) as on the default path."""
+    shape, point = jetspec_shape, None
+    if shape.budget == "auto":  # the static path's verifier is always a `TreeVerifier`: tree_verify "auto"
+        shape, point = operating_point(jetspec_head, model, shape, input_ids.shape[0])
+    jetspec_verifier.plan(input_ids.shape[0], generation_config, shape)
+    out = _decode(
         model,
         input_ids,
         logits_processor,
@@ -151,13 +156,16 @@ def static_decode(
         generation_config,
         synced_gpus,
         jetspec_head=jetspec_head,
-        jetspec_shape=jetspec_shape,
+        jetspec_shape=shape,
         jetspec_streamer=jetspec_streamer,
         jetspec_verifier=jetspec_verifier,
         jetspec_round_hook=jetspec_round_hook,
         jetspec_answer_cache=jetspec_answer_cache,
         **model_kwargs,
     )
+    if point is not None:  # the same statistics object as the output's `jetspec_stats`
+        jetspec_head.last_stats.operating_point = point.as_dict()
+    return out
 
 
 @dataclass
@@ -225,6 +233,15 @@ def draft_forward(head, anchors, anchor_pos, keys: list, values: list, valid, la
     return draft_block(head, context, anchors, anchor_pos[:, None], depth)
 
 
+def tree_nodes(shape: TreeShape, answers: bool = False) -> int:
+    """The most draft nodes a tree of `shape` (a fixed budget) can have: its budget, at most a full tree plus the
+    model-free branch (a chain, or every occurrence's continuation for the trie) and, with an answer cache
+    (`answers`), its trie."""
+    extra = shape.lookup * (1 if shape.lookup_branches == "chain" else MAX_OCCURRENCES)
+    extra += shape.lookup * MAX_OCCURRENCES if answers else 0
+    return min(shape.budget, max_tree_nodes(shape.depth, shape.width) + extra)
+
+
 class StaticVerifier:
     """The [`Verifier`] of the static path (see the module's docstring), and its drafter (`decode._round` drafts
     through a verifier's `draft` where it has one) and row selection (`decode._first_token`)."""
@@ -233,18 +250,20 @@ class StaticVerifier:
         self.target, self.head, self.shape, self.mode = target, head, shape, mode
         self.target_forwards = 0
         self.repacks = 0  # times the holes were squeezed out ([`repack`])
-        extra = shape.lookup * (1 if shape.lookup_branches == "chain" else MAX_OCCURRENCES)
-        extra += shape.lookup * MAX_OCCURRENCES if answers else 0  # an answer cache's trie (`answer_cache.py`)
-        # the most draft nodes a tree can have: its budget, at most a full tree plus the model-free branch
-        self.nodes = min(shape.budget, max_tree_nodes(shape.depth, shape.width) + extra)
+        self.answers = answers  # an answer cache's trie may join each tree (`answer_cache.py`)
+        self.nodes = None if shape.budget == "auto" else tree_nodes(shape, answers)  # "auto": set by [`plan`]
         self.batch = self.length = None
         self.compiled, self.options = False, {}
         self._round = None  # (depths (B, n + 1), features (B, n + 1, kH)) of the last verify, all rows
 
     # ----------------------------------------------------------------------------------------------- setup
-    def plan(self, batch: int, generation_config):
-        """The call's batch, cache length (`max_length` plus one verify, rounded up to `LENGTH_BUCKET`) and
-        compile settings."""
+    def plan(self, batch: int, generation_config, shape: TreeShape | None = None):
+        """The call's batch, cache length (`max_length` plus one verify, rounded up to `LENGTH_BUCKET`), compile
+        settings and, where given, its `shape` at a fixed budget (a `tree_budget="auto"` call's operating point)."""
+        self.shape = shape if shape is not None else self.shape
+        if self.shape.budget == "auto":
+            raise ValueError("expected the call's tree at its operating point on the static path, got budget 'auto'")
+        self.nodes = tree_nodes(self.shape, self.answers)
         self.batch = batch
         needed = generation_config.max_length + self.nodes + 1
         self.length = -(-needed // LENGTH_BUCKET) * LENGTH_BUCKET

@@ -8,7 +8,10 @@
                                                         # it would ship (offline results only), for `--head`
 
 The new head ships only if both judgements on identical text put it ahead at the shipped operating point (the
-head's defaults: tree budget 8 with the trie of earlier continuations):
+head's defaults: tree budget 8 with the trie of earlier continuations). A head whose default is `tree_budget="auto"`
+chooses its point per host from measured costs, which an offline judgement has none of: it is judged at its fallback
+point, `modeling_jetspec.budget.FALLBACK_BUDGET` (8) with its own sources, the same rule as the offline evaluator's
+(`training.evaluate_head.offline_budget`); the decision records the budget as `defaults_budget`:
 
 - offline tau on the held-out shipping rows (`offline-defaults.json`, `training.evaluate_head`, the feature-store
   path the recipe issue checked against real decoding);
@@ -32,9 +35,11 @@ import json
 from pathlib import Path
 
 from jetspec.report import every_prompt
-from training.shipping import replace_head, stage_head
+from modeling_jetspec.budget import FALLBACK_BUDGET
+from training.shipping import replace_head, shipped_tree_budget, stage_head
 
-DEFAULTS_METHOD = "tree-8-lookup"  # the bench's name for budget 8 with the head's own lookup branch (the trie)
+DEFAULTS_BUDGET = FALLBACK_BUDGET  # the defaults judged offline: a fixed 8, or "auto" at its fallback point (8)
+DEFAULTS_METHOD = f"tree-{DEFAULTS_BUDGET}-lookup"  # the bench's name for it with the head's own lookup branch
 
 
 def _load(path: Path) -> dict:
@@ -43,7 +48,7 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _offline_tau(result: dict, head: str, path: Path, budget: str = "8") -> float:
+def _offline_tau(result: dict, head: str, path: Path, budget: str = str(DEFAULTS_BUDGET)) -> float:
     heads = result.get("heads", {})
     if head not in heads or budget not in heads[head]:
         raise ValueError(f"expected head {head} at budget {budget} in {path}, got heads {sorted(heads)}")
@@ -84,6 +89,7 @@ def offline_decision(results: Path, new: str, shipped: str, now: dict) -> dict:
             "shipped": _offline_tau(offline, shipped, offline_path),
         },
         "offline_rows": offline.get("rows"),
+        "defaults_budget": DEFAULTS_BUDGET,
     }
     alone_path = results / "offline-head-alone.json"
     if alone_path.is_file():
@@ -178,7 +184,7 @@ def main(argv=None) -> dict:
         decision = offline_decision(results, args.new, args.shipped, current_weights(args.new, args.shipped))
         decision["candidate"] = str(args.candidate)
         calibration = kept_map(results, decision["keep_calibration"])
-        decision["written"] = stage_head(args.new, args.candidate, calibration)
+        decision["written"] = stage_head(args.new, args.candidate, calibration, shipped_tree_budget(args.shipped))
         print(json.dumps(decision, indent=1))
         return decision
     decision = decide(results, args.new, args.shipped)

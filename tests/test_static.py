@@ -198,10 +198,9 @@ def test_static_cache_implementation_takes_the_static_path(verifiers):
     [
         (dict(jetspec_static="fast"), r"jetspec_static in \(None, False, True, 'eager', 'compile'\), got 'fast'"),
         (dict(jetspec_static=False, cache_implementation="static"), "jetspec_static unset .* got False"),
-        (dict(jetspec_static="eager", tree_budget="auto"), "fixed tree_budget on the static path .*got 'auto'"),
         (dict(jetspec_static="eager", path_conditioning=True), "path_conditioning=False on the static path"),
     ],
-    ids=["value", "conflict", "auto-budget", "path-conditioning"],
+    ids=["value", "conflict", "path-conditioning"],
 )
 def test_what_the_static_path_cannot_run_is_refused(kwargs, message):
     target = tiny_target("llama")

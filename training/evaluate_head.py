@@ -34,6 +34,7 @@ import torch
 from transformers import TrainerCallback
 
 from jetspec.provenance import weights_identity
+from modeling_jetspec.budget import FALLBACK_BUDGET
 from modeling_jetspec.calibration import check_calibration, to_config
 from modeling_jetspec.state import TreeShape, resolve_tree_shape
 from modeling_jetspec.tree import TREE_SCORINGS
@@ -47,6 +48,14 @@ DEFAULT_BUDGETS = (8, 16, 32, 64)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer's hook
+def offline_budget(default) -> int:
+    """The budget a head's default `tree_budget` is scored at offline, where no host costs are measured: a fixed
+    default as it is, `"auto"` at the head's fallback point ([`budget.FALLBACK_BUDGET`], with the head's own draft
+    sources: what `"auto"` decodes at without a `tau_by_budget`, `budget.fallback_point`). Results record the
+    budget they used; a budget given explicitly (`--budgets`) always wins."""
+    return FALLBACK_BUDGET if default == "auto" else default
+
+
 def tree_shape(
     head,
     budget: int | None = None,
@@ -55,9 +64,12 @@ def tree_shape(
     lookup_settings=None,
     calibration=None,
 ) -> TreeShape:
-    """The tree a head drafts at its defaults, with `budget`, the model-free branch on or off, and `tree_key`;
-    `lookup_settings` (a head config) lends its model-free branch settings (a head that has none of its own);
-    `calibration` replaces the head's `tree_calibration` (a map, or False for raw scores)."""
+    """The tree a head drafts at its defaults (a default of `"auto"` at [`offline_budget`]), with `budget`, the
+    model-free branch on or off, and `tree_key`; `lookup_settings` (a head config) lends its model-free branch
+    settings (a head that has none of its own); `calibration` replaces the head's `tree_calibration` (a map, or
+    False for raw scores)."""
+    if budget is None:  # the head's default, with "auto" at its fallback point (offline, no host costs)
+        budget = offline_budget(head.config.tree_budget)
     given = {"tree_budget": budget, "tree_scoring": tree_key, "tree_calibration": calibration}
     if not lookup:
         given["tree_lookup"] = 0
@@ -70,7 +82,7 @@ def tree_shape(
         )
     shape = resolve_tree_shape(head.config, **given)
     if shape.budget == "auto":
-        raise ValueError("expected a fixed tree budget for offline evaluation, got the head's 'auto'; pass budget")
+        raise ValueError("expected a fixed tree budget for offline evaluation (no host costs here), got 'auto'")
     if shape.path_conditioning and shape.lookup:
         raise ValueError("expected no model-free branch with path conditioning, got both")
     return shape
@@ -87,10 +99,11 @@ def offline_tau(
     max_rows: int | None = 64,
     batch_size: int = 32,
 ) -> dict:
-    """Offline tau of `head` at its defaults (its own budget unless `budget`) on `rows` (held-out rows: dicts or a
-    `datasets.Dataset` with `id`, `input_ids`, `prompt_length`), features from `store` (a `FeatureStore`) or
-    `fetch`. The head must have its target attached. Returns `{"tau", "rounds", "rows", "acceptance_per_depth",
-    "accepted_by_source"}`; rows not in the store are skipped (`"skipped"`)."""
+    """Offline tau of `head` at its defaults (its own budget unless `budget`; `"auto"` at [`offline_budget`]) on
+    `rows` (held-out rows: dicts or a `datasets.Dataset` with `id`, `input_ids`, `prompt_length`), features from
+    `store` (a `FeatureStore`) or `fetch`. The head must have its target attached. Returns `{"tau", "rounds", "rows",
+    "acceptance_per_depth", "accepted_by_source", "budget"}` (`budget`: the one scored); rows not in the store are
+    skipped (`"skipped"`)."""
     from .trainer import unwrap_head
 
     head = unwrap_head(head)
@@ -116,6 +129,7 @@ def offline_tau(
         "rows": summary["rows"],
         "acceptance_per_depth": summary["acceptance_per_depth"],
         "accepted_by_source": summary["accepted_by_source"],
+        "budget": shape.budget,
         "skipped": len(skipped),
     }
 

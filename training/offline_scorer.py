@@ -1,7 +1,8 @@
 """Scores trained heads offline, one after another, on the same held-out rows: [`OfflineScorer`] wraps
 `training.evaluate_head` for a series of heads (the variants of an ablation, the keys of one head's tree), so the
 target (its embeddings and LM head) and the prepared rows load once per process, and [`compact_summary`] keeps the
-numbers of one budget without the per-row detail.
+numbers of one budget without the per-row detail. Every budget is named by the caller: a head's own default, `"auto"`
+included, is never read here (offline there are no host costs to choose a point from).
 
     scorer = OfflineScorer("cache/smollm2-135m", [8, 16], rows=300, new_tokens=256,
                            lookup_settings="jetspec/heads/smollm2-135m", batch_size=32)
@@ -31,7 +32,7 @@ class OfflineScorer:
 
     Args:
         store (`str` or `os.PathLike`): the feature store folder (`training/feature_store.py`).
-        budgets (`list[int]`): tree budgets scored.
+        budgets (`list[int]`): tree budgets scored (integers >= 1; `"auto"` is refused: nothing to choose from).
         rows (`int`): held-out rows scored (the split's first).
         new_tokens (`int`): cap on each row's answer tokens.
         lookup_settings (`str` or `None`): a head folder lending its model-free branch settings to every head;
@@ -40,6 +41,8 @@ class OfflineScorer:
     """
 
     def __init__(self, store, budgets: list, rows: int, new_tokens: int, lookup_settings, batch_size: int):
+        if not budgets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+            raise ValueError(f"expected fixed tree budgets, integers >= 1, to score offline, got {budgets!r}")
         self.store = FeatureStore(store)
         self.budgets, self.rows, self.new_tokens, self.batch_size = budgets, rows, new_tokens, batch_size
         self.lookup_path = lookup_settings

@@ -7,6 +7,11 @@ calibration map where one is kept, after checking in a staging folder that the r
 the shipped folder held (the old head's other files, a `custom_generate/` copy) is removed, so it holds the one head.
 `scripts/ship_decision.py` decides whether a head ships and calls it.
 
+A shipped folder whose default is `tree_budget="auto"` keeps it ([`shipped_tree_budget`]): the package's default does
+not fall back to the trained head's fixed budget. Its `tau_by_budget` measured the old weights and goes with them, so
+the new head decodes at the fallback point (budget 8, its own sources) until `python -m training.tau_table --write`
+measures its own table.
+
 The card is a `huggingface_hub.ModelCard` rendered from the template (its YAML front matter is validated when the
 card is built). The upload is [`push_head_folder`]: `upload_folder` with `allow_patterns` naming the head's files
 ([`head_files`]), so Trainer checkpoints and logs in the same folder stay local. This lives here, not in
@@ -34,16 +39,27 @@ SHIPPED_FILES = (  # what a shipped head folder holds, where the new head has it
 )
 
 
-def stage_head(new, dest, calibration_map: dict | None = None) -> list[str]:
+def shipped_tree_budget(shipped) -> str | None:
+    """`"auto"` where the shipped folder's config has `tree_budget="auto"` (a default the new head keeps, module
+    docstring), else `None` (the new head's own default ships)."""
+    path = Path(shipped) / "config.json"
+    if not path.is_file():
+        return None
+    return "auto" if json.loads(path.read_text()).get("tree_budget") == "auto" else None
+
+
+def stage_head(new, dest, calibration_map: dict | None = None, tree_budget: str | None = None) -> list[str]:
     """Writes the head saved in `new` as it ships into the empty or new folder `dest`: its files of [`SHIPPED_FILES`],
-    its config without `auto_map` and with `calibration_map` as its `tree_calibration` where given; checks that the
-    result loads as a head.
+    its config without `auto_map` and with `calibration_map` as its `tree_calibration` and `tree_budget` as its
+    default budget where given; checks that the result loads as a head.
 
     Args:
         new (`str` or `os.PathLike`): a head saved by `save_pretrained` (a training run's kept head).
         dest (`str` or `os.PathLike`): an empty or missing folder.
         calibration_map (`dict`, *optional*): the tree calibration the shipped config carries; `None` leaves the
             config's own.
+        tree_budget (`str`, *optional*): `"auto"` to ship the head with `tree_budget="auto"` (its own
+            `tau_by_budget` kept where it has one); `None` leaves the config's own budget.
 
     Returns:
         `list[str]`: the names written, sorted.
@@ -58,6 +74,10 @@ def stage_head(new, dest, calibration_map: dict | None = None) -> list[str]:
     config.pop("auto_map", None)
     if calibration_map is not None:
         config["tree_calibration"] = calibration_map
+    if tree_budget is not None:
+        if tree_budget != "auto":
+            raise ValueError(f"expected tree_budget 'auto' or None to stage a head with, got {tree_budget!r}")
+        config["tree_budget"] = tree_budget
     for name in SHIPPED_FILES:
         if name != "config.json" and (new / name).is_file():
             shutil.copy2(new / name, dest / name)
@@ -68,7 +88,8 @@ def stage_head(new, dest, calibration_map: dict | None = None) -> list[str]:
 
 def replace_head(new, shipped, calibration_map: dict | None = None) -> list[str]:
     """Replaces the head in the folder `shipped` with the one saved in `new` (module docstring): staged beside it
-    first ([`stage_head`]), so a head that does not load replaces nothing.
+    first ([`stage_head`]), so a head that does not load replaces nothing; a shipped `tree_budget="auto"` is kept
+    ([`shipped_tree_budget`]).
 
     Args:
         new (`str` or `os.PathLike`): the head that ships.
@@ -81,7 +102,7 @@ def replace_head(new, shipped, calibration_map: dict | None = None) -> list[str]
     new, shipped = Path(new), Path(shipped)
     with tempfile.TemporaryDirectory(dir=shipped.parent) as tmp:
         staged = Path(tmp) / shipped.name
-        written = stage_head(new, staged, calibration_map)
+        written = stage_head(new, staged, calibration_map, shipped_tree_budget(shipped))
         for old in shipped.iterdir():  # the folder holds one head: the old one's files and folders go
             shutil.rmtree(old) if old.is_dir() else old.unlink()
         for name in written:

@@ -10,6 +10,7 @@ The rows are the trainer's held-out rows (its own split), replayed by the offlin
 target forward), once per sources ("head": no lookup branch; "head+lookup": the prompt-lookup chain; "head+lookup+trie":
 every earlier continuation) and budget (4, 6, 8, 10, 12, 16 by default). tau counts committed tokens per round, bonus
 included, as `JetSpecStats.tau`. `--write` puts the table into the head folder's `config.json` as `tau_by_budget`.
+Every point names its budget, so the head's own default (`tree_budget="auto"` included) is never read.
 """
 
 import argparse
