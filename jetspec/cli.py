@@ -7,7 +7,7 @@
     jetspec convert SRC DST [--to jetspec|dflash] [--mask-token-id N]
     jetspec costs [--clear]
     jetspec serve [--model smollm2-135m] [--head DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto] [--device cuda]
-        [--api-key KEY] [--max-queue N] [--request-timeout S] [--max-batch N]
+        [--api-key KEY] [--max-queue N] [--request-timeout S] [--max-batch N] [--answer-cache N]
 
 Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
 exit with status 2 and a one-line message.
@@ -225,7 +225,7 @@ def _add_serve(commands) -> argparse.ArgumentParser:
         default=None,
         help="the name requests give as `model` and /v1/models lists (default: --model as given)",
     )
-    add_serve_limits(serve)  # --device, --api-key, --max-queue, --request-timeout, --max-batch
+    add_serve_limits(serve)  # --device, --api-key, --max-queue, --request-timeout, --max-batch, --answer-cache
     return serve
 
 
@@ -306,6 +306,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for loaded in (head, baseline):
             if loaded is not None and args.draft_vocab_size is not None:
                 loaded.restrict_draft_vocab(args.draft_vocab_size)
+        if args.command == "serve":  # --answer-cache needs the head's lookup branch: refused before serving
+            from .serve_limits import answer_cache_for
+
+            answer_cache_for(head, args.limits.answer_cache)
     except (ValueError, OSError) as error:
         parser.error(" ".join(str(error).split()))
     if args.command == "serve":
@@ -432,7 +436,7 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
     else:
         print(tokenizer.decode(spec_tokens, skip_special_tokens=True))
     print()
-    budget = stats.budgets[0] if stats.budgets else args.budget or head.config.tree_budget  # "auto": the chosen one
+    budget = _budget_of(stats, args.budget or head.config.tree_budget)
     if stats.operating_point is not None:
         print(f"operating point: {_operating_point_note(stats.operating_point)}")
     plain_tps, spec_tps = len(plain_tokens) / plain_seconds, len(spec_tokens) / spec_seconds
@@ -448,6 +452,16 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
             f"{_judged_note(plain_verdict.judged)} (plain greedy)"
         )
     return 0
+
+
+def _budget_of(stats, asked):
+    """The tree budget a call ran: its first round's, else (no round) the operating point's, else `asked`."""
+    if stats.budgets:
+        return stats.budgets[0]
+    point = stats.operating_point
+    if isinstance(point, dict) and point.get("budget") is not None:
+        return point["budget"]  # "auto": the chosen one, even when the answer needed no round
+    return asked
 
 
 def _operating_point_note(point: dict) -> str:

@@ -13,7 +13,8 @@ changes, each in a subclass of those (design: `docs/serve.md`):
   field, before any work; then admitted (`serve_limits`: the API key, the queue limit, the deadline);
 - the generate call gets the head (`assistant_model=head`: the tree route, exactly as `generate` runs it), the
   request's seed on the inference thread right before its own call, sampling on for a temperature > 0, a length
-  that fits the model's context, and the request's deadline;
+  that fits the model's context, and the request's deadline; with `--answer-cache N`, the process's one answer cache
+  (`jetspec_answer_cache`, `serve_limits.answer_cache_for`), which drafts from earlier answers and keeps this one;
 - the answer's text ends before its first stop string, as the OpenAI API returns it (the tokens, as `generate`
   commits them, end with the one that completes it), on targets with a response template too (reasoning text
   included);
@@ -45,7 +46,7 @@ from transformers.cli.serving.utils import DirectStreamer, GenerateManager, Gene
 from modeling_jetspec.compat import stream_error
 
 from .serve_batching import BatchScheduler, Row, measure_batch_cap
-from .serve_limits import Admission, Limits, RequestExpired, add_api_key, begin
+from .serve_limits import Admission, Limits, RequestExpired, add_api_key, answer_cache_for, begin
 from .serve_requests import Job, RequestError, StopTrimmer, check_request, error_body, tree_report
 from .serve_stream import TrimmedParser, internal_error_message, reparse_trimmed, shaped_json, shaped_stream
 
@@ -136,12 +137,13 @@ class TreeStreamer(DirectStreamer):
 class TreeGenerateManager(GenerateManager):
     """transformers' sequential generation manager (one inference thread), every request decoded by
     `target.generate(..., assistant_model=head)`; the requests waiting when the target is free decode together, up to
-    `max_batch` rows per call (`serve_batching.BatchScheduler`, which runs on that thread)."""
+    `max_batch` rows per call (`serve_batching.BatchScheduler`, which runs on that thread); every call drafts also
+    from `answer_cache` (a `modeling_jetspec.AnswerCache` shared by every request, or `None`)."""
 
-    def __init__(self, head, max_batch: int = 1):
+    def __init__(self, head, max_batch: int = 1, answer_cache=None):
         super().__init__()
-        self.head = head
-        self.scheduler = BatchScheduler(self, head, max_batch)
+        self.head, self.answer_cache = head, answer_cache
+        self.scheduler = BatchScheduler(self, head, max_batch, answer_cache)
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         job = CURRENT_JOB.get()
@@ -174,7 +176,12 @@ class TreeGenerateManager(GenerateManager):
         job.prompt_ids = inputs["input_ids"][0].tolist()
         started = time.monotonic()
         out = model.generate(
-            **inputs, generation_config=gen_config, streamer=streamer, tokenizer=processor, assistant_model=self.head
+            **inputs,
+            generation_config=gen_config,
+            streamer=streamer,
+            tokenizer=processor,
+            assistant_model=self.head,
+            jetspec_answer_cache=self.answer_cache,
         )
         job.new_ids = out.sequences[0, len(job.prompt_ids) :].tolist()
         job.report = tree_report(out.jetspec_stats, job.new_ids, time.monotonic() - started)
@@ -289,9 +296,10 @@ class TreeCompletionHandler(TreeHandling, CompletionHandler):
 def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1) -> tuple:
     """The chat and completions handlers over `target`, served as `name`, every answer decoded with `head`, up to
     `max_batch` waiting requests in one call, within `limits` (`serve_limits`)."""
+    limits = limits or Limits()
     models = ServedModel(name, target, tokenizer)
-    state = ServedState(TreeGenerateManager(head, max_batch))
-    admission = Admission(limits or Limits())
+    state = ServedState(TreeGenerateManager(head, max_batch, answer_cache_for(head, limits.answer_cache)))
+    admission = Admission(limits)
     handlers = TreeChatHandler(models, state), TreeCompletionHandler(models, state)
     for handler in handlers:
         handler.admission = admission

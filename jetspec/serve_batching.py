@@ -284,12 +284,14 @@ class RowDecoder(Protocol):
 class BatchScheduler:
     """The waiting requests, decoded on transformers' inference thread up to `max_batch` rows per call: each request
     queues its row ([`add`]) and then one [`run_next`] on that thread, which decodes whatever waits (a later
-    `run_next` whose row an earlier call took finds nothing and returns)."""
+    `run_next` whose row an earlier call took finds nothing and returns); a shared call drafts also from
+    `answer_cache` (the server's `modeling_jetspec.AnswerCache`, or `None`), as the decoder's lone calls do."""
 
-    def __init__(self, decoder: RowDecoder, head, max_batch: int = 1):
+    def __init__(self, decoder: RowDecoder, head, max_batch: int = 1, answer_cache=None):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"expected max_batch to be an integer >= 1, got {max_batch!r}")
         self.decoder, self.head, self.max_batch = decoder, head, max_batch
+        self.answer_cache = answer_cache
         self.waiting = collections.deque()
         self.lock = threading.Lock()
 
@@ -378,6 +380,7 @@ class BatchScheduler:
             stopping_criteria=StoppingCriteriaList([stops]),
             streamer=streamer,
             assistant_model=self.head,
+            jetspec_answer_cache=self.answer_cache,
         )
         counts = streamer.counts()
         for i, (row, stats) in enumerate(zip(rows, split_stats(out.jetspec_stats, counts))):

@@ -9,6 +9,8 @@ requests decode together (`--max-batch`, `serve_batching`).
   `--request-timeout S`, a request's deadline is S seconds after it arrives: one still waiting then is answered 503
   (and never decoded); one decoding then ends there (`generate`'s `max_time`), with `finish_reason` `length`. A
   stream's headers go out when its decoding begins, so that a waiting stream can still be answered 503.
+- An answer cache (`--answer-cache N`, off by default): one `modeling_jetspec.AnswerCache` of the last N answers,
+  shared by every request of the process and passed to every `generate` call ([`answer_cache_for`]).
 - [`begin`]: the inference thread's side, right before a request's `generate`, or before a call shared by several
   requests (each row's own; there, each row ends at its own deadline: `serve_batching.RowStops`).
 """
@@ -37,6 +39,7 @@ class Limits:
     api_key: Optional[str] = None
     max_queue: Optional[int] = None  # requests that may wait for the inference thread
     request_timeout: Optional[float] = None  # seconds from a request's arrival to its answer's end
+    answer_cache: int = 0  # earlier answers kept to draft from (`AnswerCache(max_answers=N)`); 0: no cache
 
 
 class RequestExpired(RuntimeError):
@@ -186,6 +189,14 @@ def add_arguments(serve):
         help="at most N waiting requests decoded together in one call (default: measured at start-up, the batch size "
         "past which a row's round stops getting 10%% cheaper; 1 decodes one request at a time)",
     )
+    serve.add_argument(
+        "--answer-cache",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="keep the last N answers of the process and draft from them in every request (the head's lookup "
+        "branch, tree_lookup >= 1; lossless whatever they hold; default 0: off, its gain not measured yet)",
+    )
 
 
 def _count(text: str) -> int:
@@ -238,5 +249,25 @@ def check_arguments(args) -> tuple:
     else:
         host = host_kind()
         dtype, why = host.torch_dtype, f"{host.reason}; host kind {host.name}"
-    limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout)
+    answers = getattr(args, "answer_cache", 0)  # 0 where the arguments predate --answer-cache (a caller's own)
+    limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, answers)
     return device, dtype, why, limits
+
+
+def answer_cache_for(head, answers: int):
+    """The answer cache of a server of `head` keeping the last `answers` answers (`--answer-cache`): `None` for 0,
+    else one `AnswerCache(max_answers=answers)`; a `ValueError` for a count < 0, or > 0 with a head without a lookup
+    branch (the cached answers draft in it)."""
+    if isinstance(answers, bool) or not isinstance(answers, int) or answers < 0:
+        raise ValueError(f"expected --answer-cache to be an integer >= 0, got {answers!r}")
+    if answers == 0:
+        return None
+    lookup = getattr(head.config, "tree_lookup", 0)
+    if not lookup:
+        raise ValueError(
+            f"expected a head with a lookup branch (tree_lookup >= 1) for --answer-cache {answers} (the cached "
+            f"answers draft in that branch), got tree_lookup={lookup!r}: serve with --answer-cache 0"
+        )
+    from modeling_jetspec import AnswerCache
+
+    return AnswerCache(max_answers=answers)

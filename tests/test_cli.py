@@ -289,6 +289,31 @@ def test_cli_generate_auto_without_a_table_names_the_fallback(capsys, tmp_path, 
     assert "jetspec (B=8):" in printed and not (tmp_path / "costs.json").exists()
 
 
+def test_cli_generate_names_the_chosen_budget_of_a_call_that_ran_no_round(
+    capsys, tmp_path, monkeypatch, saved_target, saved_head
+):
+    monkeypatch.setenv("JETSPEC_HOST_COSTS", str(tmp_path / "costs.json"))
+    run_generate(saved_target, saved_head, "--budget", "auto", "--max-new-tokens", "1")  # the prefill's token only
+    printed = capsys.readouterr().out
+    assert "operating point: budget 8, sources head+lookup (fallback: no tau_by_budget)" in printed
+    assert "jetspec (B=8):" in printed and "B=auto" not in printed
+
+
+def test_cli_serve_refuses_a_bad_answer_cache_by_name_before_serving(capsys, saved_target, saved_head):
+    argv = ["serve", "--model", str(saved_target), "--head", str(saved_head), "--dtype", "float32", "--device", "cpu"]
+    err = cli_error(capsys, [*argv, "--answer-cache", "-1"])
+    assert "argument --answer-cache: expected an integer >= 0, got '-1'" in err
+    config = json.loads((saved_head / "config.json").read_text())
+    config["tree_lookup"] = 0  # a head without a lookup branch: nothing for the cached answers to draft in
+    (saved_head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:  # after the target loads (its progress lines), before serving
+        cli.main([*argv, "--answer-cache", "4"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("jetspec") and "error: expected a head with a lookup branch (tree_lookup >= 1) " in last
+    assert "for --answer-cache 4" in last
+
+
 def test_no_function_of_the_cli_is_over_80_lines():
     import ast
     import inspect
