@@ -336,7 +336,8 @@ def tree_report(stats, new_ids: list, seconds: float) -> dict:
     `tau` is the project's (committed tokens per verify round, bonus included, as `jetspec generate` prints);
     `tokens_per_target_forward` counts the prefill too. `tokens_by_source` splits the answer by who proposed each
     token, as the round recorded it (`JetSpecStats.token_sources`, `jetspec.drafts`): the head's draft, the
-    model-free branch, both, or the target (its prefill token and each round's bonus token).
+    model-free branch, both, earlier answers (`answers`, with `--answer-cache`), or the target (its prefill token and
+    each round's bonus token).
     """
     from .drafts import SOURCES, row_sources
 
