@@ -271,7 +271,7 @@ def test_the_benchmark_judges_every_token(monkeypatch, tmp_path, planted):  # (f
     found = {}
 
     def generate(self, method, input_ids, attention_mask, **overrides):
-        tokens, seconds, stats = original(self, method, input_ids, attention_mask, **overrides)
+        tokens, seconds, stats, phases = original(self, method, input_ids, attention_mask, **overrides)
         if method.name == "tree-4":
             tokens, tie_gap, _ = crafted_output(fp32, input_ids[0], length, tie_at)
             # a tiny random target's logits are close together: the tolerance lies between the tie's gap and the
@@ -279,7 +279,7 @@ def test_the_benchmark_judges_every_token(monkeypatch, tmp_path, planted):  # (f
             self.tie_tolerance = found["tolerance"] = 1.5 * tie_gap
             if planted:
                 tokens, _, found["plant_gap"] = crafted_output(fp32, input_ids[0], length, tie_at, plant_at)
-        return tokens, seconds, stats
+        return tokens, seconds, stats, phases
 
     monkeypatch.setattr(Bench, "generate", generate)
     config = BenchConfig(["gsm8k"], [4], length, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
@@ -299,6 +299,6 @@ def test_the_benchmark_judges_every_token(monkeypatch, tmp_path, planted):  # (f
     assert judged["plain"]["judged"]["tokens"] == results["prompts"][0]["new_tokens"]
     assert judged["plain"]["judged"]["violations"] == 0
     report = (tmp_path / "results.md").read_text()
-    section = report.split("\n## gsm8k\n")[1]
+    section = report.split("\n## gsm8k\n")[1].split("\n## ")[0]  # the suite's table, not the phases after it
     (line,) = [line for line in section.splitlines() if line.startswith("| tree-4 |")]
     assert f"| {length} | 1 | 0 |" in line  # judged, near-ties, violations
