@@ -54,6 +54,7 @@ RUNS/<variant>; the results name the host kind (jetspec.host). Run from the repo
 """
 
 import argparse
+import gzip
 import json
 import re
 import time
@@ -337,14 +338,16 @@ def run_settings(args, name: str) -> dict:
 
 
 def score_head(scorer: OfflineScorer, out: Path, name: str, settings: dict, head_dir, tree_keys=(None,)) -> dict:
-    """Scores one head on the held-out rows its run was judged on; writes the full result to OUT/offline/NAME.json
-    and returns the compact one."""
+    """Scores one head on the held-out rows its run was judged on; writes the full result, every row, compressed to
+    OUT/offline/NAME.json.gz (about a tenth of the JSON: the clone's results stay light) and returns the compact
+    one, which the summary keeps."""
     rows_of = settings.get("eval_data") or settings["data"]
     compact, full = scorer.score(
         head_dir, settings["target"], rows_of, settings["eval_fraction"], settings["seed"], tree_keys
     )
     (out / "offline").mkdir(exist_ok=True)
-    (out / "offline" / f"{name}.json").write_text(json.dumps(full, indent=1) + "\n")
+    with gzip.open(out / "offline" / f"{name}.json.gz", "wt", encoding="utf-8") as file:
+        file.write(json.dumps(full, indent=1) + "\n")
     return compact
 
 

@@ -1,6 +1,7 @@
 """The paper's claims, made runnable (issue 33): the ablation's new variants train and are scored offline on the same
 held-out rows, the data cap by answer tokens, the tree-key mode, the results tables, and gpu_check's measured verify ratios."""
 
+import gzip
 import json
 import types
 
@@ -90,7 +91,8 @@ def test_new_variants_train_and_are_scored_on_the_same_held_out_rows(tmp_path):
         scored = row["offline"]["by_key"]["None"]
         assert row["offline"]["rows"] >= 1 and row["offline"]["budgets"] == [4, 8]
         head = JetSpecDraftModel.from_pretrained(tmp_path / "runs" / name).eval()
-        full = json.loads((tmp_path / "out" / "offline" / f"{name}.json").read_text())
+        with gzip.open(tmp_path / "out" / "offline" / f"{name}.json.gz", "rt", encoding="utf-8") as file:
+            full = json.load(file)  # every row, compressed
         for side in ("lookup_on", "lookup_off"):
             for budget in ("4", "8"):
                 entry = scored[side][budget]
