@@ -29,3 +29,19 @@ def host_cache_of_the_session(tmp_path_factory):
         os.environ.pop("JETSPEC_HOST_CACHE", None)
     else:
         os.environ["JETSPEC_HOST_CACHE"] = previous
+
+
+@pytest.fixture
+def verifiers(monkeypatch):
+    """The static verifiers the calls built, in order (tests of the static path)."""
+    import modeling_jetspec.integration as integration
+
+    built = []
+    make = integration.static_verifier
+
+    def recording(*args, **kwargs):
+        built.append(make(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(integration, "static_verifier", recording)
+    return built

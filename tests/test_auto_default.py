@@ -48,20 +48,6 @@ def costs_file(tmp_path_factory, monkeypatch):
     return path
 
 
-@pytest.fixture
-def verifiers(monkeypatch):
-    """The static verifiers the calls built, in order."""
-    built = []
-    make = integration.static_verifier
-
-    def recording(*args, **kwargs):
-        built.append(make(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(integration, "static_verifier", recording)
-    return built
-
-
 def auto_head(target, table=TABLE, **fields):
     return tiny_head(target, tree_budget="auto", tau_by_budget=table, **{**TRIE, **fields})
 

@@ -59,10 +59,12 @@ METHODS = [
 ]
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character or newline (ids < 100), anything else is `<unk>`."""
+def char_tokenizer(specials=tuple(SPECIALS), template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character or newline (ids < 100), anything else is `<unk>`; `specials` first
+    (pad, unk, then the chat markers), `template` its chat template."""
+    specials = list(specials)
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -71,9 +73,9 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         pad_token="<pad>",
         unk_token="<unk>",
         eos_token="<|im_end|>",
-        additional_special_tokens=SPECIALS[2:],
+        additional_special_tokens=specials[2:],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template
     return tokenizer
 
 

@@ -289,8 +289,14 @@ def write_npz(path, rows):
 
 @pytest.fixture
 def cli_setup(tmp_path):
+    return saved_setup(tmp_path, count=12)
+
+
+def saved_setup(tmp_path, count: int):
+    """A saved tiny target and head with a lookup branch, `count` greedy rows in an .npz and their feature store:
+    `(tmp_path, rows, data file)`."""
     target = sharp_target()
-    rows = greedy_rows(target, count=12, new_tokens=20)
+    rows = greedy_rows(target, count=count, new_tokens=20)
     head = tiny_head(target, **LOOKUP)
     head.save_pretrained(tmp_path / "head")
     save_target_folder(target, tmp_path / "target")
@@ -299,7 +305,7 @@ def cli_setup(tmp_path):
     return tmp_path, rows, data
 
 
-def cli(tmp_path, data, *extra):
+def cli(tmp_path, data, *extra, eval_fraction: str = "0.3"):
     return [
         "--head",
         str(tmp_path / "head"),
@@ -310,7 +316,7 @@ def cli(tmp_path, data, *extra):
         "--target",
         str(tmp_path / "target"),
         "--eval_fraction",
-        "0.3",
+        eval_fraction,
         *extra,
     ]
 

@@ -26,7 +26,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from jetspec.serve import build_handlers
@@ -47,20 +46,7 @@ QWEN_TEMPLATE = (
 
 def qwen_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable character, Qwen's chat markers and thinking tags as special tokens."""
-    chars = ["\n"] + [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(QWEN_SPECIALS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=QWEN_SPECIALS[2:],
-    )
-    tokenizer.chat_template = QWEN_TEMPLATE
-    return tokenizer
+    return char_tokenizer(QWEN_SPECIALS, QWEN_TEMPLATE)
 
 
 def served(arch: str, tokenizer, vocab_size: int, limits=None, max_batch: int = 1) -> SimpleNamespace:

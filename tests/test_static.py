@@ -9,7 +9,6 @@ import torch
 from transformers import GenerationConfig
 
 import modeling_jetspec.decode as decode
-import modeling_jetspec.integration as integration
 import modeling_jetspec.static as static
 from test_hybrid import hybrid_target
 from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
@@ -19,20 +18,6 @@ SHAPES = [(1, 1, 1), (4, 3, 12), (3, 8, 40)]  # (depth, width, budget)
 
 def greedy(target, ids, mask, **kwargs):
     return target.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
-
-
-@pytest.fixture
-def verifiers(monkeypatch):
-    """The static verifiers the calls built, in order."""
-    built = []
-    make = integration.static_verifier
-
-    def recording(*args, **kwargs):
-        built.append(make(*args, **kwargs))
-        return built[-1]
-
-    monkeypatch.setattr(integration, "static_verifier", recording)
-    return built
 
 
 def eos_case(target, batch: int, new: int):

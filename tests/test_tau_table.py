@@ -6,40 +6,19 @@ import json
 import pytest
 
 from modeling_jetspec import JetSpecConfig, JetSpecDraftModel
-from test_evaluate_head import LOOKUP, greedy_rows, real_tau, write_npz
-from test_training import save_target_folder, sharp_target
-from jetspec.tiny import tiny_head
+from test_evaluate_head import cli, real_tau, saved_setup
+from test_training import sharp_target
 from training import tau_table
-from training.feature_store import build_feature_store
 from training.rows import load_rows, split_train_eval
 
 
 @pytest.fixture
 def setup(tmp_path):
-    target = sharp_target()
-    rows = greedy_rows(target, count=10, new_tokens=20)
-    head = tiny_head(target, **LOOKUP)
-    head.save_pretrained(tmp_path / "head")
-    save_target_folder(target, tmp_path / "target")
-    data = write_npz(tmp_path / "rows.npz", rows)
-    build_feature_store(target, head.config.target_layer_ids, rows, tmp_path / "store", progress=False)
-    return tmp_path, rows, data
+    return saved_setup(tmp_path, count=10)
 
 
 def arguments(tmp_path, data, *extra):
-    return [
-        "--head",
-        str(tmp_path / "head"),
-        "--data",
-        str(data),
-        "--feature_store",
-        str(tmp_path / "store"),
-        "--target",
-        str(tmp_path / "target"),
-        "--eval_fraction",
-        "0.4",
-        *extra,
-    ]
+    return cli(tmp_path, data, *extra, eval_fraction="0.4")
 
 
 def test_the_table_is_what_real_decoding_reaches_and_is_written_to_the_config(setup):

@@ -228,16 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_args(args) -> dict:
-    """Every argument checked before any work; a `ValueError` names the first bad one."""
-    for folder in args.head:
+def check_folders(heads: list, data: list, feature_store) -> None:
+    """Head folders, data sources and the feature store exist as what they are (a `ValueError` names the first that
+    does not): the evaluator's inputs, and the tau table's."""
+    for folder in heads:
         if not (Path(folder) / "config.json").is_file():
             raise ValueError(f"expected a head folder holding config.json, got {folder}")
-    for source in args.data:
+    for source in data:
         if not Path(source).exists():
             raise ValueError(f"expected regenerated data files or folders, got {source}, which does not exist")
-    if not (Path(args.feature_store) / "store.json").is_file():
-        raise ValueError(f"expected a feature store folder holding store.json, got {args.feature_store}")
+    if not (Path(feature_store) / "store.json").is_file():
+        raise ValueError(f"expected a feature store folder holding store.json, got {feature_store}")
+
+
+def check_args(args) -> dict:
+    """Every argument checked before any work; a `ValueError` names the first bad one."""
+    check_folders(args.head, args.data, args.feature_store)
     budgets = parse_budgets(args.budgets)
     if args.rows is not None and args.rows < 1:
         raise ValueError(f"expected --rows >= 1, got {args.rows}")

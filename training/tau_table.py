@@ -24,6 +24,7 @@ import torch
 from modeling_jetspec.budget import CANDIDATE_BUDGETS, SOURCES, check_tau_by_budget, sources_shape
 
 from .evaluate_head import (
+    check_folders,
     config_data,
     evaluate,
     held_out_rows,
@@ -99,13 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> list:
     """The budgets, every argument checked before any work; a `ValueError` names the first bad one."""
-    if not (Path(args.head) / "config.json").is_file():
-        raise ValueError(f"expected a head folder holding config.json, got {args.head}")
-    for source in args.data:
-        if not Path(source).exists():
-            raise ValueError(f"expected regenerated data files or folders, got {source}, which does not exist")
-    if not (Path(args.feature_store) / "store.json").is_file():
-        raise ValueError(f"expected a feature store folder holding store.json, got {args.feature_store}")
+    check_folders([args.head], args.data, args.feature_store)
     budgets = parse_budgets(args.budgets)
     if any(b not in CANDIDATE_BUDGETS for b in budgets):
         raise ValueError(f"expected --budgets among {CANDIDATE_BUDGETS} (the budgets auto weighs), got {budgets}")
