@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache
 
+from jetspec.tiny import tiny_target
 from jetspec.equality import FLOAT32_TIE_TOLERANCE, row_verdicts
 from modeling_jetspec import JetSpecDraftModel, RoundRecord
 from modeling_jetspec.reclaim import live_columns
@@ -40,23 +41,9 @@ SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "jetspec" / "heads" / "smol
 
 
 def tiny(arch: str, length: int, vocab: int):
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=length + 256,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    if arch == "mistral":
-        return MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **common)).eval()
-    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    """The shared tiny random target (`jetspec.tiny`) with room for `length` positions; mistral's window `WINDOW`."""
+    extra = {"sliding_window": WINDOW} if arch == "mistral" else {}
+    return tiny_target(arch, vocab_size=vocab, max_position_embeddings=length + 256, **extra).eval()
 
 
 def cache_bytes(state) -> int:
