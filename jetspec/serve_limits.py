@@ -249,8 +249,7 @@ def check_arguments(args) -> tuple:
     else:
         host = host_kind()
         dtype, why = host.torch_dtype, f"{host.reason}; host kind {host.name}"
-    answers = getattr(args, "answer_cache", 0)  # 0 where the arguments predate --answer-cache (a caller's own)
-    limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, answers)
+    limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, args.answer_cache)
     return device, dtype, why, limits
 
 
