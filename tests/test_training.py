@@ -1312,4 +1312,7 @@ def test_committed_configs_parse_and_name_committed_data(config):
     if config.name.startswith("smollm2-135m-long"):  # the long runs (the first and its warm-started successor)
         assert args.keep_head_every_save and args.max_train_minutes is None
         assert args.save_steps < args.max_steps and args.lr_scheduler_type == "cosine"
-        assert head_args.init_head is not None and (REPO / head_args.init_head / "config.json").is_file()
+        # the warm-start base is committed, or (a finished run's base that left the tree) recorded in results/heads.json
+        assert head_args.init_head is not None
+        left = json.loads((REPO / "results" / "heads.json").read_text())["heads"]
+        assert (REPO / head_args.init_head / "config.json").is_file() or Path(head_args.init_head).name in left
