@@ -30,14 +30,23 @@ def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: 
             layers); defaults to every layer.
     """
     k = nodes.shape[1]
+    # slot 0 is every row's root, already in place: only the nodes after it move (none when no row accepted a node)
+    # (A, K - 1), indices into the entries after the root; a hole (node 0 past a row's count) reads entry 0, masked
+    moved = (nodes[:, 1:] - 1).clamp(min=0)
+    single = nodes.shape[0] == 1  # one row: a plain index along the entries instead of a gather
+    index = moved[0] if single else None
     for layer in cache.layers if layers is None else [cache.layers[i] for i in layers]:
         entries = kv_layer_entries(layer)
         if entries is None:  # a layer that reads another layer's keys/values holds none of its own
             continue
         keys, values = entries
         tail = keys.shape[-2] - past  # n + 1
-        keys[:, :, past : past + k] = gather_nodes(keys[:, :, past:], nodes)
-        values[:, :, past : past + k] = gather_nodes(values[:, :, past:], nodes)
+        if k > 1:
+            for tensor in (keys, values):
+                after = tensor[:, :, past + 1 :]  # (A, H, n, D): the entries after the root
+                tensor[:, :, past + 1 : past + k] = (
+                    after.index_select(2, index) if single else gather_nodes(after, moved)
+                )
         layer.crop(k - tail)  # a negative count: the entries to drop from the end
 
 

@@ -144,26 +144,37 @@ def test_verify_costs_are_kept_per_target_object():
     assert len(head.verify_cost_cache) == 0  # an entry goes with its target: a new one never inherits its costs
 
 
-def test_compaction_moves_only_the_accepted_entries_behind_the_past():
+@pytest.mark.parametrize(
+    "nodes, counts",
+    [
+        ([[0, 2, 3], [0, 1, 0]], [3, 2]),  # row 0 accepted root, 2, 3; row 1 root, 1, then a hole
+        ([[0, 3, 1]], [3]),  # one row (moved by a plain index): a later node before an earlier one
+        ([[0], [0]], [1, 1]),  # no row accepted a node: nothing moves, the tree's entries are cropped
+    ],
+    ids=["batch-with-hole", "one-row", "root-only"],
+)
+def test_compaction_moves_only_the_accepted_entries_behind_the_past(nodes, counts):
     """After a verify forward a layer holds `past` entries, then one per tree node. Compaction leaves the past in place
     (the same storage, the same values), moves the accepted nodes' entries behind it in path order, and crops; keys
-    and values are moved each by its own shape (their last sizes differ under multi-head latent attention)."""
+    and values are moved each by its own shape (their last sizes differ under multi-head latent attention). A hole
+    (past a row's count) is masked, so its entry is not checked."""
     past, nodes_in_tree = 5, 4
+    rows = len(nodes)
     g = torch.Generator().manual_seed(0)
-    keys = torch.randn(2, 3, past + nodes_in_tree, 6, generator=g)  # (A, H, S + n + 1, D_k)
-    values = torch.randn(2, 3, past + nodes_in_tree, 2, generator=g)  # (A, H, S + n + 1, D_v)
+    keys = torch.randn(rows, 3, past + nodes_in_tree, 6, generator=g)  # (A, H, S + n + 1, D_k)
+    values = torch.randn(rows, 3, past + nodes_in_tree, 2, generator=g)  # (A, H, S + n + 1, D_v)
     cache = DynamicCache()
     cache.update(keys.clone(), values.clone(), layer_idx=0)
     layer = cache.layers[0]
     storage = layer.keys.data_ptr(), layer.values.data_ptr()
-    nodes = torch.tensor([[0, 2, 3], [0, 1, 0]])  # row 0 accepted root, 2, 3; row 1 root, 1 (then a hole)
-    steps.keep_accepted_entries(cache, past, nodes)
+    steps.keep_accepted_entries(cache, past, torch.tensor(nodes))
+    width = len(nodes[0])
     assert (layer.keys.data_ptr(), layer.values.data_ptr()) == storage  # nothing was copied to a new tensor
-    assert layer.keys.shape == (2, 3, past + 3, 6) and layer.values.shape == (2, 3, past + 3, 2)
+    assert layer.keys.shape == (rows, 3, past + width, 6) and layer.values.shape == (rows, 3, past + width, 2)
     assert torch.equal(layer.keys[:, :, :past], keys[:, :, :past])
     assert torch.equal(layer.values[:, :, :past], values[:, :, :past])
-    for row in range(2):
-        for slot, node in enumerate(nodes[row].tolist()):
+    for row in range(rows):
+        for slot, node in enumerate(nodes[row][: counts[row]]):
             assert torch.equal(layer.keys[row, :, past + slot], keys[row, :, past + node])
             assert torch.equal(layer.values[row, :, past + slot], values[row, :, past + node])
 
