@@ -29,6 +29,13 @@ Methods:
 - `answers`: the head's defaults with an answer cache (`modeling_jetspec.AnswerCache`) shared across the run's
   prompts: each prompt drafts also from the answers of the prompts before it (`jetspec_answer_cache`).
 
+Conversations (`--suite mtbench_turn2`, `jetspec.prompts.CONVERSATIONS`, `jetspec.bench_conversations`): each
+MT-Bench conversation is decoded as MT-Bench runs it. Every method decodes turn 1 (the user's first turn), then turn 2,
+the chat of [user turn 1, answer 1, user turn 2]; answer 1 is plain greedy's for every method, so every method's turn
+2 decodes the same prompt. A method decodes its own turn 1, so the `answers` cache holds answer 1 when turn 2 is
+drafted. The suite's figures (time, tokens/s, speedup, tau, equality) are turn 2's; each row holds its turn 1's as
+`turn1` (with whether the method's own answer 1 differed from plain's, a bf16 tie), and `results.md` tables them.
+
 Equality (`docs/design.md`, "§4 Lossless: exactness and the bf16 tie rule"): every output is judged against plain
 greedy's by [`jetspec.equality.check_lossless`]; in float32 it must be equal token for token, in bfloat16/float16
 it may leave plain greedy at a numerical tie, and every emitted token of every method, plain greedy's included, is
@@ -57,6 +64,7 @@ The rooms: this module runs the benchmark (the prompts, the methods' calls, the 
 per-prompt rows and their aggregates; `jetspec.report` draws the markdown report and the plots.
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -89,6 +97,7 @@ from .bench_figures import (
     limit_speedup,
     phase_figures,
     phase_lines,
+    turn1_lines,
 )
 from .bench_methods import (
     DEFAULT_METHODS,
@@ -101,9 +110,10 @@ from .bench_methods import (
     check_method_kinds,
     with_baseline,
 )
+from .bench_conversations import answer_text, conversation_turns, first_prompt, second_turn_chat
 from .equality import LosslessError, check_lossless, strict_for
 from .host import host_kind
-from .prompts import load_prompts
+from .prompts import CONVERSATIONS, load_suite
 from .provenance import weights_identity
 from .report import markdown, write_plots
 from .targets import apply_chat_template
@@ -137,6 +147,10 @@ NOTES = {
         "chain baseline. transformers' own speculation_type='dflash' is not measured: it needs a head honouring "
         "the muse_glimmer_assistant contract (noise_embeds, context_hidden_states, position_ids, attention_mask, "
         "cache), which the JetSpec head does not."
+    ),
+    "conversations": (
+        "mtbench_turn2: every figure is the second turn's, decoded on the chat of [user turn 1, plain greedy's "
+        "answer 1, user turn 2] after the same method decoded turn 1; turn 1's figures are each row's turn1."
     ),
     "speedup": "tokens/s of the method over tokens/s of plain greedy on the same prompt; prefill included.",
     "limit_speedup": "tau * t(1) / (t(B) + t_draft), with the costs below; ignores prefill and host overheads.",
@@ -177,10 +191,13 @@ class Bench:
     answer_caches: dict = field(default_factory=dict)  # `answers` method name -> the cache its prompts share
 
     def encode(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(input_ids, attention_mask)`, each of shape `(1, L)`: the chat template already holds the special
-        tokens, so none is added (the same encoding for every method)."""
-        text = apply_chat_template(self.tokenizer, prompt)
-        enc = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        """`(input_ids, attention_mask)`, each of shape `(1, L)`, of one user turn under the chat template."""
+        return self.tokenize(apply_chat_template(self.tokenizer, prompt))
+
+    def tokenize(self, chat: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(input_ids, attention_mask)`, each of shape `(1, L)`, of a chat text: the chat template already holds the
+        special tokens, so none is added (the same encoding for every method)."""
+        enc = self.tokenizer(chat, return_tensors="pt", add_special_tokens=False)
         return enc["input_ids"].to(self.target.device), enc["attention_mask"].to(self.target.device)
 
     def generate(self, method: Method, input_ids, attention_mask, **overrides) -> tuple:
@@ -202,12 +219,16 @@ class Bench:
         stats = out.jetspec_stats if method.uses_head else None
         return out.sequences[0, input_ids.shape[1] :].cpu(), seconds, stats, None if phases is None else phases.seconds
 
-    def measure_prompt(self, suite: str, prompt: dict, turn: int) -> list[PromptRow]:
-        """Every method once on one prompt, in an order rotated by `turn`; each output judged against plain's."""
-        input_ids, attention_mask = self.encode(prompt["prompt"])
+    def run_methods(self, input_ids, attention_mask, turn: int) -> tuple[list, dict]:
+        """Every method once on one prompt, in the plan's order rotated by `turn` (each method takes every slot in
+        turn): `(order, {method name: [`generate`]'s result})`."""
         shift = turn % len(self.plan)
-        order = self.plan[shift:] + self.plan[:shift]  # each method takes every slot in turn
-        runs = {m.name: self.generate(m, input_ids, attention_mask) for m in order}
+        order = self.plan[shift:] + self.plan[:shift]
+        return order, {m.name: self.generate(m, input_ids, attention_mask) for m in order}
+
+    def judge(self, suite: str, prompt_id, input_ids, order: list, runs: dict, label: str = "") -> list[PromptRow]:
+        """The rows of one prompt's runs ([`run_methods`]), in the plan's order: each output judged against plain's
+        (`label` opens the name a failure gives the prompt, e.g. `"turn 1 of "`)."""
         reference, plain_seconds, _, _ = runs["plain"]
         rows, memo = [], {}  # memo: an output several methods share is teacher-forced once
         for method in self.plan:  # plain among them: in half precisions its own tokens are judged too
@@ -219,26 +240,47 @@ class Bench:
                 self.target.dtype,
                 self.float32_logits,
                 self.tie_tolerance,
-                label=f"method {method.name!r} on {suite} prompt {prompt['id']!r}",
+                label=f"method {method.name!r} on {label}{suite} prompt {prompt_id!r}",
                 memo=memo,
             )
             speedup = (len(tokens) / seconds) / (len(reference) / plain_seconds)
+            slot = order.index(method)
             rows.append(
                 PromptRow(
                     suite,
-                    prompt["id"],
+                    prompt_id,
                     method.name,
                     input_ids.shape[1],
                     len(tokens),
                     seconds,
                     speedup,
-                    order.index(method),
+                    slot,
                     verdict,
                     stats,
                     phases,
                 )
             )
         return rows
+
+    def measure_prompt(self, suite: str, prompt: dict, turn: int) -> list[PromptRow]:
+        """Every method once on one prompt, in an order rotated by `turn`; each output judged against plain's."""
+        input_ids, attention_mask = self.encode(prompt["prompt"])
+        order, runs = self.run_methods(input_ids, attention_mask, turn)
+        return self.judge(suite, prompt["id"], input_ids, order, runs)
+
+    def measure_conversation(self, suite: str, conversation: dict, turn: int) -> list[PromptRow]:
+        """Both turns of one conversation (`jetspec.bench_conversations`), every method decoding each, in an order
+        rotated by `turn`: turn 2's rows, each holding its method's turn-1 row (`PromptRow.turn1`). Turn 2's chat
+        holds plain greedy's answer 1 for every method."""
+        first, second = conversation_turns(conversation)
+        input_ids, attention_mask = self.encode(first)
+        order, runs = self.run_methods(input_ids, attention_mask, turn)
+        firsts = self.judge(suite, conversation["id"], input_ids, order, runs, label="turn 1 of ")
+        answer = answer_text(self.tokenizer, runs["plain"][0])
+        input_ids, attention_mask = self.tokenize(second_turn_chat(self.tokenizer, first, answer, second))
+        order, runs = self.run_methods(input_ids, attention_mask, turn)
+        rows = self.judge(suite, conversation["id"], input_ids, order, runs, label="turn 2 of ")
+        return [dataclasses.replace(row, turn1=first_row) for row, first_row in zip(rows, firsts)]
 
 
 # ------------------------------------------------------------------------------------------------ costs
@@ -399,12 +441,12 @@ def run_benchmark(
     if baseline_head is not None:
         baseline_head.attach_target(target)
     bench = _bench(target, tokenizer, head, config, float32_logits, baseline_head)
-    prompts = [(suite, row) for suite in config.suites for row in load_prompts(suite, config.limit)]
+    prompts = [(suite, row) for suite in config.suites for row in load_suite(suite, config.limit)]
     if not prompts:
         raise ValueError(f"expected prompts in suites {config.suites}, got none")
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     wall = time.perf_counter()
-    first_ids, first_mask = bench.encode(prompts[0][1]["prompt"])
+    first_ids, first_mask = bench.encode(first_prompt(prompts[0][1]))
     if config.warmup:
         for method in bench.plan:
             bench.generate(method, first_ids, first_mask, max_new_tokens=min(8, config.max_new_tokens))
@@ -461,7 +503,8 @@ def _measure_prompts(bench: Bench, prompts: list, progress: bool) -> list[Prompt
     with tqdm(prompts, desc="bench", unit="prompt", disable=not progress) as bar:
         for turn, (suite, prompt) in enumerate(bar):
             bar.set_postfix_str(f"{suite} {prompt['id']}")
-            rows += bench.measure_prompt(suite, prompt, turn)
+            measure = bench.measure_conversation if suite in CONVERSATIONS else bench.measure_prompt
+            rows += measure(suite, prompt, turn)
     return rows
 
 
@@ -521,6 +564,7 @@ def write_results(results: dict, out_dir) -> list[Path]:
     results["plots"] = [p.name for p in plots]
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "results.md").write_text(
-        markdown(results) + "".join(f"{line}\n" for line in phase_lines(results["aggregates"]))
+        markdown(results)
+        + "".join(f"{line}\n" for line in phase_lines(results["aggregates"]) + turn1_lines(results["aggregates"]))
     )
     return [out_dir / "results.json", out_dir / "results.md", *plots]

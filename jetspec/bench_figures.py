@@ -41,6 +41,8 @@ class PromptRow:
     verdict: Verdict  # equality with plain greedy: `exact` or `tie`
     stats: Optional[JetSpecStats] = None  # the call's `jetspec_stats`, for methods that use the head
     phases: Optional[dict] = None  # seconds of each round phase over the call's rounds ([`RoundPhases`]), head methods
+    # a conversation's second turn: the same method's row of turn 1 (`jetspec.bench_conversations`), None otherwise
+    turn1: Optional["PromptRow"] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,6 +75,10 @@ class PromptRow:
             row.update({k: figures[k] for k in HEAD_FIELDS}, budget_mean=self.budget_mean)
         if self.phases is not None:
             row["phase_seconds"] = dict(self.phases)
+        if self.turn1 is not None:
+            first = {k: v for k, v in self.turn1.as_dict().items() if k not in ("suite", "prompt_id", "method")}
+            # turn 2's chat holds plain greedy's answer 1 whatever this method's was (a bf16 tie may change it)
+            row["turn1"] = {**first, "answer_differs_from_plain": self.turn1.verdict.kind != "exact"}
         return row
 
 
@@ -108,7 +114,9 @@ def aggregate(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) 
     Returns:
         `dict`: prompts, tokens and seconds, median tokens/s, speedup quartiles, equality counts, and for head
         methods the mean tau, budget and target forwards, mean acceptance per depth, seconds per round and the
-        limit speedup.
+        limit speedup. Rows of conversations' second turns add `turn1`: their first turns' prompts, tokens, median
+        tokens/s and speedup, mean tau (head methods) and how many of the method's answers 1 differed from plain
+        greedy's.
     """
     speedup = _quartiles([r.speedup for r in rows])
     result = {
@@ -123,6 +131,16 @@ def aggregate(rows: Sequence[PromptRow], method: Method, costs: Optional[dict]) 
     }
     if method.uses_head:
         result.update(_head_figures(rows, method, costs))
+    firsts = [r.turn1 for r in rows if r.turn1 is not None]
+    if firsts:  # conversations: the figures above are the second turns', these the first turns'
+        result["turn1"] = {
+            "prompts": len(firsts),
+            "new_tokens": int(sum(r.new_tokens for r in firsts)),
+            "tokens_per_s_median": float(np.median([r.tokens_per_s for r in firsts])),
+            "speedup_median": float(np.median([r.speedup for r in firsts])),
+            "tau_mean": float(np.mean([r.stats.tau for r in firsts])) if method.uses_head else None,
+            "answers_differing_from_plain": sum(r.verdict.kind != "exact" for r in firsts),
+        }
     return result
 
 
@@ -235,4 +253,32 @@ def phase_lines(aggregates: dict) -> list[str]:
             f"| {name} | {shares} | {'-' if step is None else f'{step:.3f}'} | "
             f"{f['outside_forwards_seconds_per_round'] * 1e3:.2f} |"
         )
+    return lines
+
+
+def turn1_lines(aggregates: dict) -> list[str]:
+    """The first turns' tables of `results.md`, one per conversation suite: per method, the first turns' median
+    speedup and tokens/s, mean tau and the answers 1 that differed from plain greedy's (the suite's own table holds
+    the second turns'); `[]` when the run decoded no conversation."""
+    lines = []
+    for group, methods in aggregates.items():
+        firsts = {name: f["turn1"] for name, f in methods.items() if "turn1" in f}
+        if group == "all" or not firsts:
+            continue
+        lines += [
+            "",
+            f"## {group}: first turns",
+            "",
+            "Every method decodes a conversation's first turn before its second; the table of the suite gives the "
+            "second turns (whose chat holds plain greedy's answer 1), this one the first turns.",
+            "",
+            "| method | prompts | speedup median | tok/s median | tau | answer 1 differs |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, f in firsts.items():
+            tau = "-" if f["tau_mean"] is None else f"{f['tau_mean']:.2f}"
+            lines.append(
+                f"| {name} | {f['prompts']} | {f['speedup_median']:.2f}x | {f['tokens_per_s_median']:.1f} | {tau} | "
+                f"{f['answers_differing_from_plain']} |"
+            )
     return lines

@@ -56,7 +56,8 @@ def check_method_kinds(kinds: Sequence[str]) -> list[str]:
 class BenchConfig:
     """What one benchmark run measures; validated on construction (bad values raise `ValueError`)."""
 
-    suites: Sequence[str]  # prompt suites among `jetspec.prompts.SUITES`
+    # prompt suites among `jetspec.prompts.SUITES`, conversations (decoded turn by turn) among its `CONVERSATIONS`
+    suites: Sequence[str]
     budgets: Sequence[int]  # tree budgets B; one `tree-B` method each (and one `tree-B-lookup`, ...)
     max_new_tokens: int = 256  # tokens generated per prompt (fewer when the target stops)
     limit: Optional[int] = 10  # the first `limit` prompts of each suite; None for all
@@ -66,7 +67,7 @@ class BenchConfig:
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE  # float32 logit gap still called a tie (half precisions)
 
     def __post_init__(self):
-        self.suites = check_suites(self.suites)
+        self.suites = check_suites(self.suites, conversations=True)
         self.budgets = check_budgets(self.budgets)
         self.methods = check_method_kinds(self.methods)
         for name in ("max_new_tokens", "cost_repeats") + (("limit",) if self.limit is not None else ()):

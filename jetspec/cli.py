@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .prompts import check_suites
+from .prompts import CONVERSATIONS, SUITES, check_suites
 from .serve_limits import add_arguments as add_serve_limits  # stdlib only: no torch before the arguments are checked
 
 # Bad input is reported before torch and transformers are imported (seconds): models load lazily.
@@ -83,8 +83,9 @@ def parse_list(text: Optional[str]) -> Optional[list[str]]:
 
 
 def parse_suites(text: str) -> list[str]:
-    """`"gsm8k,mtbench"` -> `["gsm8k", "mtbench"]`; raises `ValueError` naming the valid suites otherwise."""
-    return check_suites(parse_list(text))
+    """`"gsm8k,mtbench"` -> `["gsm8k", "mtbench"]`, conversation sets (`mtbench_turn2`) included; raises `ValueError`
+    naming the valid suites otherwise."""
+    return check_suites(parse_list(text), conversations=True)
 
 
 def check_target_name(target: str, option: str = "--target"):
@@ -188,7 +189,12 @@ def _add_generate(commands) -> argparse.ArgumentParser:
 
 def _add_bench(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmark every method against plain greedy on prompt suites")
-    bench.add_argument("--suite", default=DEFAULT_SUITES, help=f"comma-separated suites (default {DEFAULT_SUITES})")
+    bench.add_argument(
+        "--suite",
+        default=DEFAULT_SUITES,
+        help=f"comma-separated suites among {', '.join(SUITES + CONVERSATIONS)} (default {DEFAULT_SUITES}); "
+        "mtbench_turn2 decodes each MT-Bench conversation's first turn, then reports its second",
+    )
     bench.add_argument(
         "--budgets", default=DEFAULT_BUDGETS, help=f"comma-separated tree budgets (default {DEFAULT_BUDGETS})"
     )

@@ -110,7 +110,8 @@ def test_python_m_jetspec_reports_bad_input_on_one_line():
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "jetspec: error: unknown suite 'nope': expected one of gsm8k, humaneval, mtbench, repeated (see --help)"
+        "jetspec: error: unknown suite 'nope': expected one of gsm8k, humaneval, mtbench, repeated, mtbench_turn2 "
+        "(see --help)"
     ]
 
 

@@ -18,7 +18,7 @@ from importlib import resources
 SUITES = ("gsm8k", "humaneval", "mtbench", "repeated")
 CONVERSATIONS = ("mtbench_turn2",)  # each row's user turns: a bench decodes each after the target's answer to the last
 
-__all__ = ["CONVERSATIONS", "SUITES", "check_suites", "load_conversations", "load_prompts"]
+__all__ = ["CONVERSATIONS", "SUITES", "check_suites", "load_conversations", "load_prompts", "load_suite"]
 
 
 def _read_jsonl(filename: str, limit: int | None) -> list[dict]:
@@ -29,14 +29,17 @@ def _read_jsonl(filename: str, limit: int | None) -> list[dict]:
     return rows if limit is None else rows[:limit]
 
 
-def check_suites(suites) -> list[str]:
-    """The suites as a list; raises `ValueError` on an empty list or an unknown name (naming the valid ones)."""
+def check_suites(suites, conversations: bool = False) -> list[str]:
+    """The suites as a list; raises `ValueError` on an empty list or an unknown name (naming the valid ones). With
+    `conversations=True` the conversation sets (``CONVERSATIONS``, which `jetspec bench` decodes turn by turn) are
+    valid names too."""
+    known = SUITES + CONVERSATIONS if conversations else SUITES
     suites = list(suites)
     if not suites:
-        raise ValueError(f"expected at least one suite among {', '.join(SUITES)}, got none")
-    unknown = [s for s in suites if s not in SUITES]
+        raise ValueError(f"expected at least one suite among {', '.join(known)}, got none")
+    unknown = [s for s in suites if s not in known]
     if unknown:
-        raise ValueError(f"unknown suite {', '.join(map(repr, unknown))}: expected one of {', '.join(SUITES)}")
+        raise ValueError(f"unknown suite {', '.join(map(repr, unknown))}: expected one of {', '.join(known)}")
     return suites
 
 
@@ -53,3 +56,9 @@ def load_conversations(name: str, limit: int | None = None) -> list[dict]:
     if name not in CONVERSATIONS:
         raise ValueError(f"unknown conversation set {name!r}: expected one of {', '.join(CONVERSATIONS)}")
     return _read_jsonl(f"{name}.jsonl", limit)
+
+
+def load_suite(name: str, limit: int | None = None) -> list[dict]:
+    """Return the rows of a prompt suite (``SUITES``, rows with ``prompt``) or of a conversation set
+    (``CONVERSATIONS``, rows with ``turns``), the first ``limit`` if given."""
+    return load_conversations(name, limit) if name in CONVERSATIONS else load_prompts(name, limit)
