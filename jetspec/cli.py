@@ -207,7 +207,7 @@ def _add_bench(commands) -> argparse.ArgumentParser:
         "--methods",
         default=None,
         help="comma-separated method kinds among plain, prompt_lookup, chain, tree, auto, path_conditioning, lookup, "
-        "lookup_first (default: all)",
+        "lookup_first, gap, lookup_gap, trie, answers (default: all)",
     )
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of every method")
     bench.add_argument(
