@@ -61,7 +61,8 @@ Speedup is the ratio of tokens/s to plain greedy on the same prompt. On a shared
 
 The rooms: this module runs the benchmark (the prompts, the methods' calls, the costs, `results.json`);
 `jetspec.bench_methods` holds its settings (which methods, with which arguments); `jetspec.bench_figures` the
-per-prompt rows and their aggregates; `jetspec.report` draws the markdown report and the plots.
+per-prompt rows and their aggregates; `jetspec.bench_conversations` the chats of conversations' second turns;
+`jetspec.report` draws the markdown report and the plots.
 """
 
 import dataclasses
@@ -219,10 +220,10 @@ class Bench:
         stats = out.jetspec_stats if method.uses_head else None
         return out.sequences[0, input_ids.shape[1] :].cpu(), seconds, stats, None if phases is None else phases.seconds
 
-    def run_methods(self, input_ids, attention_mask, turn: int) -> tuple[list, dict]:
-        """Every method once on one prompt, in the plan's order rotated by `turn` (each method takes every slot in
-        turn): `(order, {method name: [`generate`]'s result})`."""
-        shift = turn % len(self.plan)
+    def run_methods(self, input_ids, attention_mask, rotation: int) -> tuple[list, dict]:
+        """Every method once on one prompt, in the plan's order rotated by `rotation` (each method takes every slot
+        in turn): `(order, {method name: [`generate`]'s result})`."""
+        shift = rotation % len(self.plan)
         order = self.plan[shift:] + self.plan[:shift]
         return order, {m.name: self.generate(m, input_ids, attention_mask) for m in order}
 
@@ -262,23 +263,23 @@ class Bench:
             )
         return rows
 
-    def measure_prompt(self, suite: str, prompt: dict, turn: int) -> list[PromptRow]:
-        """Every method once on one prompt, in an order rotated by `turn`; each output judged against plain's."""
+    def measure_prompt(self, suite: str, prompt: dict, rotation: int) -> list[PromptRow]:
+        """Every method once on one prompt, in an order rotated by `rotation`; each output judged against plain's."""
         input_ids, attention_mask = self.encode(prompt["prompt"])
-        order, runs = self.run_methods(input_ids, attention_mask, turn)
+        order, runs = self.run_methods(input_ids, attention_mask, rotation)
         return self.judge(suite, prompt["id"], input_ids, order, runs)
 
-    def measure_conversation(self, suite: str, conversation: dict, turn: int) -> list[PromptRow]:
+    def measure_conversation(self, suite: str, conversation: dict, rotation: int) -> list[PromptRow]:
         """Both turns of one conversation (`jetspec.bench_conversations`), every method decoding each, in an order
         rotated by `turn`: turn 2's rows, each holding its method's turn-1 row (`PromptRow.turn1`). Turn 2's chat
         holds plain greedy's answer 1 for every method."""
         first, second = conversation_turns(conversation)
         input_ids, attention_mask = self.encode(first)
-        order, runs = self.run_methods(input_ids, attention_mask, turn)
+        order, runs = self.run_methods(input_ids, attention_mask, rotation)
         firsts = self.judge(suite, conversation["id"], input_ids, order, runs, label="turn 1 of ")
         answer = answer_text(self.tokenizer, runs["plain"][0])
         input_ids, attention_mask = self.tokenize(second_turn_chat(self.tokenizer, first, answer, second))
-        order, runs = self.run_methods(input_ids, attention_mask, turn)
+        order, runs = self.run_methods(input_ids, attention_mask, rotation)
         rows = self.judge(suite, conversation["id"], input_ids, order, runs, label="turn 2 of ")
         return [dataclasses.replace(row, turn1=first_row) for row, first_row in zip(rows, firsts)]
 
@@ -501,10 +502,10 @@ def path_conditioning_budget(default, budgets) -> int:
 def _measure_prompts(bench: Bench, prompts: list, progress: bool) -> list[PromptRow]:
     rows = []
     with tqdm(prompts, desc="bench", unit="prompt", disable=not progress) as bar:
-        for turn, (suite, prompt) in enumerate(bar):
+        for rotation, (suite, prompt) in enumerate(bar):
             bar.set_postfix_str(f"{suite} {prompt['id']}")
             measure = bench.measure_conversation if suite in CONVERSATIONS else bench.measure_prompt
-            rows += measure(suite, prompt, turn)
+            rows += measure(suite, prompt, rotation)
     return rows
 
 
