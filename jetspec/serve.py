@@ -186,7 +186,7 @@ class TreeGenerateManager(GenerateManager):
         job.new_ids = out.sequences[0, len(job.prompt_ids) :].tolist()
         job.report = tree_report(out.jetspec_stats, job.new_ids, time.monotonic() - started)
         job.report["queued_seconds"] = started - job.started
-        job.report["batch"] = 1  # decoded alone; the rows of a shared call: `serve_batching`
+        job.report["batch"], job.report["joined"] = 1, False  # decoded alone; a shared call's rows: `serve_batching`
         return out
 
     def stream(self, job: Job, model, processor, inputs, gen_config, streamer: TreeStreamer, loop, queue):

@@ -20,7 +20,10 @@ own, `serve.TreeGenerateManager`). A call takes the oldest waiting request and e
 call, up to the batch cap ([`batch_key`]: greedy rows always share, sampling rows share with the same sampling
 settings and no seed; a seeded request decodes alone, its seed set right before its own call); a call of one row is
 the manager's own call, as without batching. Each row of a shared call begins (`serve_limits.begin`) right before
-the call, as a lone request does: a request already answered 503 at its deadline is dropped from it.
+the call, as a lone request does: a request already answered 503 at its deadline is dropped from it. With a cap above
+1, a greedy call is continuous ([`BatchScheduler.decode_joined`]): [`CallRows`], its `jetspec_rows`
+(`modeling_jetspec/admission.py`), lets the waiting requests of its batch key join between rounds, judged by
+[`JoinedStops`], and answers each row when it leaves.
 [`measure_batch_cap`] picks the cap from the host's costs at start-up.
 """
 
@@ -33,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
+from modeling_jetspec.admission import Newcomer
 from modeling_jetspec.state import JetSpecStats
 
 from .serve_limits import RequestExpired, begin
@@ -232,6 +236,96 @@ class RowsStreamer:
         return [None if lost or cut else len(tokens) for lost, cut, tokens in zip(self.lost, self.cut, self.tokens)]
 
 
+def joinable(row: Row) -> bool:
+    """Whether `row` decodes in a call that later rows may join: greedy, and free to share a call ([`batch_key`])."""
+    return row.key is not None and not row.gen_config.do_sample
+
+
+class JoinedStops(StoppingCriteria):
+    """The stops of a row that joined a running call, besides its length and EOS, judged on its own tokens
+    `(1, L)` as its lone call judges them: its stop strings, its deadline (as `max_time`: at the first token judged
+    past it), its client's disconnect."""
+
+    def __init__(self, row: Row, tokenizer):
+        self.row, self.strings = row, stop_strings(tokenizer, row.gen_config.stop_strings)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        deadline = self.row.job.deadline
+        done = self.row.disconnected or (deadline is not None and clock() > deadline)
+        if not done and self.strings is not None:
+            done = bool(self.strings(input_ids, None)[0])
+        return torch.tensor([done], dtype=torch.bool, device=input_ids.device)  # (1,)
+
+
+def joined_stops(row: Row) -> StoppingCriteriaList:
+    """A joining row's criteria (`modeling_jetspec.admission.Newcomer`): its length, its EOS, [`JoinedStops`]."""
+    config, prompt = row.gen_config, len(row.prompt)
+    criteria = [MaxLengthCriteria(prompt + config.max_new_tokens)]
+    if config.eos_token_id is not None:
+        criteria.append(EosTokenCriteria(config.eos_token_id))
+    return StoppingCriteriaList(criteria + [JoinedStops(row, row.processor)])
+
+
+class CallRows:
+    """The rows of a call that others join (`modeling_jetspec.admission.RowSource`, the call's `jetspec_rows`).
+
+    Between rounds the call asks for newcomers: the oldest waiting rows while they have the call's batch key, up to
+    the batch cap ([`BatchScheduler.take`]); each begins as a lone request does (`serve_limits.begin`: one answered
+    503 while it waited is dropped). Every row's tokens go to its stream as the call commits them, and a row that
+    leaves (its EOS, `max_tokens`, stop string, deadline or disconnect) is answered at once with the statistics of
+    the rounds it took part in; `batch` counts the rows the call had held by then.
+    """
+
+    def __init__(self, scheduler: "BatchScheduler", rows: list, stops: RowStops):
+        self.scheduler, self.rows, self.stops = scheduler, list(rows), stops
+        self.key, now = rows[0].key, time.monotonic()
+        self.joined = [now] * len(rows)  # when each row's decoding began
+        self.settled = [False] * len(rows)
+        for row in rows:
+            self.give(row, torch.tensor([row.prompt]))  # a streamer's first put is the prompt, as in `generate`
+
+    def admit(self, active: int) -> list:
+        taken = self.scheduler.take(self.key, self.scheduler.max_batch - active)
+        newcomers = []
+        for row in self.scheduler.begin_rows(taken):
+            self.rows.append(row)
+            self.joined.append(time.monotonic())
+            self.settled.append(False)
+            self.give(row, torch.tensor([row.prompt]))
+            newcomers.append(Newcomer(row.inputs["input_ids"], joined_stops(row)))  # (1, P)
+        return newcomers
+
+    def committed(self, index: int, tokens: list):
+        self.give(self.rows[index], torch.tensor(tokens))
+
+    def give(self, row: Row, value: torch.Tensor):
+        """Hand `value` to the row's streamer, if it has one and its client is still there."""
+        try:
+            if row.streamer is not None and not row.disconnected:
+                row.streamer.put(value)
+        except Exception:
+            if not row.disconnected:
+                raise
+            # cancelled between the check and the put: the client left, and `RowStops` ends the row
+
+    def left(self, index: int, tokens: list, stats: JetSpecStats):
+        row = self.rows[index]
+        if index < len(self.stops.finished):
+            self.stops.finished[index] = True  # its deadline is judged no more
+        row.job.prompt_ids, row.job.new_ids = row.prompt, tokens
+        if not row.disconnected:
+            self.scheduler.report(row.job, stats, self.joined[index], len(self.rows), index >= len(self.stops.rows))
+        self.settled[index] = True
+        self.scheduler.settle(row)
+
+    def fail(self, error: Exception):
+        """Every row not yet answered gets `error`."""
+        for i, row in enumerate(self.rows):
+            if not self.settled[i]:
+                self.settled[i] = True
+                self.scheduler.settle(row, error)
+
+
 def split_stats(stats: JetSpecStats, counts: list) -> list:
     """Each row's statistics of a batched call whose rows left at their own ends (`counts`: each row's new tokens, or
     `None` for a row whose end is not known), as a batch-1 call would count them.
@@ -301,12 +395,16 @@ class BatchScheduler:
             self.waiting.append(row)
 
     def run_next(self):
-        """Decode the next call's rows, if any wait (on the inference thread)."""
+        """Decode the next call's rows, if any wait (on the inference thread): greedy rows in a call that others
+        may join ([`decode_joined`], with a cap above 1), other rows that share a call together, a lone row alone."""
         with self.lock:
             rows = next_call(self.waiting, self.max_batch) if self.waiting else []
-        if len(rows) > 1:
+        joins = bool(rows) and self.max_batch > 1 and joinable(rows[0])
+        if len(rows) > 1 or joins:
             rows = self.begin_rows(rows)
-        if len(rows) == 1:
+        if joins and rows:
+            self.decode_joined(rows)
+        elif len(rows) == 1:
             self.decode_alone(rows[0])
         elif rows:
             try:
@@ -317,6 +415,27 @@ class BatchScheduler:
                 return
             for row in rows:
                 self.settle(row)
+
+    def take(self, key: str, room: int) -> list:
+        """The oldest waiting rows while they have the batch key `key`, at most `room`: a waiting row of another
+        key stops it (it decodes in the next call, and no later row passes it)."""
+        taken = []
+        with self.lock:
+            while self.waiting and len(taken) < room and self.waiting[0].key == key:
+                taken.append(self.waiting.popleft())
+        return taken
+
+    def decode_joined(self, rows: list):
+        """One `generate` call over `rows` that the rows waiting with their batch key join between rounds, each row
+        answered when it leaves (`CallRows`, the call's `jetspec_rows`)."""
+        call = self.call_of(rows)
+        source = CallRows(self, rows, call["stopping_criteria"][0])
+        try:
+            rows[0].model.generate(**call, jetspec_rows=source)
+        except Exception as error:  # every row not yet answered gets it; the thread serves on
+            source.fail(error)
+            return
+        source.fail(RuntimeError("expected every row of a joined call to leave it, got rows that did not"))
 
     def begin_rows(self, rows: list) -> list:
         """`rows` less those answered 503 while they waited: each row begins (`serve_limits.begin`: its handler stops
@@ -358,7 +477,23 @@ class BatchScheduler:
 
     def decode_together(self, rows: list):
         """One `generate` call over `rows`, left-padded; each row's tokens and statistics go to its job."""
-        first, started = rows[0], time.monotonic()
+        started = time.monotonic()
+        call = self.call_of(rows)
+        streamer = RowsStreamer(rows, call["stopping_criteria"][0], call["generation_config"].eos_token_id)
+        out = rows[0].model.generate(**call, streamer=streamer)
+        counts, width = streamer.counts(), call["input_ids"].shape[1]
+        for i, (row, stats) in enumerate(zip(rows, split_stats(out.jetspec_stats, counts))):
+            row.job.prompt_ids = row.prompt
+            row.job.new_ids = out.sequences[i, width : width + len(streamer.tokens[i])].tolist()
+            if streamer.cut[i]:  # the loop ended it at this token or later: the sources of the answer's own
+                stats.token_sources = [stats.token_sources[0][: len(row.job.new_ids)]]
+            if not streamer.lost[i]:
+                self.report(row.job, stats, started, len(rows))
+
+    def call_of(self, rows: list) -> dict:
+        """The `generate` arguments of a call over `rows`: left-padded prompts `(B, P)` and their mask, the first
+        row's generation config to the largest `max_tokens`, each row judged by [`RowStops`]."""
+        first = rows[0]
         config = copy.deepcopy(first.gen_config)
         pad = config.pad_token_id if config.pad_token_id is not None else first_token(config.eos_token_id)
         pad = 0 if pad is None else pad  # any id: a padded slot is masked out, and a finished row's is cut off
@@ -371,31 +506,20 @@ class BatchScheduler:
         config.stop_strings, config.return_dict_in_generate = None, True
         config.max_time = None  # `begin` set the first row's: each row's deadline is its own (`RowStops`)
         config.pad_token_id = pad
-        stops = RowStops(rows, width, first.processor, pad)
-        streamer = RowsStreamer(rows, stops, config.eos_token_id)
-        out = first.model.generate(
+        return dict(
             input_ids=ids,
             attention_mask=mask,
             generation_config=config,
-            stopping_criteria=StoppingCriteriaList([stops]),
-            streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([RowStops(rows, width, first.processor, pad)]),
             assistant_model=self.head,
             jetspec_answer_cache=self.answer_cache,
         )
-        counts = streamer.counts()
-        for i, (row, stats) in enumerate(zip(rows, split_stats(out.jetspec_stats, counts))):
-            row.job.prompt_ids = prompts[i]
-            row.job.new_ids = out.sequences[i, width : width + len(streamer.tokens[i])].tolist()
-            if streamer.cut[i]:  # the loop ended it at this token or later: the sources of the answer's own
-                stats.token_sources = [stats.token_sources[0][: len(row.job.new_ids)]]
-            if not streamer.lost[i]:
-                self.report(row.job, stats, started, len(rows))
 
-    def report(self, job: Job, stats: JetSpecStats, started: float, batch: int):
+    def report(self, job: Job, stats: JetSpecStats, started: float, batch: int, joined: bool = False):
         seconds = time.monotonic() - started
         job.report = tree_report(stats, job.new_ids, seconds)
         job.report["queued_seconds"] = started - job.started
-        job.report["batch"] = batch
+        job.report["batch"], job.report["joined"] = batch, joined
 
 
 def next_call(waiting: collections.deque, max_batch: int) -> list:

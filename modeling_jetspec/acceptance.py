@@ -131,7 +131,7 @@ def commit(
     committed, new = 0, {}
     for i, row in enumerate(rows):
         records = _records(acc, logits, i, paths[i]) if call.records is not None else None
-        if call.device_stops is None:  # checked token by token, on the device
+        if call.device_stops is None or row in call.row_stopping:  # checked token by token, on the device
             taken = _commit_row(call, row, tokens[i], records)
         else:
             taken = _taken(call, row, marks[i] if marks is not None else None, counts[i])
@@ -209,16 +209,14 @@ def _taken(call: Call, row: int, marks: list | None, count: int) -> int:
 def _commit_row(call: Call, row: int, tokens: list, records: list | None) -> int:
     """Append `tokens` to `row` one at a time, the stopping criteria checked after each until one stops the row;
     a stopped row takes no more when finished rows are padded, or past `max_length`. Returns the tokens committed."""
-    start, batch = call.lengths[row], call.sequences.shape[0]
+    start = call.lengths[row]
     for added, token in enumerate(tokens, start=1):
         call.append(row, token)
         if records is not None:
             call.records[row].append(records[added - 1])
-        if call.stopped_at[row] is None:  # a stop is final, as `unfinished_sequences` in plain decoding
-            # the row in a batch of the caller's size, so criteria holding per-row state see plain decoding's layout
-            ids = call.sequences[row : row + 1, : call.lengths[row]].expand(batch, -1)
-            if bool(call.stopping(ids, None)[row]):
-                call.stopped_at[row] = call.lengths[row]
+        # a stop is final, as `unfinished_sequences` in plain decoding
+        if call.stopped_at[row] is None and call.judge(row):
+            call.stopped_at[row] = call.lengths[row]
         if call.stopped_at[row] is not None and (call.pads_finished or call.lengths[row] >= call.max_length):
             break
     return call.lengths[row] - start

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from .admission import admission_for
 from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord, RowIndexes
 from .host_costs import operating_point
@@ -40,9 +41,11 @@ def _decode(
     jetspec_verifier=None,
     jetspec_round_hook=None,
     jetspec_answer_cache=None,
+    jetspec_rows=None,
     **model_kwargs,
 ):
-    """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`)."""
+    """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`);
+    `jetspec_rows`: an `admission.RowSource` whose rows join the call between rounds, where it can merge them."""
     head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
     attention_mask = model_kwargs.get("attention_mask")
     _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
@@ -65,15 +68,23 @@ def _decode(
     state, logits = call.verifier.prefill(input_ids, attention_mask)
     stats.target_forwards += call.verifier.target_forwards - before
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
+    admission = admission_for(jetspec_rows, call, generation_config, stats, input_ids.shape[1])  # `admission.py`
+    hook = jetspec_round_hook if admission is None else admission.hook(jetspec_round_hook)
+    if admission is not None:
+        admission.started()
     while state.rows.numel():
         timer = RoundClock(state.anchors.device) if timed else None
-        state = _round(head, call, state, stats, timer, jetspec_round_hook)
+        if admission is not None:
+            admission.before_round()
+        state = _round(head, call, state, stats, timer, hook)
         _stream(call)
+        if admission is not None and state.rows.numel():
+            state = admission.admit(head, state)
     stats.total_seconds = (clock() if timed else time.perf_counter()) - started
-    if jetspec_answer_cache is not None:  # each row's new tokens, the prompt excluded (`answer_cache.py`)
-        for row in call.history:
+    if jetspec_answer_cache is not None and admission is None:  # each row's new tokens (`answer_cache.py`); with
+        for row in call.history:  # a row source, each row's as it left
             jetspec_answer_cache.add(row[input_ids.shape[1] : call.end()])
-    return _finish(head, call, stats, generation_config, input_ids.shape[1])
+    return _finish(head, call, stats, generation_config, input_ids.shape)
 
 
 def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: RoundClock | None = None, hook=None):
@@ -211,12 +222,14 @@ def _stream(call: Call, final: bool = False):
     call.streamed = max(call.streamed, limit)
 
 
-def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_length: int):
+def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_shape: tuple):
+    """The call's output: its B rows (rows that joined it, `admission.py`, went to their source)."""
     _stream(call, final=True)
     if call.streamer is not None:
         call.streamer.end()
-    longest = call.end()
-    sequences = call.sequences[:, :longest]  # (B, longest); past each row's length: padding, never written
+    batch, prompt_length = prompt_shape
+    longest = call.end() if len(call.lengths) == batch else max(call.lengths[:batch])
+    sequences = call.sequences[:batch, :longest]  # (B, longest); past each row's length: padding, never written
     head.last_stats = stats
     if not generation_config.return_dict_in_generate:
         return sequences

@@ -41,6 +41,7 @@ GENERATE_HONOURED = (
     "tokenizer",
     "trust_remote_code",
     "jetspec_answer_cache",  # the loop's own (`answer_cache.py`), checked by [`check_answer_cache`]
+    "jetspec_rows",  # the loop's own: rows that join the call (`admission.py`)
 )
 # generation-config fields the tree loop would otherwise ignore without a word: value that is supported
 UNSUPPORTED_GENERATION = {

@@ -309,10 +309,22 @@ class Call:
     # criterion is checked after each committed token, on that token's row alone
     device_stops: list | None = None
     stop_length: int | None = None
+    # rows that joined the running call (`admission.py`): batch row -> its own stopping criteria, judged on its own
+    # tokens `(1, L)` as its lone call judges them (the call's `stopping` judges the rows it started with)
+    row_stopping: dict = field(default_factory=dict)
 
     def histories(self) -> dict:
         """`{row: committed tokens}` of the active rows, in order (what prompt lookup matches); host data."""
         return {row: self.history[row] for row in self.active}
+
+    def judge(self, row: int) -> bool:
+        """Whether the stopping criteria stop `row` after its last committed token (one read of the device)."""
+        ids = self.sequences[row : row + 1, : self.lengths[row]]  # (1, L)
+        own = self.row_stopping.get(row)
+        if own is not None:
+            return bool(own(ids, None)[0])
+        # the row in a batch of the call's size, so criteria holding per-row state see plain decoding's layout
+        return bool(self.stopping(ids.expand(self.sequences.shape[0] - len(self.row_stopping), -1), None)[row])
 
     def append(self, row: int, token: int):
         """Commit `token` to `row` (a write to the device buffer per token: the path whose stopping criteria are

@@ -339,6 +339,8 @@ def test_a_request_still_waiting_at_its_deadline_gets_503_and_is_never_decoded(m
     busy, decoded = threading.Event(), []
     original = manager.decode
     manager.decode = lambda job, *args, **kwargs: decoded.append(job) or original(job, *args, **kwargs)
+    joined = manager.scheduler.decode_joined  # with a cap above 1, a greedy request decodes in a call others may join
+    manager.scheduler.decode_joined = lambda rows: decoded.extend(row.job for row in rows) or joined(rows)
     manager.submit(busy.wait, 30)  # the inference thread is taken
 
     async def scenario():  # one event loop, alive while the thread hands the skipped requests back

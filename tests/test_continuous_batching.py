@@ -1,0 +1,299 @@
+"""Continuous batching of the tree loop (`modeling_jetspec/admission.py`) and of `jetspec serve`
+(`jetspec/serve_batching.py`): requests join a running call between rounds and leave it when they finish.
+
+Tiny random float32 targets, in process. Each row's tokens are compared with its lone greedy answer (plain `generate`
+of that prompt alone); a difference is allowed only at a float32 near-tie of the lone call's two top logits (within
+`TIE`, checked, never assumed), where the batch's padded shapes may round the other way.
+
+a) Decode level, on llama, qwen3 and mistral (a sliding window) targets: a call of rows A and B, a newcomer with a
+   shorter prompt than the running width after round 1 and one with a longer prompt after round 3 (the running rows
+   are widened then): every row gets its lone answer, its statistics those of its own rounds.
+b) A newcomer that finishes early leaves (its answer handed over) rounds before the call ends; one that finishes at
+   its first token never joins the batch.
+c) Calls that cannot merge a row exactly never ask for newcomers: logits processors, sampling, a streamer, no EOS
+   criterion, a hybrid target; a malformed newcomer is refused by name.
+"""
+
+import asyncio
+
+import pytest
+import test_serve_batching
+import torch
+from test_hybrid import hybrid_target
+from test_serve_batching import (
+    TEXTS,
+    answer_of,
+    assert_one_client_answer,
+    make_row,
+    one_client,
+    tree_alone,
+)
+from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from jetspec.serve import TreeGenerateManager
+from jetspec.tiny import prompts, tiny_head, tiny_target
+from modeling_jetspec.admission import Newcomer
+
+served = test_serve_batching.served  # its fixture: the tiny target, character tokenizer and head it serves
+TIE = 1e-4  # float32: a batch's padded shapes may round a logit differently; only a near-tie may flip the argmax
+EOS = 7  # an id the random targets' answers reach now and then
+
+
+class Source:
+    """A row source (`admission.RowSource`) that offers `plan[k]` after round k, and keeps what it is told."""
+
+    def __init__(self, plan: dict):
+        self.plan, self.rounds, self.asked = dict(plan), 0, 0
+        self.tokens, self.left_at, self.answers, self.stats = {}, {}, {}, {}
+
+    def admit(self, active: int) -> list:
+        self.rounds += 1
+        self.asked += 1
+        return self.plan.pop(self.rounds, [])
+
+    def committed(self, row: int, tokens: list):
+        self.tokens.setdefault(row, []).extend(tokens)
+
+    def left(self, row: int, tokens: list, stats):
+        self.left_at[row], self.answers[row], self.stats[row] = self.rounds, tokens, stats
+
+
+def newcomer(ids: torch.Tensor, max_new_tokens: int) -> Newcomer:
+    """A prompt `(1, P)` with the criteria of its lone greedy call: its length and the EOS."""
+    stops = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + max_new_tokens), EosTokenCriteria(EOS)])
+    return Newcomer(ids, stops)
+
+
+def lone(target, ids: torch.Tensor, max_new_tokens: int, head=None):
+    """Plain greedy `generate` of one unpadded prompt `(1, P)` (the tree's with `head`): its tokens and the output."""
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        output_logits=head is None,
+        return_dict_in_generate=True,
+        assistant_model=head,
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), out
+
+
+def assert_lone_answer(got: list, want: list, logits: tuple, what) -> bool:
+    """`got` is `want`, or leaves it at a step where the lone call's two top logits are within `TIE`."""
+    for step, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            top = logits[step][0].float().topk(2).values
+            assert top[0] - top[1] < TIE, (what, step, a, b, top)
+            return False
+    assert got == want, what
+    return True
+
+
+def random_prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(seed))  # (1, P)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_newcomers_get_their_lone_answers(arch):
+    target = tiny_target(arch)
+    head = tiny_head(target, tree_lookup=4)
+    ids, mask = prompts(2, lengths=(9, 5))  # rows A and B, width 9
+    short, long = random_prompt(3, 1), random_prompt(30, 2)  # narrower, then wider than the running width
+    source = Source({1: [newcomer(short, 14)], 3: [newcomer(long, 10)]})
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        assistant_model=head,
+        jetspec_rows=source,
+    )
+    assert source.plan == {} and sorted(source.answers) == [0, 1, 2, 3]  # both joined, every row left
+    starts = [ids.shape[1] - int(mask[row].sum()) for row in range(2)]
+    rows = [(ids[row : row + 1, starts[row] :], 16) for row in range(2)] + [(short, 14), (long, 10)]
+    exact = 0
+    for row, (prompt, new) in enumerate(rows):
+        want, reference = lone(target, prompt, new)
+        got = source.answers[row]
+        assert source.tokens[row] == got  # what was handed over as it came is the answer
+        if row < 2:  # the call's own rows are also its output, as plain `generate` returns a batch
+            assert out.sequences[row, ids.shape[1] : ids.shape[1] + len(got)].tolist() == got
+        same = assert_lone_answer(got, want, reference.logits, (arch, row))
+        exact += same
+        if same:
+            stats, alone = source.stats[row], lone(target, prompt, new, head)[1].jetspec_stats
+            assert stats.new_tokens == len(got) == stats.round_tokens + 1
+            assert (stats.rounds, stats.target_forwards) == (alone.rounds, alone.target_forwards), (arch, row)
+            assert len(stats.token_sources[0]) == len(got)
+    assert exact >= 3  # a near-tie may move one answer, not all of them
+    assert out.jetspec_stats.target_forwards == 1 + 2 + out.jetspec_stats.rounds  # two newcomers' prefills
+
+
+def test_a_newcomer_that_finishes_early_leaves_before_the_call_ends():
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    ids, mask = prompts(1, lengths=(9,))
+    quick, instant = random_prompt(6, 3), random_prompt(4, 4)
+    source = Source({1: [newcomer(quick, 3), newcomer(instant, 1)]})
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=24,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        do_sample=False,
+        return_dict_in_generate=True,
+        assistant_model=head,
+        jetspec_rows=source,
+    )
+    rounds = out.jetspec_stats.rounds
+    # the instant one left at its prefill's token, in the round-1 admission; the quick one a round or two later
+    assert source.left_at[2] == 1 and source.stats[2].rounds == 0 and source.answers[2] == lone(target, instant, 1)[0]
+    assert source.left_at[1] <= 3 < rounds and source.answers[1] == lone(target, quick, 3)[0]
+    assert out.jetspec_stats.row_rounds == rounds + source.stats[1].rounds  # row 2 took part in no round
+
+
+class Steps(BaseStreamer):
+    """A streamer that keeps the `(B,)` steps it is handed."""
+
+    def __init__(self):
+        self.steps = []
+
+    def put(self, value):
+        self.steps.append(value)
+
+    def end(self):
+        pass
+
+
+def call_kwargs(**given) -> dict:
+    return dict(max_new_tokens=6, do_sample=False, eos_token_id=EOS, pad_token_id=0, **given)
+
+
+@pytest.mark.parametrize(
+    "case", ["repetition_penalty", "sampling", "streamer", "no_eos", "hybrid"], ids=lambda case: case
+)
+def test_calls_that_cannot_merge_a_row_never_admit(case):
+    target = hybrid_target("lfm2") if case == "hybrid" else tiny_target("llama")
+    head = tiny_head(target)
+    ids, mask = prompts(2, lengths=(9, 5))
+    kwargs = call_kwargs()
+    if case == "repetition_penalty":
+        kwargs["repetition_penalty"] = 1.3  # a processor reads the whole row
+    elif case == "sampling":
+        kwargs["do_sample"] = True
+    elif case == "streamer":
+        kwargs["streamer"] = Steps()
+    elif case == "no_eos":
+        kwargs["eos_token_id"] = None  # no EOS criterion: a stopped row would decode on
+    source = Source({1: [newcomer(random_prompt(4, 5), 4)]})
+    torch.manual_seed(0)
+    out = target.generate(ids, attention_mask=mask, assistant_model=head, jetspec_rows=source, **kwargs)
+    assert source.asked == 0 and source.plan  # never asked for a newcomer
+    torch.manual_seed(0)
+    alone = target.generate(ids, attention_mask=mask, assistant_model=head, **kwargs)
+    assert torch.equal(out, alone)  # the call's tokens are those of a call without a source
+    if case in ("streamer", "no_eos"):  # its rows do not leave on their own: the source hears nothing
+        assert source.answers == {} and source.tokens == {}
+    else:  # its own rows still leave with their answers
+        for row in range(2):
+            answer = source.answers[row]
+            assert out[row, ids.shape[1] : ids.shape[1] + len(answer)].tolist() == answer
+            assert answer[-1] == EOS or len(answer) == 6
+
+
+def test_a_malformed_newcomer_is_refused_by_name():
+    target = tiny_target("llama")
+    head = tiny_head(target)
+    ids, mask = prompts(1, lengths=(9,))
+    for bad, message in [
+        (Newcomer(torch.ones(2, 3, dtype=torch.long), StoppingCriteriaList()), r"shape \(1, P\)"),
+        (Newcomer(torch.ones(1, 3, dtype=torch.long), [MaxLengthCriteria(5)]), "StoppingCriteriaList"),
+        ("not a newcomer", "expected a Newcomer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            target.generate(
+                ids, attention_mask=mask, assistant_model=head, jetspec_rows=Source({1: [bad]}), **call_kwargs()
+            )
+
+
+# ------------------------------------------------------------------------------------------------ jetspec serve
+def decode_arriving(served, first: dict, later: list, after_puts: int = 3) -> tuple:
+    """`first` (a streamed row spec) decodes on the inference thread; after its streamer's `after_puts`-th put (the
+    prompt, then each round's tokens), the `later` specs arrive, from inside the call, so that they come mid-call on
+    every host. Returns `(rows, texts, answered)`: the rows, their texts, and the rows in the order they were
+    answered (`BatchScheduler.settle`)."""
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        manager = TreeGenerateManager(served[2], 4)
+        rows = [make_row(served, loop, **spec) for spec in [first] + later]
+        answered, puts = [], []
+        settle, put = manager.scheduler.settle, rows[0].streamer.put
+
+        def recording(row, error=None):
+            answered.append(row)
+            settle(row, error)
+
+        def arriving(value):
+            put(value)
+            puts.append(value)
+            if len(puts) == after_puts:
+                for row in rows[1:]:  # as the manager queues a request
+                    manager.scheduler.add(row)
+                    manager.submit(manager.scheduler.run_next)
+
+        manager.scheduler.settle, rows[0].streamer.put = recording, arriving
+        manager.scheduler.add(rows[0])
+        manager.submit(manager.scheduler.run_next)
+        texts = await asyncio.wait_for(asyncio.gather(*(answer_of(row) for row in rows)), 120)
+        return rows, texts, answered
+
+    return asyncio.run(run())
+
+
+def test_a_request_that_arrives_mid_call_joins_it_and_is_answered_when_it_leaves(served):
+    first = {"text": TEXTS[1], "max_tokens": 40, "stream": True}
+    later = [
+        {"text": TEXTS[4], "max_tokens": 4},  # a longer prompt than the first's, answered long before it
+        {"text": TEXTS[0], "max_tokens": 12, "stream": True, "stops": ("zz",)},
+    ]
+    rows, texts, answered = decode_arriving(served, first, later)
+    assert [row.job.report["joined"] for row in rows] == [False, True, True]  # both joined the running call
+    assert [row.job.report["batch"] for row in rows] == [3, 3, 3]  # both joined at the same round boundary
+    assert answered.index(rows[1]) < answered.index(rows[0])  # answered when it left, not at the call's end
+    exact = 0
+    for row, text, spec in zip(rows, texts, [first] + later):
+        want, logits = one_client(served, spec["text"], spec["max_tokens"], spec.get("stops", ()))
+        same = assert_one_client_answer(row.job.new_ids, want, logits, spec)
+        exact += same
+        if same:
+            assert text == served[1].decode(want, skip_special_tokens=True)
+            alone = tree_alone(served, spec["text"], spec["max_tokens"], spec.get("stops", ()))
+            report = row.job.report
+            assert (report["rounds"], report["target_forwards"], report["tau"]) == (
+                alone.rounds,
+                alone.target_forwards,
+                alone.tau,
+            ), spec
+            assert sum(report["tokens_by_source"].values()) == len(want)
+    assert exact >= 2  # a near-tie may move one answer, not all of them
+
+
+def test_a_request_that_cannot_share_the_call_waits_and_holds_back_later_ones(served):
+    first = {"text": TEXTS[1], "max_tokens": 30, "stream": True}
+    later = [
+        {"text": TEXTS[2], "max_tokens": 5, "temperature": 0.8},  # sampling: another batch key
+        {"text": TEXTS[3], "max_tokens": 5},  # greedy, but behind the sampling one: it does not pass it
+    ]
+    rows, _, answered = decode_arriving(served, first, later)
+    assert [row.job.report["joined"] for row in rows] == [False, False, False]
+    assert answered[0] is rows[0] and rows[0].job.report["batch"] == 1  # the first call ran alone to its end
+    want, logits = one_client(served, TEXTS[3], 5)
+    assert_one_client_answer(rows[2].job.new_ids, want, logits, "greedy after the call")
