@@ -144,11 +144,10 @@ class Admission:
     def _join(self, head, state: RoundState, newcomer: Newcomer) -> RoundState:
         """Prefill `newcomer` alone, commit its first token, and merge it into `state` unless that token ended it."""
         ids = _checked(newcomer, state.anchors.device)
-        call, row = self.call, len(self.call.lengths)
-        before = call.verifier.target_forwards
+        call, before = self.call, self.call.verifier.target_forwards
         alone, logits = call.verifier.prefill(ids, None)  # (1, V) fp32
         self.stats.target_forwards += call.verifier.target_forwards - before
-        _add_row(call, ids[0].tolist(), newcomer.stopping)
+        row = call.add_row(ids[0].tolist(), newcomer.stopping)
         self.starts.append(ids.shape[1])
         self.seen.append(ids.shape[1])
         self.rows.append(self._row_stats())
@@ -176,19 +175,6 @@ def _checked(newcomer, device) -> torch.Tensor:
     if not isinstance(newcomer.stopping, StoppingCriteriaList):
         raise ValueError(f"expected a StoppingCriteriaList for a newcomer, got {type(newcomer.stopping).__name__}")
     return ids.to(device)
-
-
-def _add_row(call: Call, prompt: list, stopping: StoppingCriteriaList):
-    """A new batch row in every per-row list of `call`, holding `prompt` (no padding) and judged by `stopping`."""
-    call._reserve(len(prompt))
-    new = call.sequences.new_full((1, call.sequences.shape[1]), call.pad_token)  # (1, L)
-    new[0, : len(prompt)] = torch.tensor(prompt, dtype=new.dtype, device=new.device)
-    call.sequences = torch.cat([call.sequences, new])  # (B + 1, L)
-    row = len(call.lengths)
-    call.lengths.append(len(prompt))
-    call.history.append(list(prompt))
-    call.stopped_at.append(None)
-    call.row_stopping[row] = stopping
 
 
 def merge_rows(state: RoundState, joined: RoundState) -> RoundState:

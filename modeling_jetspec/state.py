@@ -317,6 +317,20 @@ class Call:
         """`{row: committed tokens}` of the active rows, in order (what prompt lookup matches); host data."""
         return {row: self.history[row] for row in self.active}
 
+    def add_row(self, prompt: list, stopping: StoppingCriteriaList) -> int:
+        """A new batch row holding `prompt` (no padding), judged by its own `stopping` ([`judge`]), in every per-row
+        list; returns its index (a row joining the running call, `admission.py`)."""
+        self._reserve(len(prompt))
+        new = self.sequences.new_full((1, self.sequences.shape[1]), self.pad_token)  # (1, L)
+        new[0, : len(prompt)] = torch.tensor(prompt, dtype=new.dtype, device=new.device)
+        self.sequences = torch.cat([self.sequences, new])  # (B + 1, L)
+        row = len(self.lengths)
+        self.lengths.append(len(prompt))
+        self.history.append(list(prompt))
+        self.stopped_at.append(None)
+        self.row_stopping[row] = stopping
+        return row
+
     def judge(self, row: int) -> bool:
         """Whether the stopping criteria stop `row` after its last committed token (one read of the device)."""
         ids = self.sequences[row : row + 1, : self.lengths[row]]  # (1, L)

@@ -139,6 +139,7 @@ def static_decode(
     jetspec_verifier=None,
     jetspec_round_hook=None,
     jetspec_answer_cache=None,
+    jetspec_rows=None,
     **model_kwargs,
 ):
     """`decode._decode` once the static verifier knows the call's batch, lengths, compile settings (what `generate`
@@ -161,6 +162,7 @@ def static_decode(
         jetspec_verifier=jetspec_verifier,
         jetspec_round_hook=jetspec_round_hook,
         jetspec_answer_cache=jetspec_answer_cache,
+        jetspec_rows=jetspec_rows,  # its rows leave with their answers; none joins (`admission.admission_for`)
         **model_kwargs,
     )
     if point is not None:  # the same statistics object as the output's `jetspec_stats`

@@ -15,6 +15,7 @@ c) Calls that cannot merge a row exactly never ask for newcomers: logits process
 """
 
 import asyncio
+import logging
 
 import pytest
 import test_serve_batching
@@ -31,6 +32,7 @@ from test_serve_batching import (
 from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from jetspec import serve_batching
 from jetspec.serve import TreeGenerateManager
 from jetspec.tiny import prompts, tiny_head, tiny_target
 from modeling_jetspec.admission import Newcomer
@@ -177,7 +179,7 @@ def call_kwargs(**given) -> dict:
 
 
 @pytest.mark.parametrize(
-    "case", ["repetition_penalty", "sampling", "streamer", "no_eos", "hybrid"], ids=lambda case: case
+    "case", ["repetition_penalty", "sampling", "streamer", "no_eos", "hybrid", "static"], ids=lambda case: case
 )
 def test_calls_that_cannot_merge_a_row_never_admit(case):
     target = hybrid_target("lfm2") if case == "hybrid" else tiny_target("llama")
@@ -192,6 +194,8 @@ def test_calls_that_cannot_merge_a_row_never_admit(case):
         kwargs["streamer"] = Steps()
     elif case == "no_eos":
         kwargs["eos_token_id"] = None  # no EOS criterion: a stopped row would decode on
+    elif case == "static":
+        kwargs["jetspec_static"] = "eager"  # fixed-shape buffers of the call's rows
     source = Source({1: [newcomer(random_prompt(4, 5), 4)]})
     torch.manual_seed(0)
     out = target.generate(ids, attention_mask=mask, assistant_model=head, jetspec_rows=source, **kwargs)
@@ -224,16 +228,19 @@ def test_a_malformed_newcomer_is_refused_by_name():
 
 
 # ------------------------------------------------------------------------------------------------ jetspec serve
-def decode_arriving(served, first: dict, later: list, after_puts: int = 3) -> tuple:
+def decode_arriving(served, first: dict, later: list, after_puts: int = 3, setup=None, gone=()) -> tuple:
     """`first` (a streamed row spec) decodes on the inference thread; after its streamer's `after_puts`-th put (the
     prompt, then each round's tokens), the `later` specs arrive, from inside the call, so that they come mid-call on
-    every host. Returns `(rows, texts, answered)`: the rows, their texts, and the rows in the order they were
-    answered (`BatchScheduler.settle`)."""
+    every host (`setup(rows)`, if given, first adjusts the rows). Returns `(rows, texts, answered)`: the rows, their
+    texts (`None` for the rows `gone`, whose clients leave), and the rows in the order they were answered
+    (`BatchScheduler.settle`)."""
 
     async def run():
         loop = asyncio.get_running_loop()
         manager = TreeGenerateManager(served[2], 4)
         rows = [make_row(served, loop, **spec) for spec in [first] + later]
+        if setup is not None:
+            setup(rows)
         answered, puts = [], []
         settle, put = manager.scheduler.settle, rows[0].streamer.put
 
@@ -252,8 +259,16 @@ def decode_arriving(served, first: dict, later: list, after_puts: int = 3) -> tu
         manager.scheduler.settle, rows[0].streamer.put = recording, arriving
         manager.scheduler.add(rows[0])
         manager.submit(manager.scheduler.run_next)
-        texts = await asyncio.wait_for(asyncio.gather(*(answer_of(row) for row in rows)), 120)
+        texts = await asyncio.wait_for(asyncio.gather(*(text_of(i, row) for i, row in enumerate(rows))), 120)
+        await asyncio.wait_for(every_row_answered(answered, len(rows)), 120)
         return rows, texts, answered
+
+    async def text_of(index: int, row):
+        return None if index in gone else await answer_of(row)
+
+    async def every_row_answered(answered: list, count: int):  # a row whose client left has no text to wait for
+        while len(answered) < count:
+            await asyncio.sleep(0.01)
 
     return asyncio.run(run())
 
@@ -297,3 +312,34 @@ def test_a_request_that_cannot_share_the_call_waits_and_holds_back_later_ones(se
     assert answered[0] is rows[0] and rows[0].job.report["batch"] == 1  # the first call ran alone to its end
     want, logits = one_client(served, TEXTS[3], 5)
     assert_one_client_answer(rows[2].job.new_ids, want, logits, "greedy after the call")
+
+
+def test_a_joined_row_ends_at_its_deadline_or_its_disconnect_and_the_others_go_on(served, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, "jetspec.serve")
+    ticks = iter(range(10**6))  # the deadlines' clock counts the verdicts: the joined row's passes after its 6th token
+    monkeypatch.setattr(serve_batching, "clock", lambda: next(ticks))
+    first = {"text": TEXTS[1], "max_tokens": 30, "stream": True}
+    later = [{"text": TEXTS[3], "max_tokens": 20}, {"text": TEXTS[2], "max_tokens": 20, "stream": True}]
+
+    def setup(rows):
+        rows[1].job.deadline = 5
+        leaving, put = rows[2].streamer, rows[2].streamer.put
+
+        def put_then_leave(value):  # the client leaves once it has had its first token
+            put(value)
+            if leaving.total_tokens:
+                leaving.cancel()
+
+        leaving.put = put_then_leave
+
+    rows, texts, answered = decode_arriving(served, first, later, setup=setup, gone=(2,))
+    assert rows[1].job.report["joined"] and rows[1].job.finish_reason() == "length"
+    assert len(rows[1].job.new_ids) == 7  # verdicts 0 .. 6: the 7th is past the deadline of 5
+    assert rows[2] in answered and rows[2].job.report is None and texts[2] is None  # it stopped, unanswered
+    assert [r.getMessage() for r in caplog.records if "disconnected" in r.getMessage()] == [
+        "jetspec serve: completions request stopped: the client disconnected after 1 tokens"
+    ]
+    for row, spec in zip(rows[:2], [first, later[0]]):
+        want, logits = one_client(served, spec["text"], spec["max_tokens"])
+        assert_one_client_answer(row.job.new_ids, want[: len(row.job.new_ids)], logits, spec)
+    assert len(rows[0].job.new_ids) == 30  # the first row ran to its own max_tokens

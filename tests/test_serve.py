@@ -324,8 +324,9 @@ def test_concurrent_clients_each_get_their_own_answer(server, local, clients):
     assert not errors and all(answer is not None for answer in answers), errors
     for request, answer in zip(requests, answers):
         assert answer["jetspec"]["token_ids"] == one_client_answer(local, request, 32), request
-    if clients > 1:  # they overlapped: some request waited for another's generation
-        assert max(a["jetspec"]["queued_seconds"] for a in answers) > min(a["jetspec"]["seconds"] for a in answers)
+    if clients > 1:  # they overlapped: some request waited for another's generation, or joined its call
+        waited = max(a["jetspec"]["queued_seconds"] for a in answers) > min(a["jetspec"]["seconds"] for a in answers)
+        assert waited or any(a["jetspec"]["joined"] for a in answers)
 
 
 def post(url: str, data: bytes, method: str = "POST", kind: str = "application/json", key=KEY, answer=None):
