@@ -7,7 +7,8 @@ generation manager's interface (a `DirectStreamer` per streamed request, a disco
 changes, each in a subclass of those (design: `docs/serve.md`):
 
 - one inference thread decodes the requests that wait when the target is free together, in one `generate` call
-  (`serve_batching.BatchScheduler`, up to a batch cap measured at start-up or `--max-batch`);
+  (`serve_batching.BatchScheduler`, up to a batch cap measured at start-up or `--max-batch`); greedy requests that
+  arrive while a greedy call runs join it between rounds, and each request is answered when its row finishes;
 - every request is checked first (`serve_requests.check_request`): a field whose value changes nothing is accepted
   and dropped, what the server cannot honour exactly is refused with a 4xx and an OpenAI-shaped error naming the
   field, before any work; then admitted (`serve_limits`: the API key, the queue limit, the deadline);
