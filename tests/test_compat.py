@@ -109,6 +109,7 @@ def test_decode_mirrors_sample_and_receives_its_own_arguments():
         "jetspec_head",
         "jetspec_round_hook",
         "jetspec_answer_cache",
+        "jetspec_rows",
         "jetspec_shape",
         "jetspec_streamer",
         "jetspec_verifier",
