@@ -81,8 +81,8 @@ def _decode(
         if admission is not None and state.rows.numel():
             state = admission.admit(head, state)
     stats.total_seconds = (clock() if timed else time.perf_counter()) - started
-    if jetspec_answer_cache is not None and admission is None:  # each row's new tokens (`answer_cache.py`); with
-        for row in call.history:  # a row source, each row's as it left
+    if jetspec_answer_cache is not None and admission is None:  # with a row source: each row's as it left
+        for row in call.history:  # each row's new tokens, the prompt excluded (`answer_cache.py`)
             jetspec_answer_cache.add(row[input_ids.shape[1] : call.end()])
     return _finish(head, call, stats, generation_config, input_ids.shape)
 
