@@ -8,6 +8,7 @@
     jetspec costs [--clear]
     jetspec serve [--model smollm2-135m] [--head DIR] [--host 127.0.0.1] [--port 8000] [--dtype auto] [--device cuda]
         [--api-key KEY] [--max-queue N] [--request-timeout S] [--max-batch N] [--answer-cache N]
+        [--static off|eager|compile]
 
 Without `--head`, the head committed for the default target (`jetspec/heads/smollm2-135m`) is used. Bad inputs
 exit with status 2 and a one-line message.
@@ -231,7 +232,8 @@ def _add_serve(commands) -> argparse.ArgumentParser:
         default=None,
         help="the name requests give as `model` and /v1/models lists (default: --model as given)",
     )
-    add_serve_limits(serve)  # --device, --api-key, --max-queue, --request-timeout, --max-batch, --answer-cache
+    # --device, --api-key, --max-queue, --request-timeout, --max-batch, --answer-cache, --static
+    add_serve_limits(serve)
     return serve
 
 
@@ -312,10 +314,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for loaded in (head, baseline):
             if loaded is not None and args.draft_vocab_size is not None:
                 loaded.restrict_draft_vocab(args.draft_vocab_size)
-        if args.command == "serve":  # --answer-cache needs the head's lookup branch: refused before serving
-            from .serve_limits import answer_cache_for
+        if args.command == "serve":  # refused before serving: --answer-cache without the head's lookup branch,
+            from .serve_limits import answer_cache_for  # and what the static path cannot run (--static)
+            from .serve_static import check_static
 
             answer_cache_for(head, args.limits.answer_cache)
+            check_static(target, head, args.limits.static)
     except (ValueError, OSError) as error:
         parser.error(" ".join(str(error).split()))
     if args.command == "serve":

@@ -16,6 +16,8 @@ changes, each in a subclass of those (design: `docs/serve.md`):
   request's seed on the inference thread right before its own call, sampling on for a temperature > 0, a length
   that fits the model's context, and the request's deadline; with `--answer-cache N`, the process's one answer cache
   (`jetspec_answer_cache`, `serve_limits.answer_cache_for`), which drafts from earlier answers and keeps this one;
+  with `--static eager|compile`, the static path (`jetspec_static`), checked and warmed up at start-up
+  (`serve_static`);
 - the answer's text ends before its first stop string, as the OpenAI API returns it (the tokens, as `generate`
   commits them, end with the one that completes it), on targets with a response template too (reasoning text
   included);
@@ -49,6 +51,7 @@ from modeling_jetspec.compat import stream_error
 from .serve_batching import BatchScheduler, Row, measure_batch_cap
 from .serve_limits import Admission, Limits, RequestExpired, add_api_key, answer_cache_for, begin
 from .serve_requests import Job, RequestError, StopTrimmer, check_request, error_body, tree_report
+from .serve_static import warm_up
 from .serve_stream import TrimmedParser, internal_error_message, reparse_trimmed, shaped_json, shaped_stream
 
 SERVED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
@@ -139,12 +142,13 @@ class TreeGenerateManager(GenerateManager):
     """transformers' sequential generation manager (one inference thread), every request decoded by
     `target.generate(..., assistant_model=head)`; the requests waiting when the target is free decode together, up to
     `max_batch` rows per call (`serve_batching.BatchScheduler`, which runs on that thread); every call drafts also
-    from `answer_cache` (a `modeling_jetspec.AnswerCache` shared by every request, or `None`)."""
+    from `answer_cache` (a `modeling_jetspec.AnswerCache` shared by every request, or `None`), and decodes on the
+    path `static` names (`jetspec_static`: `None`, `"eager"` or `"compile"`; `serve_static`)."""
 
-    def __init__(self, head, max_batch: int = 1, answer_cache=None):
+    def __init__(self, head, max_batch: int = 1, answer_cache=None, static=None):
         super().__init__()
-        self.head, self.answer_cache = head, answer_cache
-        self.scheduler = BatchScheduler(self, head, max_batch, answer_cache)
+        self.head, self.answer_cache, self.static = head, answer_cache, static
+        self.scheduler = BatchScheduler(self, head, max_batch, answer_cache, static)
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         job = CURRENT_JOB.get()
@@ -183,6 +187,7 @@ class TreeGenerateManager(GenerateManager):
             tokenizer=processor,
             assistant_model=self.head,
             jetspec_answer_cache=self.answer_cache,
+            jetspec_static=self.static,
         )
         job.new_ids = out.sequences[0, len(job.prompt_ids) :].tolist()
         job.report = tree_report(out.jetspec_stats, job.new_ids, time.monotonic() - started)
@@ -296,10 +301,15 @@ class TreeCompletionHandler(TreeHandling, CompletionHandler):
 
 def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1) -> tuple:
     """The chat and completions handlers over `target`, served as `name`, every answer decoded with `head`, up to
-    `max_batch` waiting requests in one call, within `limits` (`serve_limits`)."""
+    `max_batch` waiting requests in one call, within `limits` (`serve_limits`); with `limits.static`, the static
+    path warmed up first, on the inference thread (`serve_static.warm_up`: a `ValueError` for what it refuses)."""
     limits = limits or Limits()
     models = ServedModel(name, target, tokenizer)
-    state = ServedState(TreeGenerateManager(head, max_batch, answer_cache_for(head, limits.answer_cache)))
+    manager = TreeGenerateManager(head, max_batch, answer_cache_for(head, limits.answer_cache), limits.static)
+    if limits.static is not None:
+        answers = manager.answer_cache is not None
+        manager.submit(warm_up, target, tokenizer, head, limits.static, max_batch, answers).result()
+    state = ServedState(manager)
     admission = Admission(limits)
     handlers = TreeChatHandler(models, state), TreeCompletionHandler(models, state)
     for handler in handlers:

@@ -379,13 +379,14 @@ class BatchScheduler:
     """The waiting requests, decoded on transformers' inference thread up to `max_batch` rows per call: each request
     queues its row ([`add`]) and then one [`run_next`] on that thread, which decodes whatever waits (a later
     `run_next` whose row an earlier call took finds nothing and returns); a shared call drafts also from
-    `answer_cache` (the server's `modeling_jetspec.AnswerCache`, or `None`), as the decoder's lone calls do."""
+    `answer_cache` (the server's `modeling_jetspec.AnswerCache`, or `None`) and decodes on the path `static` names
+    (`jetspec_static`), as the decoder's lone calls do."""
 
-    def __init__(self, decoder: RowDecoder, head, max_batch: int = 1, answer_cache=None):
+    def __init__(self, decoder: RowDecoder, head, max_batch: int = 1, answer_cache=None, static=None):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"expected max_batch to be an integer >= 1, got {max_batch!r}")
         self.decoder, self.head, self.max_batch = decoder, head, max_batch
-        self.answer_cache = answer_cache
+        self.answer_cache, self.static = answer_cache, static
         self.waiting = collections.deque()
         self.lock = threading.Lock()
 
@@ -513,6 +514,7 @@ class BatchScheduler:
             stopping_criteria=StoppingCriteriaList([RowStops(rows, width, first.processor, pad)]),
             assistant_model=self.head,
             jetspec_answer_cache=self.answer_cache,
+            jetspec_static=self.static,
         )
 
     def report(self, job: Job, stats: JetSpecStats, started: float, batch: int, joined: bool = False):

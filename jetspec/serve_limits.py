@@ -1,6 +1,7 @@
 """`jetspec serve` as a deployment runs it: where the model runs (`--device`), who may ask (`--api-key`), how many
 requests may wait (`--max-queue`), for how long a request may take (`--request-timeout`), and how many waiting
-requests decode together (`--max-batch`, `serve_batching`).
+requests decode together (`--max-batch`, `serve_batching`), and which path every call decodes on (`--static`,
+`serve_static`).
 
 - An API key (`--api-key`, or the environment's `JETSPEC_API_KEY`): every route but `/health` answers 401 to a
   request without `Authorization: Bearer <key>`.
@@ -11,6 +12,9 @@ requests decode together (`--max-batch`, `serve_batching`).
   stream's headers go out when its decoding begins, so that a waiting stream can still be answered 503.
 - An answer cache (`--answer-cache N`, off by default): one `modeling_jetspec.AnswerCache` of the last N answers,
   shared by every request of the process and passed to every `generate` call ([`answer_cache_for`]).
+- The static path (`--static eager|compile`, off by default): every `generate` call of the server gets
+  `jetspec_static=` (`modeling_jetspec/static.py`: fixed shapes, compiled with `torch.compile` for `compile`); what
+  that path refuses is refused at start-up, and its first shapes are warmed up there (`serve_static`).
 - [`begin`]: the inference thread's side, right before a request's `generate`, or before a call shared by several
   requests (each row's own; there, each row ends at its own deadline: `serve_batching.RowStops`).
 """
@@ -30,6 +34,7 @@ from .serve_requests import Job, RequestError, error_body
 
 API_KEY_ENV = "JETSPEC_API_KEY"
 OPEN_PATHS = ("/health",)  # a load balancer's probe needs no key
+STATIC_CHOICES = ("off", "eager", "compile")  # --static: off is the default path (`jetspec_static=None`)
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Limits:
     max_queue: Optional[int] = None  # requests that may wait for the inference thread
     request_timeout: Optional[float] = None  # seconds from a request's arrival to its answer's end
     answer_cache: int = 0  # earlier answers kept to draft from (`AnswerCache(max_answers=N)`); 0: no cache
+    static: Optional[str] = None  # every call's `jetspec_static`: "eager" or "compile"; None: the default path
 
 
 class RequestExpired(RuntimeError):
@@ -197,6 +203,14 @@ def add_arguments(serve):
         help="keep the last N answers of the process and draft from them in every request (the head's lookup "
         "branch, tree_lookup >= 1; lossless whatever they hold; default 0: off, its gain not measured yet)",
     )
+    serve.add_argument(
+        "--static",
+        type=_static,
+        default="off",
+        metavar="{off,eager,compile}",
+        help="decode every request on the static path (fixed shapes; compile: torch.compile'd verify and draft), "
+        "checked and warmed up at start-up; default off: not yet measured faster on every host kind",
+    )
 
 
 def _count(text: str) -> int:
@@ -213,6 +227,16 @@ def _batch(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return int(text)
+
+
+def _static(text: str) -> str:
+    import argparse
+
+    if text not in STATIC_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"expected {', '.join(STATIC_CHOICES[:-1])} or {STATIC_CHOICES[-1]}, got {text!r}"
+        )
+    return text
 
 
 def _seconds(text: str) -> float:
@@ -249,7 +273,8 @@ def check_arguments(args) -> tuple:
     else:
         host = host_kind()
         dtype, why = host.torch_dtype, f"{host.reason}; host kind {host.name}"
-    limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, args.answer_cache)
+    static = None if args.static == "off" else args.static
+    limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, args.answer_cache, static)
     return device, dtype, why, limits
 
 

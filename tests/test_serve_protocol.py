@@ -473,7 +473,15 @@ def test_a_failed_shared_call_answers_each_row_with_its_own_request_id_and_no_in
 
 def device_args(**given) -> SimpleNamespace:
     return SimpleNamespace(
-        **{"device": None, "dtype": "auto", "api_key": None, "max_queue": None, "answer_cache": 0, **given}
+        **{
+            "device": None,
+            "dtype": "auto",
+            "api_key": None,
+            "max_queue": None,
+            "answer_cache": 0,
+            "static": "off",
+            **given,
+        }
     )
 
 
