@@ -8,7 +8,8 @@ changes, each in a subclass of those (design: `docs/serve.md`):
 
 - one inference thread decodes the requests that wait when the target is free together, in one `generate` call
   (`serve_batching.BatchScheduler`, up to a batch cap measured at start-up or `--max-batch`); greedy requests that
-  arrive while a greedy call runs join it between rounds, and each request is answered when its row finishes;
+  arrive while a greedy call runs join it between rounds (unless `--join off`), and each request is answered when
+  its row finishes;
 - every request is checked first (`serve_requests.check_request`): a field whose value changes nothing is accepted
   and dropped, what the server cannot honour exactly is refused with a 4xx and an OpenAI-shaped error naming the
   field, before any work; then admitted (`serve_limits`: the API key, the queue limit, the deadline);
@@ -143,12 +144,13 @@ class TreeGenerateManager(GenerateManager):
     `target.generate(..., assistant_model=head)`; the requests waiting when the target is free decode together, up to
     `max_batch` rows per call (`serve_batching.BatchScheduler`, which runs on that thread); every call drafts also
     from `answer_cache` (a `modeling_jetspec.AnswerCache` shared by every request, or `None`), and decodes on the
-    path `static` names (`jetspec_static`: `None`, `"eager"` or `"compile"`; `serve_static`)."""
+    path `static` names (`jetspec_static`: `None`, `"eager"` or `"compile"`; `serve_static`); with `join` False
+    (`--join off`), greedy requests join no running call."""
 
-    def __init__(self, head, max_batch: int = 1, answer_cache=None, static=None):
+    def __init__(self, head, max_batch: int = 1, answer_cache=None, static=None, join: bool = True):
         super().__init__()
         self.head, self.answer_cache, self.static = head, answer_cache, static
-        self.scheduler = BatchScheduler(self, head, max_batch, answer_cache, static)
+        self.scheduler = BatchScheduler(self, head, max_batch, answer_cache, static, join)
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         job = CURRENT_JOB.get()
@@ -305,7 +307,8 @@ def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, ma
     path warmed up first, on the inference thread (`serve_static.warm_up`: a `ValueError` for what it refuses)."""
     limits = limits or Limits()
     models = ServedModel(name, target, tokenizer)
-    manager = TreeGenerateManager(head, max_batch, answer_cache_for(head, limits.answer_cache), limits.static)
+    cache = answer_cache_for(head, limits.answer_cache)
+    manager = TreeGenerateManager(head, max_batch, cache, limits.static, limits.join)
     if limits.static is not None:
         answers = manager.answer_cache is not None
         manager.submit(warm_up, target, tokenizer, head, limits.static, max_batch, answers).result()
@@ -400,5 +403,7 @@ def serve(target, tokenizer, head, name: str, host: str, port: int, limits: Limi
         found = ", ".join(f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in costs.items())
         logger.info("jetspec serve: batch cap %d (time per row and round at each batch size: %s)", max_batch, found)
     app = build_app(target, tokenizer, head, name, limits, max_batch)
-    logger.info("jetspec serve: %s with its head on %s at http://%s:%d/v1", name, target.device, host, port)
+    join = "on" if limits is None or limits.join else "off"  # --join: whether waiting requests join a running call
+    at = (name, target.device, host, port, join)
+    logger.info("jetspec serve: %s with its head on %s at http://%s:%d/v1, joining a running call %s", *at)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

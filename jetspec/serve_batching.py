@@ -380,13 +380,13 @@ class BatchScheduler:
     queues its row ([`add`]) and then one [`run_next`] on that thread, which decodes whatever waits (a later
     `run_next` whose row an earlier call took finds nothing and returns); a shared call drafts also from
     `answer_cache` (the server's `modeling_jetspec.AnswerCache`, or `None`) and decodes on the path `static` names
-    (`jetspec_static`), as the decoder's lone calls do."""
+    (`jetspec_static`), as the decoder's lone calls do; with `join` False, no request joins a running call."""
 
-    def __init__(self, decoder: RowDecoder, head, max_batch: int = 1, answer_cache=None, static=None):
+    def __init__(self, decoder: RowDecoder, head, max_batch: int = 1, answer_cache=None, static=None, join=True):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise ValueError(f"expected max_batch to be an integer >= 1, got {max_batch!r}")
         self.decoder, self.head, self.max_batch = decoder, head, max_batch
-        self.answer_cache, self.static = answer_cache, static
+        self.answer_cache, self.static, self.join = answer_cache, static, join  # join False: `--join off`
         self.waiting = collections.deque()
         self.lock = threading.Lock()
 
@@ -397,10 +397,11 @@ class BatchScheduler:
 
     def run_next(self):
         """Decode the next call's rows, if any wait (on the inference thread): greedy rows in a call that others
-        may join ([`decode_joined`], with a cap above 1), other rows that share a call together, a lone row alone."""
+        may join ([`decode_joined`], with a cap above 1 and `join`), other rows that share a call together, a lone row
+        alone."""
         with self.lock:
             rows = next_call(self.waiting, self.max_batch) if self.waiting else []
-        joins = bool(rows) and self.max_batch > 1 and joinable(rows[0])
+        joins = bool(rows) and self.join and self.max_batch > 1 and joinable(rows[0])
         if len(rows) > 1 or joins:
             rows = self.begin_rows(rows)
         if joins and rows:

@@ -1,6 +1,6 @@
 """`jetspec serve` as a deployment runs it: where the model runs (`--device`), who may ask (`--api-key`), how many
 requests may wait (`--max-queue`), for how long a request may take (`--request-timeout`), and how many waiting
-requests decode together (`--max-batch`, `serve_batching`), and which path every call decodes on (`--static`,
+requests decode together (`--max-batch`, `serve_batching`; `--join`: whether waiting requests join a running call), and which path every call decodes on (`--static`,
 `serve_static`).
 
 - An API key (`--api-key`, or the environment's `JETSPEC_API_KEY`): every route but `/health` answers 401 to a
@@ -35,6 +35,7 @@ from .serve_requests import Job, RequestError, error_body
 API_KEY_ENV = "JETSPEC_API_KEY"
 OPEN_PATHS = ("/health",)  # a load balancer's probe needs no key
 STATIC_CHOICES = ("off", "eager", "compile")  # --static: off is the default path (`jetspec_static=None`)
+JOIN_CHOICES = ("on", "off")  # --join: on, greedy requests join a running greedy call; off, only a call's start
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Limits:
     request_timeout: Optional[float] = None  # seconds from a request's arrival to its answer's end
     answer_cache: int = 0  # earlier answers kept to draft from (`AnswerCache(max_answers=N)`); 0: no cache
     static: Optional[str] = None  # every call's `jetspec_static`: "eager" or "compile"; None: the default path
+    join: bool = True  # waiting greedy requests join a running greedy call; False: they wait for the next call
 
 
 class RequestExpired(RuntimeError):
@@ -211,6 +213,14 @@ def add_arguments(serve):
         help="decode every request on the static path (fixed shapes; compile: torch.compile'd verify and draft), "
         "checked and warmed up at start-up; default off: not yet measured faster on every host kind",
     )
+    serve.add_argument(
+        "--join",
+        type=_join,
+        default="on",
+        metavar="{on,off}",
+        help="on (default): with a batch cap above 1, a waiting greedy request joins the running greedy call at its "
+        "next round; off: requests decode together only from a call's start (the batch of what waits then)",
+    )
 
 
 def _count(text: str) -> int:
@@ -236,6 +246,14 @@ def _static(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"expected {', '.join(STATIC_CHOICES[:-1])} or {STATIC_CHOICES[-1]}, got {text!r}"
         )
+    return text
+
+
+def _join(text: str) -> str:
+    import argparse
+
+    if text not in JOIN_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return text
 
 
@@ -275,6 +293,7 @@ def check_arguments(args) -> tuple:
         dtype, why = host.torch_dtype, f"{host.reason}; host kind {host.name}"
     static = None if args.static == "off" else args.static
     limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, args.answer_cache, static)
+    limits.join = getattr(args, "join", "on") == "on"  # the parser's default; a namespace built by hand may lack it
     return device, dtype, why, limits
 
 

@@ -12,6 +12,8 @@ b) A newcomer that finishes early leaves (its answer handed over) rounds before 
    its first token never joins the batch.
 c) Calls that cannot merge a row exactly never ask for newcomers: logits processors, sampling, a streamer, no EOS
    criterion, a hybrid target; a malformed newcomer is refused by name.
+d) `jetspec serve`'s scheduler: requests that arrive mid-call join it and are answered as they leave; with
+   `--join off` they wait for the next call, which they share; `--join` parses, and a bad value is refused.
 """
 
 import asyncio
@@ -230,25 +232,30 @@ def test_a_malformed_newcomer_is_refused_by_name():
 
 
 # ------------------------------------------------------------------------------------------------ jetspec serve
-def decode_arriving(served, first: dict, later: list, after_puts: int = 3, setup=None, gone=()) -> tuple:
+def decode_arriving(served, first: dict, later: list, after_puts: int = 3, setup=None, gone=(), join=True) -> tuple:
     """`first` (a streamed row spec) decodes on the inference thread; after its streamer's `after_puts`-th put (the
     prompt, then each round's tokens), the `later` specs arrive, from inside the call, so that they come mid-call on
-    every host (`setup(rows)`, if given, first adjusts the rows). Returns `(rows, texts, answered)`: the rows, their
-    texts (`None` for the rows `gone`, whose clients leave), and the rows in the order they were answered
-    (`BatchScheduler.settle`)."""
+    every host (`setup(rows)`, if given, first adjusts the rows), to a server with joining on or off (`join`).
+    Returns `(rows, texts, answered)`: the rows, their texts (`None` for the rows `gone`, whose clients leave), and
+    the rows in the order they were answered (`BatchScheduler.settle`, or a stream's end)."""
 
     async def run():
         loop = asyncio.get_running_loop()
-        manager = TreeGenerateManager(served[2], 4)
+        manager = TreeGenerateManager(served[2], 4, join=join)
         rows = [make_row(served, loop, **spec) for spec in [first] + later]
         if setup is not None:
             setup(rows)
         answered, puts = [], []
-        settle, put = manager.scheduler.settle, rows[0].streamer.put
+        settle, end_stream, put = manager.scheduler.settle, manager.end_stream, rows[0].streamer.put
 
         def recording(row, error=None):
-            answered.append(row)
+            if row.streamer is None:  # a stream is recorded as it ends: a lone one ends without `settle`
+                answered.append(row)
             settle(row, error)
+
+        def ending(job, *args, **kwargs):
+            answered.append(next(row for row in rows if row.job is job))
+            end_stream(job, *args, **kwargs)
 
         def arriving(value):
             put(value)
@@ -258,7 +265,7 @@ def decode_arriving(served, first: dict, later: list, after_puts: int = 3, setup
                     manager.scheduler.add(row)
                     manager.submit(manager.scheduler.run_next)
 
-        manager.scheduler.settle, rows[0].streamer.put = recording, arriving
+        manager.scheduler.settle, manager.end_stream, rows[0].streamer.put = recording, ending, arriving
         manager.scheduler.add(rows[0])
         manager.submit(manager.scheduler.run_next)
         texts = await asyncio.wait_for(asyncio.gather(*(text_of(i, row) for i, row in enumerate(rows))), 120)
@@ -301,6 +308,39 @@ def test_a_request_that_arrives_mid_call_joins_it_and_is_answered_when_it_leaves
             ), spec
             assert sum(report["tokens_by_source"].values()) == len(want)
     assert exact >= 2  # a near-tie may move one answer, not all of them
+
+
+def test_with_join_off_requests_arriving_mid_call_wait_and_then_share_the_next_call(served):
+    first = {"text": TEXTS[1], "max_tokens": 30, "stream": True}
+    later = [{"text": TEXTS[4], "max_tokens": 4}, {"text": TEXTS[0], "max_tokens": 12, "stream": True}]
+    rows, texts, answered = decode_arriving(served, first, later, join=False)
+    assert [row.job.report["joined"] for row in rows] == [False, False, False]  # `--join off`: nobody joined
+    assert answered[0] is rows[0] and rows[0].job.report["batch"] == 1  # the first call ran alone to its end
+    assert [row.job.report["batch"] for row in rows[1:]] == [2, 2]  # the two that waited: the next call, together
+    exact = 0
+    for row, text, spec in zip(rows, texts, [first] + later):
+        want, logits = one_client(served, spec["text"], spec["max_tokens"])
+        if assert_one_client_answer(row.job.new_ids, want, logits, spec):
+            assert text == served[1].decode(want, skip_special_tokens=True)
+            exact += 1
+    assert exact >= 2  # a near-tie may move one answer, not all of them
+
+
+def test_the_join_argument_parses_and_a_bad_value_is_refused(capsys):
+    from jetspec import cli
+    from jetspec.serve_limits import check_arguments
+
+    parser = cli.build_parser()
+    argv = ["serve", "--device", "cpu", "--dtype", "float32"]
+    assert check_arguments(parser.parse_args(argv))[3].join is True  # the default: on
+    assert check_arguments(parser.parse_args([*argv, "--join", "on"]))[3].join is True
+    assert check_arguments(parser.parse_args([*argv, "--join", "off"]))[3].join is False
+    for bad in ("no", "OFF", ""):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args([*argv, "--join", bad])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_info.value.code == 2 and f"argument --join: expected on or off, got {bad!r}" in last, last
 
 
 def test_a_request_that_cannot_share_the_call_waits_and_holds_back_later_ones(served):
