@@ -1,13 +1,17 @@
-"""Aggregate tokens/s and time to first token through `jetspec serve` and through `transformers serve`, on its
-`generate` path and with its continuous batching: the same model in the same dtype, all driven through the `openai`
-client.
+"""Aggregate tokens/s and time to first token through `jetspec serve`, with requests joining a running call
+(`--join on`) and without (`--join off`: the batch of what waits when a call starts), and through `transformers
+serve`, on its `generate` path and with its continuous batching: the same model in the same dtype, all driven through
+the `openai` client.
 
     python -m scripts.serve_bench --suite gsm8k,humaneval,mtbench --limit 8 --max-new-tokens 128 --clients 1,4,8 \\
-        --loads lockstep,steady --dtype auto --out results/serve-bench
+        --loads lockstep,steady --jetspec-join on,off --dtype auto --out results/serve-bench
 
-The script starts the three servers on free loopback ports (`--threads` torch threads each, through
-OMP_NUM_THREADS; transformers' continuous batching on a CPU with a paged cache of `--cb-num-blocks` blocks of
-`--cb-block-size` tokens, its memory cap there), or uses running ones (`--jetspec-url`, `--transformers-url`,
+The script starts the servers on free loopback ports (`--threads` torch threads each, through OMP_NUM_THREADS): one
+`jetspec serve` per value of `--jetspec-join` (named `jetspec serve` for on, `jetspec serve --join off` for off),
+`transformers serve`, and `transformers serve --continuous-batching` (on a CPU with a paged cache of
+`--cb-num-blocks` blocks of `--cb-block-size` tokens, its memory cap there); `--max-batch N` gives both `jetspec serve`
+modes the same batch cap (else each measures its own at start-up). It uses running ones instead where given
+(`--jetspec-url`: that one `jetspec serve` only, whatever `--jetspec-join`; `--transformers-url`,
 `--transformers-cb-url`, `--transformers-model`); `--no-continuous-batching` leaves that one out. All stay up
 together, and the servers take turns: with k clients,
 
@@ -19,9 +23,10 @@ together, and the servers take turns: with k clients,
 Every request is a streamed chat completion, greedy (temperature 0): time to first token is the wait for the first
 chunk with text, tokens are what the last chunk's usage counts, and a server's aggregate tokens/s is its tokens over
 the wall time of its requests (a group's, or a steady run's, from the first send to the last answer). The ratio is
-against the better of the two transformers paths at the same load and clients. The texts are compared per prompt: in
-float32 they must be equal; in bf16 they may leave each other at a numerical tie. Writes `results.json` (every
-request) and `results.md` (the table), and prints the table. Run nothing else meanwhile.
+against the better of the two transformers paths at the same load and clients, on every server's row (each
+`jetspec serve` mode has its own). The texts are compared per prompt: in float32 they must be equal; in bf16 they may
+leave each other at a numerical tie. Writes `results.json` (every request) and `results.md` (the table), and prints
+the table. Run nothing else meanwhile.
 """
 
 import argparse
@@ -38,7 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-JETSPEC, TRANSFORMERS = "jetspec serve", "transformers serve"
+JETSPEC, TRANSFORMERS = "jetspec serve", "transformers serve"  # JETSPEC: jetspec serve with --join on, its default
+JOINS = ("on", "off")  # jetspec serve --join: requests join a running call, or only a call's start
 TRANSFORMERS_CB = "transformers serve --continuous-batching"
 LOADS = ("lockstep", "steady")
 
@@ -68,7 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each server (default: torch's)")
     parser.add_argument("--out", default="results/serve-bench", help="output folder")
-    parser.add_argument("--jetspec-url", default=None, help="a running jetspec serve (its served name: --model)")
+    parser.add_argument(
+        "--jetspec-join",
+        default="on,off",
+        help="comma-separated jetspec serve --join values, each its own server (default on,off: both, to compare)",
+    )
+    parser.add_argument(
+        "--jetspec-url", default=None, help="a running jetspec serve, the only one then (its served name: --model)"
+    )
     parser.add_argument("--transformers-url", default=None, help="a running transformers serve")
     parser.add_argument(
         "--transformers-cb-url", default=None, help="a running transformers serve --continuous-batching"
@@ -77,6 +90,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--transformers-model", default=None, help="the model name the running transformers serve takes"
     )
     return parser.parse_args(argv)
+
+
+def jetspec_name(join: str) -> str:
+    """The results' name of the `jetspec serve` started with `--join join`."""
+    return JETSPEC if join == "on" else f"{JETSPEC} --join {join}"
+
+
+def is_jetspec(name: str) -> bool:
+    return name == JETSPEC or name.startswith(JETSPEC + " ")
+
+
+def joins_of(text: str) -> list:
+    """The `--jetspec-join` values, in order; a `ValueError` for an empty list, a repeat or a value not on/off."""
+    joins = [join for join in text.split(",") if join]
+    if not joins or len(set(joins)) < len(joins) or any(join not in JOINS for join in joins):
+        raise ValueError(f"expected --jetspec-join to be on, off or on,off, got {text!r}")
+    return joins
 
 
 def free_port() -> int:
@@ -220,7 +250,7 @@ def summary_rows(results: dict) -> list[dict]:
         speed = {
             name: sum(r["tokens"] or 0 for r in run["requests"][name]) / run["wall_seconds"][name] for name in names
         }
-        best = max((speed[name] for name in names if name != JETSPEC), default=None)
+        best = max((speed[name] for name in names if not is_jetspec(name)), default=None)
         same = same_texts(run)
         for name in names:
             ttfts = [r["ttft"] for r in run["requests"][name] if r["ttft"] is not None]
@@ -266,13 +296,17 @@ def servers_for(args, dtype_name: str, out: Path) -> tuple[dict, list]:
 
     started, servers = [], {}
     threads = [] if args.threads is None else ["--threads", str(args.threads)]
-    if args.jetspec_url is None:
+    joins = [] if args.jetspec_url is not None else joins_of(args.jetspec_join)  # a running one: that one only
+    if args.jetspec_url is not None:
+        servers[JETSPEC] = (args.jetspec_url, args.model)
+    for join in joins:
         command = [sys.executable, "-m", "jetspec", "serve", "--model", args.model, "--dtype", dtype_name, *threads]
         command += [] if args.head is None else ["--head", args.head]
         command += [] if args.max_batch is None else ["--max-batch", str(args.max_batch)]
-        process, args.jetspec_url = start(command, out / "jetspec-serve.log", args.threads)
+        log = out / ("jetspec-serve.log" if join == "on" else f"jetspec-serve-join-{join}.log")
+        process, url = start([*command, "--join", join], log, args.threads)
         started.append(process)
-    servers[JETSPEC] = (args.jetspec_url, args.model)
+        servers[jetspec_name(join)] = (url, args.model)
     folder = str(smollm2_folder()) if args.model == SMOLLM2_ALIAS else args.model  # it loads a folder or an id
     args.transformers_model = args.transformers_model or folder
     command = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--dtype", dtype_name]
@@ -304,6 +338,10 @@ def main(argv=None) -> int:
     loads = [load for load in args.loads.split(",") if load]
     if not loads or any(load not in LOADS for load in loads):
         raise SystemExit(f"expected --loads among {', '.join(LOADS)}, got {args.loads!r}")
+    try:
+        joins_of(args.jetspec_join)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     prompts = [
         {"suite": suite, "id": record["id"], "prompt": record["prompt"]}
         for suite in check_suites(args.suite.split(","))
@@ -322,6 +360,7 @@ def main(argv=None) -> int:
     config = {"command": " ".join(["python -m scripts.serve_bench", *sys.argv[1:]]), "dtype": dtype_name}
     config.update({"dtype_reason": reason, "host_kind": host_kind().name, "model": args.model, "clients": clients})
     config.update({"loads": loads, "servers": list(servers), "max_batch": args.max_batch})
+    config["jetspec_join"] = None if args.jetspec_url is not None else joins_of(args.jetspec_join)
     (out / "results.json").write_text(json.dumps({"config": config, "rows": rows, **results}, indent=1))
     table = markdown(rows)
     (out / "results.md").write_text(

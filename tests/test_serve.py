@@ -599,26 +599,70 @@ def test_serves_smollm2_with_the_committed_head_as_plain_generate(tmp_path):
 
 
 def test_serve_bench_drives_both_servers_on_one_prompt(server, transformers_server):
-    """scripts/serve_bench.py, smoke-checked at tiny size (one prompt, 4 tokens): both servers answer, each record
-    holds its time to first token and its tokens, the tree's statistics come from jetspec serve only."""
+    """scripts/serve_bench.py, smoke-checked at tiny size (one prompt, 4 tokens): the servers answer, each record
+    holds its time to first token and its tokens, the tree's statistics come from jetspec serve only; the one tiny
+    jetspec server stands behind both jetspec names (`--join on` and `--join off`), whose rows the ratio leaves out of
+    its reference."""
     from test_scripts import load_script
 
     bench = load_script("serve_bench")
+    off = bench.jetspec_name("off")
     servers = {
         bench.JETSPEC: (server.url, NAME),
+        off: (server.url, NAME),
         bench.TRANSFORMERS: (transformers_server.url, transformers_server.name),
     }
     prompts = [{"suite": "gsm8k", "id": "p0", "prompt": PROMPTS[0]}]
     results = bench.run_bench(servers, prompts, max_tokens=4, clients=[1], warmup=False)
     records = results["runs"][0]["requests"]
-    assert [r["tokens"] for name in servers for r in records[name]] == [4, 4]
+    assert [r["tokens"] for name in servers for r in records[name]] == [4, 4, 4]
     assert all(0 < r["ttft"] <= r["seconds"] for name in servers for r in records[name])
     rows = bench.summary_rows(results)
     assert [(r["server"], r["requests"], r["same_text"], r["tau"] is None) for r in rows] == [
         (bench.JETSPEC, 1, "1/1", False),
+        ("jetspec serve --join off", 1, "1/1", False),
         (bench.TRANSFORMERS, 1, "1/1", True),
     ]
-    assert rows[1]["ratio"] == 1.0 and "| jetspec serve | 1 | 1 |" in bench.markdown(rows)
+    assert rows[2]["ratio"] == 1.0  # the reference is the transformers path, not the faster jetspec mode
+    assert rows[0]["ratio"] == rows[0]["tokens_per_second"] / rows[2]["tokens_per_second"]
+    table = bench.markdown(rows)
+    assert "| jetspec serve | 1 | 1 |" in table and "| jetspec serve --join off | 1 | 1 |" in table
+
+
+def test_serve_bench_starts_a_jetspec_serve_per_join_mode_unless_one_runs(monkeypatch, tmp_path):
+    """scripts/serve_bench.py's servers, with its server start recorded rather than run: one `jetspec serve` per
+    `--jetspec-join` value, each with its `--join`; a running one (`--jetspec-url`) is the only one; a bad value is
+    refused before anything starts."""
+    from test_scripts import load_script
+
+    bench = load_script("serve_bench")
+    commands = []
+
+    def start(command, log, threads):
+        commands.append((command, log.name))
+        return None, f"http://127.0.0.1:{len(commands)}"
+
+    monkeypatch.setattr(bench, "start", start)
+    model = str(tmp_path / "model")
+    args = bench.parse_args(["--model", model, "--max-batch", "4", "--no-continuous-batching"])
+    servers, _ = bench.servers_for(args, "float32", tmp_path)
+    assert list(servers) == ["jetspec serve", "jetspec serve --join off", "transformers serve"]
+    assert [url for url, _ in servers.values()] == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    for (command, log), join in zip(commands, ["on", "off"]):
+        assert command[1:4] == ["-m", "jetspec", "serve"] and command[-2:] == ["--join", join]
+        assert command[command.index("--max-batch") + 1] == "4"  # both modes at the same cap
+    assert [log for _, log in commands[:2]] == ["jetspec-serve.log", "jetspec-serve-join-off.log"]
+    commands.clear()
+    args = bench.parse_args(["--model", model, "--jetspec-url", "http://running", "--jetspec-join", "off"])
+    args.no_continuous_batching = True
+    servers, _ = bench.servers_for(args, "float32", tmp_path)
+    assert servers["jetspec serve"] == ("http://running", model) and len(servers) == 2  # and transformers serve
+    assert [command[1] for command, _ in commands] == ["-m"] and "jetspec" not in commands[0][0]
+    args = bench.parse_args(["--model", model, "--jetspec-join", "off", "--no-continuous-batching"])
+    assert list(bench.servers_for(args, "float32", tmp_path)[0])[0] == "jetspec serve --join off"
+    for bad in ("", "on,on", "yes", "on,off,maybe"):
+        with pytest.raises(SystemExit, match="expected --jetspec-join to be on, off or on,off, got"):
+            bench.main(["--jetspec-join", bad, "--dtype", "float32", "--out", str(tmp_path / "out")])
 
 
 def test_serve_reports_bad_arguments_on_one_line_before_loading(capsys, tmp_path):
