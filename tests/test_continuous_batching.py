@@ -326,15 +326,20 @@ def test_with_join_off_requests_arriving_mid_call_wait_and_then_share_the_next_c
     assert exact >= 2  # a near-tie may move one answer, not all of them
 
 
-def test_the_join_argument_parses_and_a_bad_value_is_refused(capsys):
+def test_the_join_argument_parses_reaches_the_scheduler_and_a_bad_value_is_refused(served, capsys):
     from jetspec import cli
+    from jetspec.serve import build_handlers
     from jetspec.serve_limits import check_arguments
 
     parser = cli.build_parser()
     argv = ["serve", "--device", "cpu", "--dtype", "float32"]
     assert check_arguments(parser.parse_args(argv))[3].join is True  # the default: on
     assert check_arguments(parser.parse_args([*argv, "--join", "on"]))[3].join is True
-    assert check_arguments(parser.parse_args([*argv, "--join", "off"]))[3].join is False
+    limits = check_arguments(parser.parse_args([*argv, "--join", "off"]))[3]
+    assert limits.join is False
+    for given, join in [(limits, False), (None, True)]:  # the server's handlers: one manager, one scheduler
+        chat, _ = build_handlers(*served, "tiny", given, 4)
+        assert chat.generation_state.manager.scheduler.join is join
     for bad in ("no", "OFF", ""):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:

@@ -627,6 +627,7 @@ def test_serve_bench_drives_both_servers_on_one_prompt(server, transformers_serv
     assert rows[0]["ratio"] == rows[0]["tokens_per_second"] / rows[2]["tokens_per_second"]
     table = bench.markdown(rows)
     assert "| jetspec serve | 1 | 1 |" in table and "| jetspec serve --join off | 1 | 1 |" in table
+    assert "/v1, joining a running call on" in server.log.read_text()  # the start-up line says it: the default
 
 
 def test_serve_bench_starts_a_jetspec_serve_per_join_mode_unless_one_runs(monkeypatch, tmp_path):
