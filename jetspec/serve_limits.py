@@ -293,7 +293,7 @@ def check_arguments(args) -> tuple:
         dtype, why = host.torch_dtype, f"{host.reason}; host kind {host.name}"
     static = None if args.static == "off" else args.static
     limits = Limits(api_key_from(args.api_key), args.max_queue, args.request_timeout, args.answer_cache, static)
-    limits.join = getattr(args, "join", "on") == "on"  # the parser's default; a namespace built by hand may lack it
+    limits.join = args.join == "on"
     return device, dtype, why, limits
 
 

@@ -480,6 +480,7 @@ def device_args(**given) -> SimpleNamespace:
             "max_queue": None,
             "answer_cache": 0,
             "static": "off",
+            "join": "on",
             **given,
         }
     )
