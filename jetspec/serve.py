@@ -52,7 +52,7 @@ from modeling_jetspec.compat import stream_error
 from .serve_batching import BatchScheduler, Row, measure_batch_cap
 from .serve_limits import Admission, Limits, RequestExpired, add_api_key, answer_cache_for, begin
 from .serve_requests import Job, RequestError, StopTrimmer, check_request, error_body, tree_report
-from .serve_static import warm_up
+from .serve_static import warm_up, warmup_prompt
 from .serve_stream import TrimmedParser, internal_error_message, reparse_trimmed, shaped_json, shaped_stream
 
 SERVED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health")
@@ -391,12 +391,29 @@ def internal_error(request_id: str, where: str) -> JSONResponse:
     return JSONResponse(body, status_code=500, headers={"X-Request-ID": request_id})
 
 
+def time_host_costs(target, tokenizer, head):
+    """With a head whose `tree_budget` is "auto", one short greedy tree call before the server takes a request: the
+    host costs its operating point weighs (`modeling_jetspec/host_costs.py`, measured once per host, target, dtype and
+    batch, then cached) are timed now for batch 1, so that the first client does not wait for them."""
+    if head.config.tree_budget != "auto":
+        return
+    started = time.monotonic()
+    logger.info("jetspec serve: timing this host's costs for the head's tree_budget='auto' (once, then cached)")
+    ids = warmup_prompt(target, tokenizer)  # (1, P), a short chat request
+    with torch.inference_mode():
+        target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, assistant_model=head
+        )
+    logger.info("jetspec serve: host costs ready (%.1f s)", time.monotonic() - started)
+
+
 def serve(target, tokenizer, head, name: str, host: str, port: int, limits: Limits = None, max_batch: int = None):
     """Serve until interrupted (Ctrl-C, SIGTERM); `max_batch` `None`: the batch cap measured on this host."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers.cli.serving").setLevel(logging.ERROR)  # one "[Request received]" per request
+    time_host_costs(target, tokenizer, head)
     if max_batch is None:
         logger.info("jetspec serve: measuring the batch cap (--max-batch N skips it)")
         max_batch, costs = measure_batch_cap(target, head)
