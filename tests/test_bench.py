@@ -417,8 +417,14 @@ def test_bench_config_rejects_bad_settings(fields, message):
         BenchConfig(**settings)
 
 
-def test_a_wrong_token_fails_the_run(monkeypatch, tmp_path):
-    """A drafter path that returns one wrong token must make the benchmark raise, not report a speedup."""
+@pytest.mark.parametrize(
+    "suite, message",
+    [("gsm8k", "tree-4.*gsm8k"), ("mtbench_turn2", "tree-4.*turn 1 of mtbench_turn2 prompt 81")],
+    ids=["prompts", "conversations"],
+)
+def test_a_wrong_token_fails_the_run(suite, message, monkeypatch, tmp_path):
+    """A drafter path that returns one wrong token must make the benchmark raise, not report a speedup; in a
+    conversation, on the first turn it reaches, before turn 2."""
     target, head = tiny_pair()
     original = JetSpecDraftModel.tree_generate
 
@@ -428,8 +434,8 @@ def test_a_wrong_token_fails_the_run(monkeypatch, tmp_path):
         return out
 
     monkeypatch.setattr(JetSpecDraftModel, "tree_generate", wrong_last_token)
-    config = BenchConfig(["gsm8k"], [4], 6, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
-    with pytest.raises(LosslessError, match="tree-4.*gsm8k"):
+    config = BenchConfig([suite], [4], 6, limit=1, methods=("plain", "tree"), warmup=False, cost_repeats=1)
+    with pytest.raises(LosslessError, match=message):
         run_benchmark(target, char_tokenizer(), head, config, tmp_path, progress=False)
     assert not (tmp_path / "results.json").exists()
 

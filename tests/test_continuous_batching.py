@@ -3,7 +3,7 @@
 
 Tiny random float32 targets, in process. Each row's tokens are compared with its lone greedy answer (plain `generate`
 of that prompt alone); a difference is allowed only at a float32 near-tie of the lone call's two top logits (within
-`TIE`, checked, never assumed), where the batch's padded shapes may round the other way.
+`test_serve_batching.TIE`, checked, never assumed), where the batch's padded shapes may round the other way.
 
 a) Decode level, on llama, qwen3 and mistral (a sliding window) targets: a call of rows A and B, a newcomer with a
    shorter prompt than the running width after round 1 and one with a longer prompt after round 3 (the running rows
@@ -40,7 +40,6 @@ from jetspec.tiny import prompts, tiny_head, tiny_target
 from modeling_jetspec.admission import Newcomer
 
 served = test_serve_batching.served  # its fixture: the tiny target, character tokenizer and head it serves
-TIE = 1e-4  # float32: a batch's padded shapes may round a logit differently; only a near-tie may flip the argmax
 EOS = 7  # an id the random targets' answers reach now and then
 
 
@@ -85,17 +84,6 @@ def lone(target, ids: torch.Tensor, max_new_tokens: int, head=None):
     return out.sequences[0, ids.shape[1] :].tolist(), out
 
 
-def assert_lone_answer(got: list, want: list, logits: tuple, what) -> bool:
-    """`got` is `want`, or leaves it at a step where the lone call's two top logits are within `TIE`."""
-    for step, (a, b) in enumerate(zip(got, want)):
-        if a != b:
-            top = logits[step][0].float().topk(2).values
-            assert top[0] - top[1] < TIE, (what, step, a, b, top)
-            return False
-    assert got == want, what
-    return True
-
-
 def random_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(seed))  # (1, P)
 
@@ -128,7 +116,7 @@ def test_newcomers_get_their_lone_answers(arch):
         assert source.tokens[row] == got  # what was handed over as it came is the answer
         if row < 2:  # the call's own rows are also its output, as plain `generate` returns a batch
             assert out.sequences[row, ids.shape[1] : ids.shape[1] + len(got)].tolist() == got
-        same = assert_lone_answer(got, want, reference.logits, (arch, row))
+        same = assert_one_client_answer(got, want, reference.logits, (arch, row))
         exact += same
         if same:
             stats, alone = source.stats[row], lone(target, prompt, new, head)[1].jetspec_stats
