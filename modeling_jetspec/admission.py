@@ -67,18 +67,41 @@ class RowSource(Protocol):
         rounds it took part in as a batch-1 call counts them."""
 
 
-def admission_for(source, call: Call, generation_config, stats: JetSpecStats, width: int) -> "Admission | None":
+def admission_for(source, call: Call, generation_config, stats: JetSpecStats, width: int):
     """The call's [`Admission`] when `source` is given and the call's rows leave it on their own (an EOS criterion,
-    no streamer, no per-step scores or logits), else `None`; it admits newcomers only where the call can merge a
-    row exactly (module docstring). `width`: the call's padded prompt length P."""
+    no streamer, no per-step scores or logits), else [`NO_ADMISSION`]; it admits newcomers only where the call can
+    merge a row exactly (module docstring). `width`: the call's padded prompt length P."""
     if source is None or not call.pads_finished or call.records is not None or call.streamer is not None:
-        return None
+        return NO_ADMISSION
     merges = type(call.verifier) is TreeVerifier and not generation_config.do_sample and call.choose is None
     return Admission(source, call, stats, width, merges)
 
 
+class NoAdmission:
+    """A call without a row source: nothing joins it, and its rows leave with the call's output."""
+
+    reports_rows = False  # its rows' answers go out with the call's output, not one by one
+
+    def hook(self, user_hook=None):
+        return user_hook
+
+    def started(self):
+        pass
+
+    def before_round(self):
+        pass
+
+    def admit(self, head, state: RoundState) -> RoundState:
+        return state
+
+
+NO_ADMISSION = NoAdmission()
+
+
 class Admission:
     """A call's newcomers and its rows' own statistics, kept between rounds ([`admit`], [`hook`])."""
+
+    reports_rows = True  # each row is handed to its source as it leaves (`_report`)
 
     def __init__(self, source: RowSource, call: Call, stats: JetSpecStats, width: int, merges: bool = True):
         self.source, self.call, self.stats, self.merges = source, call, stats, merges

@@ -42,14 +42,16 @@ def _decode(
     jetspec_round_hook=None,
     jetspec_answer_cache=None,
     jetspec_rows=None,
+    jetspec_point=None,
     **model_kwargs,
 ):
     """The decoding method `generate` runs for a JetSpec head (passed as its callable `custom_generate`);
-    `jetspec_rows`: an `admission.RowSource` whose rows join the call between rounds, where it can merge them."""
+    `jetspec_rows`: an `admission.RowSource` whose rows join the call between rounds, where it can merge them;
+    `jetspec_point`: the operating point a caller chose for `jetspec_shape` (the static path's, for its batch)."""
     head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
     attention_mask = model_kwargs.get("attention_mask")
     _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
-    point = None
+    point = jetspec_point
     if shape.budget == "auto":  # one budget and sources for the whole call, chosen before it starts
         tree_verify = getattr(jetspec_verifier, "mode", "auto")
         shape, point = operating_point(head, model, shape, input_ids.shape[0], tree_verify)
@@ -69,19 +71,17 @@ def _decode(
     stats.target_forwards += call.verifier.target_forwards - before
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
     admission = admission_for(jetspec_rows, call, generation_config, stats, input_ids.shape[1])  # `admission.py`
-    hook = jetspec_round_hook if admission is None else admission.hook(jetspec_round_hook)
-    if admission is not None:
-        admission.started()
+    hook = admission.hook(jetspec_round_hook)
+    admission.started()
     while state.rows.numel():
         timer = RoundClock(state.anchors.device) if timed else None
-        if admission is not None:
-            admission.before_round()
+        admission.before_round()
         state = _round(head, call, state, stats, timer, hook)
         _stream(call)
-        if admission is not None and state.rows.numel():
+        if state.rows.numel():
             state = admission.admit(head, state)
     stats.total_seconds = (clock() if timed else time.perf_counter()) - started
-    if jetspec_answer_cache is not None and admission is None:  # with a row source: each row's as it left
+    if jetspec_answer_cache is not None and not admission.reports_rows:  # else each row's went in as it left
         for row in call.history:  # each row's new tokens, the prompt excluded (`answer_cache.py`)
             jetspec_answer_cache.add(row[input_ids.shape[1] : call.end()])
     return _finish(head, call, stats, generation_config, input_ids.shape)
@@ -228,7 +228,7 @@ def _finish(head, call: Call, stats: JetSpecStats, generation_config, prompt_sha
     if call.streamer is not None:
         call.streamer.end()
     batch, prompt_length = prompt_shape
-    longest = call.end() if len(call.lengths) == batch else max(call.lengths[:batch])
+    longest = call.end(batch)  # rows past the first B joined the call and left it with their answers
     sequences = call.sequences[:batch, :longest]  # (B, longest); past each row's length: padding, never written
     head.last_stats = stats
     if not generation_config.return_dict_in_generate:

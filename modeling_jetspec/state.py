@@ -370,12 +370,14 @@ class Call:
             more = self.sequences.new_full((self.sequences.shape[0], max(self.sequences.shape[1], 64)), self.pad_token)
             self.sequences = torch.cat([self.sequences, more], dim=1)  # (B, 2L)
 
-    def end(self) -> int | None:
+    def end(self, rows: int | None = None) -> int | None:
         """The length of the output once every row has stopped (`None` before): the longest row when finished rows
-        are padded; else the length at which the last row stopped (plain decoding runs every row until then)."""
-        if None in self.stopped_at:
+        are padded; else the length at which the last row stopped (plain decoding runs every row until then).
+        `rows`: of the first `rows` rows only (the call's own; rows that joined it come after them)."""
+        rows = len(self.lengths) if rows is None else rows
+        if None in self.stopped_at[:rows]:
             return None
-        return max(self.lengths) if self.pads_finished else max(self.stopped_at)
+        return max(self.lengths[:rows]) if self.pads_finished else max(self.stopped_at[:rows])
 
     def finished(self, row: int) -> bool:
         """Whether `row` needs no more tokens (it leaves the batch)."""

@@ -149,7 +149,7 @@ def static_decode(
     if shape.budget == "auto":  # the static path's verifier is always a `TreeVerifier`: tree_verify "auto"
         shape, point = operating_point(jetspec_head, model, shape, input_ids.shape[0])
     jetspec_verifier.plan(input_ids.shape[0], generation_config, shape)
-    out = _decode(
+    return _decode(
         model,
         input_ids,
         logits_processor,
@@ -163,11 +163,9 @@ def static_decode(
         jetspec_round_hook=jetspec_round_hook,
         jetspec_answer_cache=jetspec_answer_cache,
         jetspec_rows=jetspec_rows,  # its rows leave with their answers; none joins (`admission.admission_for`)
+        jetspec_point=point,  # recorded from the call's start, as on the default path
         **model_kwargs,
     )
-    if point is not None:  # the same statistics object as the output's `jetspec_stats`
-        jetspec_head.last_stats.operating_point = point.as_dict()
-    return out
 
 
 @dataclass

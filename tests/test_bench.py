@@ -95,12 +95,15 @@ def tiny_pair():
 
 
 def spy_generate(monkeypatch, target):
-    """Record every outer `target.generate` call: prompt, tree/lookup arguments, head or not, new tokens, and the
-    `jetspec_stats` its output carried."""
+    """Record every outer `target.generate` call: prompt ids (a tuple), tree/lookup arguments, head or not, the
+    answer cache it was given with what that cache held as the call started, new tokens, and the `jetspec_stats`
+    its output carried."""
     calls = []
     original = target.generate
 
     def generate(*args, **kwargs):
+        cache = kwargs.get("jetspec_answer_cache")
+        held = cache.answers() if cache is not None else None
         out = original(*args, **kwargs)
         if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
             ids = kwargs["input_ids"]
@@ -110,6 +113,8 @@ def spy_generate(monkeypatch, target):
                     "prompt": tuple(ids[0].tolist()),
                     "key": key,
                     "assisted": "assistant_model" in kwargs,
+                    "cache": cache,
+                    "held": held,
                     "tokens": out.sequences[0, ids.shape[1] :].tolist(),
                     "stats": getattr(out, "jetspec_stats", None),
                 }

@@ -19,7 +19,7 @@ from jetspec.equality import Verdict, first_difference
 from jetspec.prompts import load_conversations, load_suite
 from modeling_jetspec import JetSpecDraftModel
 
-from test_bench import char_tokenizer, tiny_pair
+from test_bench import char_tokenizer, spy_generate, tiny_pair
 
 MAX_NEW = 10  # the warm-up calls run 8 tokens: the timed calls are those with 10
 SUITES = ["mtbench_turn2", "gsm8k"]  # a conversation set first: the warm-up and the costs run on its turn 1
@@ -27,34 +27,6 @@ LIMIT = 2
 METHODS = ["plain", "tree-4", "answers"]
 IM_START, IM_END = 2, 3  # the character tokenizer's chat markers
 LETTER_Z = 4 + 1 + ord("Z") - 32  # its ids: 4 specials, the newline, then the printable characters from " "
-
-
-def spy_generate(monkeypatch, target):
-    """Record every outer `target.generate` call: prompt ids, head or not, the answer cache it was given with what
-    that cache held as the call started, new tokens and the `jetspec_stats` of its output."""
-    calls = []
-    original = target.generate
-
-    def generate(*args, **kwargs):
-        cache = kwargs.get("jetspec_answer_cache")
-        held = cache.answers() if cache is not None else None
-        out = original(*args, **kwargs)
-        if "custom_generate" not in kwargs:  # the tree loop re-enters generate with a callable: not an outer call
-            ids = kwargs["input_ids"]
-            calls.append(
-                {
-                    "prompt": ids[0].tolist(),
-                    "assisted": "assistant_model" in kwargs,
-                    "cache": cache,
-                    "held": held,
-                    "tokens": out.sequences[0, ids.shape[1] :].tolist(),
-                    "stats": getattr(out, "jetspec_stats", None),
-                }
-            )
-        return out
-
-    monkeypatch.setattr(target, "generate", generate)
-    return calls
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +70,14 @@ def test_turn_2_holds_answer_1_and_every_method_reproduces_plain_greedy(run):
         load_conversations("mtbench_turn2", LIMIT), zip(groups[0::2], groups[1::2])
     ):
         turn1, turn2 = conversation_turns(conversation)
-        prompt1 = first[0]["prompt"]
-        assert all(c["prompt"] == prompt1 for c in first)
+        prompt1 = list(first[0]["prompt"])
+        assert all(list(c["prompt"]) == prompt1 for c in first)
         assert prompt1 == tokenizer(f"<|im_start|>user\n{turn1}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
         plain1 = by_method(first)["plain"]["tokens"]
         text = [t for t in plain1 if t > IM_END and t < len(tokenizer)]  # characters only
         assert len(text) >= MAX_NEW // 2  # a random target answers mostly characters: the check below has teeth
-        prompt2 = second[0]["prompt"]
-        assert all(c["prompt"] == prompt2 for c in second)  # one turn-2 prompt for every method
+        prompt2 = list(second[0]["prompt"])
+        assert all(list(c["prompt"]) == prompt2 for c in second)  # one turn-2 prompt for every method
         assert prompt2[: len(prompt1)] == prompt1
         answer = prompt2[len(prompt1) : len(prompt1) + len(text) + 2]
         stripped = tokenizer.decode(text).strip()
@@ -195,7 +167,7 @@ def test_an_answer_1_left_at_a_tie_still_gives_turn_2_plain_greedys_answer(monke
     answers = [tokenizer.decode(c["tokens"], skip_special_tokens=True).strip() for c in (plain1, tree1)]
     assert answers[0] != answers[1]  # (a) took effect, on the text
     assert plain2["prompt"] == tree2["prompt"]  # both turn 2s decode plain greedy's answer 1
-    assert f"assistant\n{answers[0]}<|im_end|>" in tokenizer.decode(plain2["prompt"])
+    assert f"assistant\n{answers[0]}<|im_end|>" in tokenizer.decode(list(plain2["prompt"]))
     assert torch.equal(torch.tensor(plain2["tokens"]), torch.tensor(tree2["tokens"]))
     rows = {r["method"]: r for r in results["prompts"]}
     assert rows["tree-4"]["turn1"]["answer_differs_from_plain"] is True and rows["tree-4"]["turn1"]["equality"] == "tie"
