@@ -391,20 +391,27 @@ def internal_error(request_id: str, where: str) -> JSONResponse:
     return JSONResponse(body, status_code=500, headers={"X-Request-ID": request_id})
 
 
-def time_host_costs(target, tokenizer, head):
-    """With a head whose `tree_budget` is "auto", one short greedy tree call before the server takes a request: the
-    host costs its operating point weighs (`modeling_jetspec/host_costs.py`, measured once per host, target, dtype and
-    batch, then cached) are timed now for batch 1, so that the first client does not wait for them."""
+def time_host_costs(target, tokenizer, head, max_batch: int = 1):
+    """With a head whose `tree_budget` is "auto", one short greedy tree call per batch size 1 to `max_batch` before
+    the server takes a request: the host costs its operating point weighs (`modeling_jetspec/host_costs.py`,
+    measured once per host, target, dtype and batch, then cached) are timed now, so that no client waits for them,
+    neither the first nor a call whose batch grows as requests join it (its budget is re-weighed at each size)."""
     if head.config.tree_budget != "auto":
         return
     started = time.monotonic()
-    logger.info("jetspec serve: timing this host's costs for the head's tree_budget='auto' (once, then cached)")
+    logger.info(
+        "jetspec serve: timing this host's costs for the head's tree_budget='auto' at batch 1 to %d (once, then "
+        "cached)",
+        max_batch,
+    )
     ids = warmup_prompt(target, tokenizer)  # (1, P), a short chat request
-    with torch.inference_mode():
-        target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, assistant_model=head
-        )
-    logger.info("jetspec serve: host costs ready (%.1f s)", time.monotonic() - started)
+    for batch in range(1, max_batch + 1):
+        rows = ids.expand(batch, -1)  # (batch, P)
+        with torch.inference_mode():
+            target.generate(
+                rows, attention_mask=torch.ones_like(rows), max_new_tokens=2, do_sample=False, assistant_model=head
+            )
+        logger.info("jetspec serve: host costs at batch %d ready (%.1f s)", batch, time.monotonic() - started)
 
 
 def serve(target, tokenizer, head, name: str, host: str, port: int, limits: Limits = None, max_batch: int = None):
@@ -413,12 +420,12 @@ def serve(target, tokenizer, head, name: str, host: str, port: int, limits: Limi
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers.cli.serving").setLevel(logging.ERROR)  # one "[Request received]" per request
-    time_host_costs(target, tokenizer, head)
     if max_batch is None:
         logger.info("jetspec serve: measuring the batch cap (--max-batch N skips it)")
         max_batch, costs = measure_batch_cap(target, head)
         found = ", ".join(f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in costs.items())
         logger.info("jetspec serve: batch cap %d (time per row and round at each batch size: %s)", max_batch, found)
+    time_host_costs(target, tokenizer, head, max_batch)
     app = build_app(target, tokenizer, head, name, limits, max_batch)
     join = "on" if limits is None or limits.join else "off"  # --join: whether waiting requests join a running call
     at = (name, target.device, host, port, join)

@@ -67,14 +67,15 @@ class RowSource(Protocol):
         rounds it took part in as a batch-1 call counts them."""
 
 
-def admission_for(source, call: Call, generation_config, stats: JetSpecStats, width: int):
+def admission_for(source, call: Call, generation_config, stats: JetSpecStats, width: int, rebudget=None):
     """The call's [`Admission`] when `source` is given and the call's rows leave it on their own (an EOS criterion,
     no streamer, no per-step scores or logits), else [`NO_ADMISSION`]; it admits newcomers only where the call can
-    merge a row exactly (module docstring). `width`: the call's padded prompt length P."""
+    merge a row exactly (module docstring). `width`: the call's padded prompt length P. `rebudget`: for a
+    `tree_budget="auto"` call, `rows -> budget` (or `None` to keep it), asked before a round whose batch changed."""
     if source is None or not call.pads_finished or call.records is not None or call.streamer is not None:
         return NO_ADMISSION
     merges = type(call.verifier) is TreeVerifier and not generation_config.do_sample and call.choose is None
-    return Admission(source, call, stats, width, merges)
+    return Admission(source, call, stats, width, merges, rebudget)
 
 
 class NoAdmission:
@@ -103,8 +104,12 @@ class Admission:
 
     reports_rows = True  # each row is handed to its source as it leaves (`_report`)
 
-    def __init__(self, source: RowSource, call: Call, stats: JetSpecStats, width: int, merges: bool = True):
+    def __init__(
+        self, source: RowSource, call: Call, stats: JetSpecStats, width: int, merges: bool = True, rebudget=None
+    ):
         self.source, self.call, self.stats, self.merges = source, call, stats, merges
+        self.rebudget = rebudget if merges else None  # a call that merges no row keeps its shape (the static path)
+        self.budget_rows = len(call.lengths)  # the batch the call's budget was chosen for
         self.starts = [width] * len(call.lengths)  # (rows,) where each row's new tokens begin in its history
         self.rows = [self._row_stats() for _ in call.lengths]  # (rows,) each row's own statistics
         self.seen = list(self.starts)  # (rows,) the length each row had when the source last heard of it
@@ -137,8 +142,19 @@ class Admission:
         return record_round
 
     def before_round(self):
-        """Note the rows of the round about to run (what its record's per-row lists follow)."""
+        """Note the rows of the round about to run (what its record's per-row lists follow); where their number
+        changed since the budget was chosen, a `tree_budget="auto"` call re-weighs it for this batch (lossless: the
+        tree's size changes which drafts are verified, never which tokens are committed)."""
         self._before = list(self.call.active)
+        rows = len(self._before)
+        if self.rebudget is None or rows == self.budget_rows or not rows:
+            return
+        self.budget_rows = rows
+        budget = self.rebudget(rows)
+        if budget is not None and budget != self.call.shape.budget:
+            self.call.shape = replace(self.call.shape, budget=budget)
+        if self.stats.operating_point is not None:  # the budget at each batch the call ran (its rows share the dict)
+            self.stats.operating_point.setdefault("budget_by_batch", {})[rows] = self.call.shape.budget
 
     def _report(self, rows):
         """Hand the source each of `rows`' new tokens, and let go those that finished."""

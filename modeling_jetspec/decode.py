@@ -19,6 +19,7 @@ import torch
 from .admission import admission_for
 from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord, RowIndexes
+from .budget import best_budget
 from .host_costs import operating_point
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState
 from .processors import check_processors, choose_token, pick_token, processors_per_row
@@ -51,10 +52,12 @@ def _decode(
     head, shape, streamer = jetspec_head, jetspec_shape, jetspec_streamer
     attention_mask = model_kwargs.get("attention_mask")
     _check_call(input_ids, attention_mask, logits_processor, stopping_criteria, generation_config)
-    point = jetspec_point
-    if shape.budget == "auto":  # one budget and sources for the whole call, chosen before it starts
+    point, rebudget = jetspec_point, None
+    if shape.budget == "auto":  # one budget and sources for the call, chosen before it starts
         tree_verify = getattr(jetspec_verifier, "mode", "auto")
-        shape, point = operating_point(head, model, shape, input_ids.shape[0], tree_verify)
+        auto, (shape, point) = shape, operating_point(head, model, shape, input_ids.shape[0], tree_verify)
+        # rows that join or leave it (`admission.py`) re-weigh the budget at the new batch, its sources kept
+        rebudget = functools.partial(_budget_at, head, model, auto, point.sources, tree_verify)
     if streamer is not None:  # as in plain `generate`: the prompt first (the streamer was kept from `generate`)
         streamer.put(input_ids.cpu())
     call = _start_call(
@@ -70,7 +73,7 @@ def _decode(
     state, logits = call.verifier.prefill(input_ids, attention_mask)
     stats.target_forwards += call.verifier.target_forwards - before
     state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
-    admission = admission_for(jetspec_rows, call, generation_config, stats, input_ids.shape[1])  # `admission.py`
+    admission = admission_for(jetspec_rows, call, generation_config, stats, input_ids.shape[1], rebudget)
     hook = admission.hook(jetspec_round_hook)
     admission.started()
     while state.rows.numel():
@@ -85,6 +88,14 @@ def _decode(
         for row in call.history:  # each row's new tokens, the prompt excluded (`answer_cache.py`)
             jetspec_answer_cache.add(row[input_ids.shape[1] : call.end()])
     return _finish(head, call, stats, generation_config, input_ids.shape)
+
+
+def _budget_at(head, model, auto_shape, sources: str, tree_verify: str, rows: int) -> int | None:
+    """The budget of highest expected speed for a batch of `rows` among `sources` (the call's own, chosen at its
+    start) for a `tree_budget="auto"` call whose batch changed; this batch's host costs are measured once, then
+    cached (`host_costs.py`). `None`: keep the budget (a head without `tau_by_budget`)."""
+    _, point = operating_point(head, model, auto_shape, rows, tree_verify)
+    return best_budget(point, sources)
 
 
 def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: RoundClock | None = None, hook=None):

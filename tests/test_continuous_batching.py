@@ -129,6 +129,59 @@ def test_newcomers_get_their_lone_answers(arch):
     assert max(stats.tau for stats in source.stats.values()) > 1
 
 
+def test_an_auto_call_reweighs_its_budget_when_rows_join_and_leave(tmp_path, monkeypatch):
+    """A `tree_budget="auto"` call chooses its budget for the batch it starts with; when a row joins, the budget is
+    re-weighed from the host costs of the new batch (here written to the cost file: budget 8 wins alone, budget 4 at
+    batch 2), among the sources chosen at the start, and again once a row has left. Every answer stays its lone
+    greedy one."""
+    import modeling_jetspec.decode as decode
+    from modeling_jetspec.host_cache import store
+    from modeling_jetspec.host_costs import costs_key, head_identity
+
+    costs = tmp_path / "costs.json"
+    monkeypatch.setenv("JETSPEC_HOST_COSTS", str(costs))
+    target = tiny_target("llama")
+    table = {
+        "head": {"4": 1.5, "8": 1.6},
+        "head+lookup": {"4": 1.8, "8": 2.2},
+        "head+lookup+trie": {"4": 2.0, "8": 2.4},
+    }
+    head = tiny_head(target, tree_budget="auto", tau_by_budget=table, tree_lookup=4, tree_lookup_branches="trie")
+    overhead = {f"{head_identity(head)} {sources}": 0.1 for sources in table}
+    # trie at 8: 2.4 / 1.15 = 2.09 against 2.0 / 1.1 = 1.82 alone; at batch 2: 2.4 / 2.1 = 1.14 against 2.0 / 1.3 = 1.54
+    for batch, ratios in {1: {"4": 1.0, "8": 1.05}, 2: {"4": 1.2, "8": 2.0}}.items():
+        store(costs, costs_key(target, batch), {"step_seconds": 0.01, "verify_ratio": ratios, "overhead": overhead})
+    budgets = []
+    original = decode.draft
+    monkeypatch.setattr(
+        decode, "draft", lambda h, st, sh, b, *a, **k: budgets.append(b) or original(h, st, sh, b, *a, **k)
+    )
+    ids = random_prompt(6, 3)
+    joining = random_prompt(4, 4)
+    source = Source({2: [newcomer(joining, 6)]})  # joins after round 2, and leaves long before the first row
+    out = target.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        assistant_model=head,
+        jetspec_rows=source,
+    )
+    point = out.jetspec_stats.operating_point
+    assert (point["budget"], point["sources"]) == (8, "head+lookup+trie")  # chosen alone, at the start
+    assert point["budget_by_batch"][2] == 4
+    joined = source.left_at[1]  # the newcomer's row left after this round
+    assert budgets[:2] == [8, 8] and 4 in budgets[2:joined]
+    if joined < len(budgets):  # the first row went on alone: the budget of batch 1 again
+        assert point["budget_by_batch"][1] == 8 and budgets[-1] == 8
+    for row, (prompt, new) in enumerate([(ids, 24), (joining, 6)]):
+        want, reference = lone(target, prompt, new)
+        assert_one_client_answer(source.answers[row], want, reference.logits, row)
+
+
 def test_a_newcomer_that_finishes_early_leaves_before_the_call_ends():
     target = tiny_target("llama")
     head = tiny_head(target)
