@@ -84,6 +84,21 @@ def lone(target, ids: torch.Tensor, max_new_tokens: int, head=None):
     return out.sequences[0, ids.shape[1] :].tolist(), out
 
 
+def joined_call(target, head, ids: torch.Tensor, mask: torch.Tensor, source: Source, max_new_tokens: int):
+    """The greedy tree call of `ids` `(B, P)` that `source`'s rows join, EOS-stopped, its output with statistics."""
+    return target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        assistant_model=head,
+        jetspec_rows=source,
+    )
+
+
 def random_prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(seed))  # (1, P)
 
@@ -95,17 +110,7 @@ def test_newcomers_get_their_lone_answers(arch):
     ids, mask = prompts(2, lengths=(9, 5))  # rows A and B, width 9
     short, long = random_prompt(3, 1), random_prompt(30, 2)  # narrower, then wider than the running width
     source = Source({1: [newcomer(short, 14)], 3: [newcomer(long, 10)]})
-    out = target.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=16,
-        do_sample=False,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        assistant_model=head,
-        jetspec_rows=source,
-    )
+    out = joined_call(target, head, ids, mask, source, 16)
     assert source.plan == {} and sorted(source.answers) == [0, 1, 2, 3]  # both joined, every row left
     starts = [ids.shape[1] - int(mask[row].sum()) for row in range(2)]
     rows = [(ids[row : row + 1, starts[row] :], 16) for row in range(2)] + [(short, 14), (long, 10)]
@@ -159,17 +164,7 @@ def test_an_auto_call_reweighs_its_budget_when_rows_join_and_leave(tmp_path, mon
     ids = random_prompt(6, 3)
     joining = random_prompt(4, 4)
     source = Source({2: [newcomer(joining, 6)]})  # joins after round 2, and leaves long before the first row
-    out = target.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=24,
-        do_sample=False,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        assistant_model=head,
-        jetspec_rows=source,
-    )
+    out = joined_call(target, head, ids, torch.ones_like(ids), source, 24)
     point = out.jetspec_stats.operating_point
     assert (point["budget"], point["sources"]) == (8, "head+lookup+trie")  # chosen alone, at the start
     assert point["budget_by_batch"][2] == 4
