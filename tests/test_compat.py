@@ -107,6 +107,7 @@ def test_decode_mirrors_sample_and_receives_its_own_arguments():
     # `model` is the callable's first positional argument (`self` in `_sample`), never passed by keyword
     assert compat.custom_decode_kwargs(_decode) - {"model"} == {
         "jetspec_head",
+        "jetspec_point",  # the static path's own (`static.static_decode`); from `generate`, refused as a model kwarg
         "jetspec_round_hook",
         "jetspec_answer_cache",
         "jetspec_rows",

@@ -25,6 +25,8 @@ from pathlib import Path
 BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
 NOT_RUN = "not run yet"
 BUDGETS = ("8", "16", "32", "64")
+OFF, ON = [f"tau@{b} off" for b in BUDGETS], [f"tau@{b} on" for b in BUDGETS]  # the tables' offline tau columns
+AGREEMENT = ["agreement d1", "chain tau"]
 REFERENCE_BUDGET = "32"  # the budget the relative changes are read at
 SEED_VARIANT = re.compile(r"^(?P<base>.+)_seed(?P<seed>\d+)$")  # as scripts/ablate_head.py names them
 # the offline figures the seed spread is measured on: (label, branch side, budget)
@@ -321,21 +323,8 @@ def block_gamma_section(blocks: list, groups: dict | None = None) -> list:
         ]
         for attention, gamma, name, row, paper in blocks
     ]
-    lines += table(
-        [
-            "block",
-            "gamma",
-            "paper speedup",
-            "our variant",
-            "agreement d1",
-            "chain tau",
-            *[f"tau@{b} off" for b in BUDGETS],
-            *[f"tau@{b} on" for b in BUDGETS],
-            "vs causal g4",
-            "vs causal, same gamma",
-        ],
-        rows,
-    ) + [""]
+    gaps = ["vs causal g4", "vs causal, same gamma"]
+    lines += table(["block", "gamma", "paper speedup", "our variant", *AGREEMENT, *OFF, *ON, *gaps], rows) + [""]
     return lines
 
 
@@ -437,18 +426,7 @@ def losses_section(results: dict, groups: dict | None = None) -> list:
                 "reference" if loss == "fkl" and row is not None else relative(row, base, groups, spread),
             ]
         )
-    lines += table(
-        [
-            "loss",
-            "paper",
-            "our variant",
-            "agreement d1",
-            "chain tau",
-            *[f"tau@{b} off" for b in BUDGETS],
-            "vs forward KL",
-        ],
-        rows,
-    ) + [""]
+    lines += table(["loss", "paper", "our variant", *AGREEMENT, *OFF, "vs forward KL"], rows) + [""]
     return lines
 
 
@@ -467,9 +445,7 @@ def tree_key_section(tree_keys: dict | None) -> list:
         entry = (tree_keys or {}).get("by_key", {}).get(key)
         row = {"offline": {"by_key": {key: entry}}} if entry else None
         rows.append([key, paper, *taus(row, "lookup_off", key), *taus(row, "lookup_on", key)])
-    lines += table(
-        ["tree key", "paper speedup", *[f"tau@{b} off" for b in BUDGETS], *[f"tau@{b} on" for b in BUDGETS]], rows
-    ) + [""]
+    lines += table(["tree key", "paper speedup", *OFF, *ON], rows) + [""]
     return lines
 
 
@@ -498,18 +474,7 @@ def data_section(results: dict) -> list:
                 *taus(row, "lookup_off"),
             ]
         )
-    lines += table(
-        [
-            "answer tokens",
-            "our variant",
-            "trained on (tokens)",
-            "steps",
-            "agreement d1",
-            "chain tau",
-            *[f"tau@{b} off" for b in BUDGETS],
-        ],
-        rows,
-    ) + [""]
+    lines += table(["answer tokens", "our variant", "trained on (tokens)", "steps", *AGREEMENT, *OFF], rows) + [""]
     return lines
 
 
@@ -545,19 +510,7 @@ def raw_section(results: dict, groups: dict | None = None) -> list:
                 "reference" if i == len(PAIRED) - 1 else relative(row, base, groups, spread),
             ]
         )
-    lines += table(
-        [
-            "answers",
-            "paper",
-            "our variant",
-            "trained on (tokens)",
-            "agreement d1",
-            "chain tau",
-            *[f"tau@{b} off" for b in BUDGETS],
-            "vs regenerated",
-        ],
-        rows,
-    )
+    lines += table(["answers", "paper", "our variant", "trained on (tokens)", *AGREEMENT, *OFF, "vs regenerated"], rows)
     return lines
 
 
