@@ -71,7 +71,7 @@ def admission_for(source, call: Call, generation_config, stats: JetSpecStats, wi
     """The call's [`Admission`] when `source` is given and the call's rows leave it on their own (an EOS criterion,
     no streamer, no per-step scores or logits), else [`NO_ADMISSION`]; it admits newcomers only where the call can
     merge a row exactly (module docstring). `width`: the call's padded prompt length P. `rebudget`: for a
-    `tree_budget="auto"` call, `rows -> budget` (or `None` to keep it), asked before a round whose batch changed."""
+    `tree_budget="auto"` call, `rows -> budget`, asked before a round whose batch changed."""
     if source is None or not call.pads_finished or call.records is not None or call.streamer is not None:
         return NO_ADMISSION
     merges = type(call.verifier) is TreeVerifier and not generation_config.do_sample and call.choose is None
@@ -151,7 +151,7 @@ class Admission:
             return
         self.budget_rows = rows
         budget = self.rebudget(rows)
-        if budget is not None and budget != self.call.shape.budget:
+        if budget != self.call.shape.budget:
             self.call.shape = replace(self.call.shape, budget=budget)
         if self.stats.operating_point is not None:  # the budget at each batch the call ran (its rows share the dict)
             self.stats.operating_point.setdefault("budget_by_batch", {})[rows] = self.call.shape.budget

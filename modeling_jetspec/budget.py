@@ -161,20 +161,6 @@ def choose_point(table: dict, verify_ratio: dict, overhead: dict, shape: TreeSha
     return best
 
 
-def best_budget(point: OperatingPoint, sources: str) -> int | None:
-    """The budget of highest expected speedup among `point`'s candidates with `sources` (ties: the smaller), or
-    `None` where `point` weighed none of them (the fallback)."""
-    speeds = {}
-    for name, figure in point.figures.items():
-        kind, budget = name.rsplit("@", 1)
-        if kind == sources:
-            speeds[int(budget)] = figure["expected_speedup"]
-    if not speeds:
-        return None
-    fastest = max(speeds.values())
-    return min(b for b, speed in speeds.items() if speed == fastest)
-
-
 def fallback_point(shape: TreeShape) -> OperatingPoint:
     """The point of a head without `tau_by_budget`: [`FALLBACK_BUDGET`] with the shape's own sources."""
     if not shape.lookup:

@@ -19,7 +19,6 @@ import torch
 from .admission import admission_for
 from .compat import pad_token_tensor, pads_finished_rows
 from .continuations import LookupRecord, RowIndexes
-from .budget import best_budget
 from .host_costs import operating_point
 from .state import Acceptance, Call, JetSpecGenerateOutput, JetSpecStats, RoundState
 from .processors import check_processors, choose_token, pick_token, processors_per_row
@@ -90,12 +89,11 @@ def _decode(
     return _finish(head, call, stats, generation_config, input_ids.shape)
 
 
-def _budget_at(head, model, auto_shape, sources: str, tree_verify: str, rows: int) -> int | None:
+def _budget_at(head, model, auto_shape, sources: str, tree_verify: str, rows: int) -> int:
     """The budget of highest expected speed for a batch of `rows` among `sources` (the call's own, chosen at its
     start) for a `tree_budget="auto"` call whose batch changed; this batch's host costs are measured once, then
-    cached (`host_costs.py`). `None`: keep the budget (a head without `tau_by_budget`)."""
-    _, point = operating_point(head, model, auto_shape, rows, tree_verify)
-    return best_budget(point, sources)
+    cached (`host_costs.py`). A head without `tau_by_budget` keeps the fallback budget."""
+    return operating_point(head, model, auto_shape, rows, tree_verify, among=sources)[1].budget
 
 
 def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: RoundClock | None = None, hook=None):

@@ -171,10 +171,13 @@ def host_costs(target, head, shape: TreeShape, budgets, sources, batch: int, tre
     }
 
 
-def operating_point(head, target, shape: TreeShape, batch: int, tree_verify: str = "auto", path=None):
+def operating_point(
+    head, target, shape: TreeShape, batch: int, tree_verify: str = "auto", path=None, among: str | None = None
+):
     """`(shape at the chosen point, OperatingPoint)` for a `tree_budget="auto"` call of `batch` rows: the head's
     `tau_by_budget` weighed against this host's costs ([`host_costs`], kept on the head per target object too), or
-    [`budget.fallback_point`] without a table."""
+    [`budget.fallback_point`] without a table. `among`: one of [`budget.SOURCES`], to choose among its budgets only
+    (a running call keeps its sources); the costs are those of every candidate all the same, measured once."""
     table = check_tau_by_budget(getattr(head.config, "tau_by_budget", None))
     if table is None:
         point = fallback_point(shape)
@@ -187,6 +190,7 @@ def operating_point(head, target, shape: TreeShape, batch: int, tree_verify: str
     if memo not in per_target and weighed:
         per_target[memo] = host_costs(target, head, shape, budgets, sources, batch, tree_verify, path)
     costs = per_target.get(memo, {"verify_ratio": {}, "overhead": {}})
-    point: OperatingPoint = choose_point(table, costs["verify_ratio"], costs["overhead"], shape)
+    weighs = table if among is None else {among: table[among]}
+    point: OperatingPoint = choose_point(weighs, costs["verify_ratio"], costs["overhead"], shape)
     point.host_costs = costs.get("key")
     return sources_shape(shape, point.sources, point.budget), point
