@@ -20,6 +20,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 BEGIN, END = "<!-- claims:begin -->", "<!-- claims:end -->"
@@ -150,29 +151,42 @@ def spreads(groups: dict) -> dict:
     return out
 
 
-def seed_mean(row, groups: dict, side: str, budget: str):
-    """A variant's figure, the mean over its seeds where it has several (`groups`), else its one run's."""
-    rows = next((g for g in groups.values() if g[0] is row), [row])
-    values = [v for v in (figure(r, side, budget) for r in rows) if v is not None]
-    return sum(values) / len(values) if values else None
+@dataclass
+class Seeds:
+    """The seeded variants' rows ([`seed_groups`]) and the largest spread of each figure ([`spreads`]), made once
+    from the results and read by every gap the tables state."""
+
+    groups: dict
+    widths: dict
+
+    @classmethod
+    def of(cls, results: dict) -> "Seeds":
+        groups = seed_groups(results)
+        return cls(groups, spreads(groups))
+
+    def mean(self, row, side: str, budget: str):
+        """A variant's figure, the mean over its seeds where it has several, else its one run's."""
+        rows = next((g for g in self.groups.values() if g[0] is row), [row])
+        values = [v for v in (figure(r, side, budget) for r in rows) if v is not None]
+        return sum(values) / len(values) if values else None
 
 
-def relative(row, base, groups=None, spread=None, side: str = "lookup_off", budget: str = REFERENCE_BUDGET) -> str:
-    """`row`'s figure against `base`'s, in %, on their means over seeds; "tie (...)" when within `spread`."""
-    groups = groups or {}
-    a, b = seed_mean(row, groups, side, budget), seed_mean(base, groups, side, budget)
+def relative(row, base, seeds: Seeds, side: str = "lookup_off", budget: str = REFERENCE_BUDGET) -> str:
+    """`row`'s figure against `base`'s, in %, on their means over seeds; "tie (...)" when within that figure's
+    seed spread."""
+    a, b = seeds.mean(row, side, budget), seeds.mean(base, side, budget)
     if a is None or b is None:
         return NOT_RUN
-    gap = a / b - 1
+    gap, spread = a / b - 1, seeds.widths[(side, budget)]
     text = f"{100 * gap:+.1f}%"
     return f"tie ({text})" if spread is not None and abs(gap) <= spread else text
 
 
-def seeds_section(results: dict, groups: dict) -> list:
+def seeds_section(seeds: Seeds) -> list:
     """Each seeded variant's offline figures per seed, and the largest spread of each figure."""
-    if not groups:
+    if not seeds.groups:
         return []
-    widths = spreads(groups)
+    widths = seeds.widths
     lines = [
         "### Seed spread",
         "",
@@ -183,7 +197,7 @@ def seeds_section(results: dict, groups: dict) -> list:
         "",
     ]
     rows = []
-    for name, members in groups.items():
+    for name, members in seeds.groups.items():
         cells = [" / ".join(fmt(r["acc_per_depth"][0]) for r in members)]
         cells += [" / ".join(fmt(figure(r, side, budget)) for r in members) for _, side, budget in SPREAD_FIGURES]
         rows.append([name, str(len(members)), *cells])
@@ -221,17 +235,17 @@ def block_gamma_rows(results: dict) -> list:
 def render(results: dict, tree_keys: dict | None, sources: list) -> str:
     """The section's markdown: how it was made, then one table per claim."""
     blocks = block_gamma_rows(results)
-    groups = seed_groups(results)
+    seeds = Seeds.of(results)
     lines = (
         introduction(sources)
-        + seeds_section(results, groups)
-        + block_gamma_section(blocks, groups)
+        + seeds_section(seeds)
+        + block_gamma_section(blocks, seeds)
         + impossible_paths_section(blocks)
         + budgets_section(blocks)
-        + losses_section(results, groups)
+        + losses_section(results, seeds)
         + tree_key_section(tree_keys)
         + data_section(results)
-        + raw_section(results, groups)
+        + raw_section(results, seeds)
     )
     return "\n".join(lines) + "\n"
 
@@ -287,12 +301,10 @@ def introduction(sources: list) -> list:
     return lines
 
 
-def block_gamma_section(blocks: list, groups: dict | None = None) -> list:
+def block_gamma_section(blocks: list, seeds: Seeds) -> list:
     """The causal against bidirectional table: agreement and offline tau of the block x gamma variants, and two
     gaps at the defaults (tau@8 on): against the causal block at gamma 4, and against the causal block at the same
     gamma."""
-    groups = groups or {}
-    spread = spreads(groups).get(("lookup_on", "8")) if groups else None
     lines = [
         "### Causal against bidirectional block, by gamma",
         "",
@@ -307,7 +319,7 @@ def block_gamma_section(blocks: list, groups: dict | None = None) -> list:
     def versus(row, base, same: bool) -> str:
         if same or row is None or base is None:
             return "reference" if same and row is not None else NOT_RUN
-        return relative(row, base, groups, spread, "lookup_on", "8")
+        return relative(row, base, seeds, "lookup_on", "8")
 
     rows = [
         [
@@ -396,10 +408,8 @@ def budgets_section(blocks: list) -> list:
     return lines
 
 
-def losses_section(results: dict, groups: dict | None = None) -> list:
+def losses_section(results: dict, seeds: Seeds) -> list:
     """The losses against the forward-KL reference."""
-    groups = groups or {}
-    spread = spreads(groups).get(("lookup_off", REFERENCE_BUDGET)) if groups else None
     lines = [
         "### Losses",
         "",
@@ -423,7 +433,7 @@ def losses_section(results: dict, groups: dict | None = None) -> list:
                 name or NOT_RUN,
                 *agreement(row),
                 *taus(row, "lookup_off"),
-                "reference" if loss == "fkl" and row is not None else relative(row, base, groups, spread),
+                "reference" if loss == "fkl" and row is not None else relative(row, base, seeds),
             ]
         )
     lines += table(["loss", "paper", "our variant", *AGREEMENT, *OFF, "vs forward KL"], rows) + [""]
@@ -478,10 +488,8 @@ def data_section(results: dict) -> list:
     return lines
 
 
-def raw_section(results: dict, groups: dict | None = None) -> list:
+def raw_section(results: dict, seeds: Seeds) -> list:
     """Raw corpus replies against the target's own answers, the same prompts and answer tokens."""
-    groups = groups or {}
-    spread = spreads(groups).get(("lookup_off", REFERENCE_BUDGET)) if groups else None
     lines = [
         "### Raw against regenerated data",
         "",
@@ -507,7 +515,7 @@ def raw_section(results: dict, groups: dict | None = None) -> list:
                 fmt(tokens, ",d") if row else NOT_RUN,
                 *agreement(row),
                 *taus(row, "lookup_off"),
-                "reference" if i == len(PAIRED) - 1 else relative(row, base, groups, spread),
+                "reference" if i == len(PAIRED) - 1 else relative(row, base, seeds),
             ]
         )
     lines += table(["answers", "paper", "our variant", "trained on (tokens)", *AGREEMENT, *OFF, "vs regenerated"], rows)
