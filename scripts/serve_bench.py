@@ -24,12 +24,16 @@ Every request is a streamed chat completion, greedy (temperature 0): time to fir
 chunk with text, tokens are what the last chunk's usage counts, and a server's aggregate tokens/s is its tokens over
 the wall time of its requests (a group's, or a steady run's, from the first send to the last answer). The ratio is
 against the better of the two transformers paths at the same load and clients, on every server's row (each
-`jetspec serve` mode has its own). The texts are compared per prompt: in float32 they must be equal; in bf16 they may
+`jetspec serve` mode has its own). With `--in-process`, the bench also loads the target and head itself and, at 1
+client, decodes each prompt in its own process, plain `generate()` and with the head, taking turns with the servers
+(its time to first token: the first new token's arrival in `generate`'s streamer): the head's ratio in process and
+`jetspec serve`'s share of it come from the same run, on the same host load. The texts are compared per prompt: in float32 they must be equal; in bf16 they may
 leave each other at a numerical tie. Writes `results.json` (every request) and `results.md` (the table), and prints
 the table. Run nothing else meanwhile.
 """
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -46,6 +50,8 @@ REPO = Path(__file__).resolve().parents[1]
 JETSPEC, TRANSFORMERS = "jetspec serve", "transformers serve"  # JETSPEC: jetspec serve with --join on, its default
 JOINS = ("on", "off")  # jetspec serve --join: requests join a running call, or only a call's start
 TRANSFORMERS_CB = "transformers serve --continuous-batching"
+PEERS = (TRANSFORMERS, TRANSFORMERS_CB)  # the paths every row's ratio is taken against (the better of them)
+IN_PROCESS, IN_PROCESS_HEAD = "in process: generate()", "in process: generate(assistant_model=head)"
 LOADS = ("lockstep", "steady")
 
 
@@ -73,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-continuous-batching", action="store_true", help="leave out transformers serve --continuous-batching"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each server (default: torch's)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="at 1 client, also decode each prompt in this process (plain generate() and with the head), taking "
+        "turns with the servers: the server's share of the in-process ratio, measured in the same run",
+    )
     parser.add_argument("--out", default="results/serve-bench", help="output folder")
     parser.add_argument(
         "--jetspec-join",
@@ -92,13 +104,74 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class FirstToken:
+    """A streamer that notes when `generate` hands it its first new token (its first `put` is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.at = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class InProcess:
+    """`ask(prompt, max_tokens)`: one greedy chat answer from `target.generate` in this process (with `head` as its
+    assistant, or plain), recorded as [`timed_request`] records a server's: time to first token (the first new
+    token's `put`), seconds, tokens, text and, with a head, the tree's statistics (`jetspec serve`'s own fields)."""
+
+    def __init__(self, target, tokenizer, head=None):
+        self.target, self.tokenizer, self.head = target, tokenizer, head
+
+    def __call__(self, prompt: str, max_tokens: int) -> dict:
+        import torch
+
+        from jetspec.serve_requests import tree_report
+        from jetspec.targets import apply_chat_template
+
+        chat = apply_chat_template(self.tokenizer, prompt)
+        enc = self.tokenizer(chat, return_tensors="pt", add_special_tokens=False).to(self.target.device)
+        assistant = {} if self.head is None else {"assistant_model": self.head}
+        first = FirstToken()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.generate(
+                **enc,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                streamer=first,
+                return_dict_in_generate=True,
+                **assistant,
+            )
+        seconds = time.perf_counter() - started
+        new = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
+        report = None if self.head is None else tree_report(out.jetspec_stats, new, seconds)
+        return {
+            "ttft": None if first.at is None else first.at - started,
+            "seconds": seconds,
+            "tokens": len(new),
+            "text": self.tokenizer.decode(new, skip_special_tokens=True),
+            "jetspec": report,
+        }
+
+
+def in_process_decoders(args, dtype) -> dict:
+    """`{name: InProcess}`: the target and head this bench's `jetspec serve` loads, plain and with the head."""
+    from jetspec.cli import load_head, resolve_head_path
+    from jetspec.targets import load_target
+
+    target, tokenizer = load_target(args.model, dtype=dtype)
+    head = load_head(resolve_head_path(args.head, args.model), target)
+    return {IN_PROCESS: InProcess(target, tokenizer), IN_PROCESS_HEAD: InProcess(target, tokenizer, head)}
+
+
 def jetspec_name(join: str) -> str:
     """The results' name of the `jetspec serve` started with `--join join`."""
     return JETSPEC if join == "on" else f"{JETSPEC} --join {join}"
-
-
-def is_jetspec(name: str) -> bool:
-    return name == JETSPEC or name.startswith(JETSPEC + " ")
 
 
 def joins_of(text: str) -> list:
@@ -158,16 +231,17 @@ def timed_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"ttft": first, "seconds": seconds, "tokens": tokens, "text": "".join(parts), "jetspec": report}
 
 
-def run_group(client, model: str, prompts: list, max_tokens: int) -> tuple[list, float]:
-    """The prompts sent at once, one client each: their records and the group's wall time."""
+def run_group(ask, prompts: list, max_tokens: int) -> tuple[list, float]:
+    """The prompts sent at once through `ask(prompt, max_tokens)`, one client each: their records and the group's
+    wall time."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        records = list(pool.map(lambda p: timed_request(client, model, p["prompt"], max_tokens), prompts))
+        records = list(pool.map(lambda p: ask(p["prompt"], max_tokens), prompts))
     return records, time.perf_counter() - started
 
 
-def run_steady(client, model: str, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
-    """`clients` clients, each sending its next prompt as soon as its last answer ends: the records (in prompt order)
+def run_steady(ask, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
+    """`clients` clients, each sending (through `ask(prompt, max_tokens)`) its next prompt as soon as its last answer ends: the records (in prompt order)
     and the wall time from the first send to the last answer."""
     records, lock, queue = [None] * len(prompts), threading.Lock(), iter(range(len(prompts)))
 
@@ -177,7 +251,7 @@ def run_steady(client, model: str, prompts: list, max_tokens: int, clients: int)
                 index = next(queue, None)
             if index is None:
                 return
-            records[index] = timed_request(client, model, prompts[index]["prompt"], max_tokens)
+            records[index] = ask(prompts[index]["prompt"], max_tokens)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
@@ -187,37 +261,47 @@ def run_steady(client, model: str, prompts: list, max_tokens: int, clients: int)
 
 
 def run_bench(
-    servers: dict, prompts: list, max_tokens: int, clients: list, warmup: bool = True, loads=("lockstep",)
+    servers: dict,
+    prompts: list,
+    max_tokens: int,
+    clients: list,
+    warmup: bool = True,
+    loads=("lockstep",),
+    in_process: dict = None,
 ) -> dict:
-    """`servers`: `{name: (url, model name)}`; `prompts`: `{"suite", "id", "prompt"}` records. Every load and
-    number of clients runs on every server, taking turns; returns the records and the wall time per server."""
+    """`servers`: `{name: (url, model name)}`; `prompts`: `{"suite", "id", "prompt"}` records; `in_process`:
+    `{name: ask(prompt, max_tokens) -> record}`, decoders in this process, which take part at 1 client only (one
+    model, one call at a time). Every load and number of clients runs on every server, taking turns; returns the
+    records and the wall time per server."""
     import openai
 
     made = {
-        name: (openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600), model)
+        name: functools.partial(timed_request, openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600), model)
         for name, (url, model) in servers.items()
     }
+    made.update(in_process or {})
     if warmup:
-        for client, model in made.values():
-            timed_request(client, model, prompts[0]["prompt"], 8)
+        for ask in made.values():
+            ask(prompts[0]["prompt"], 8)
     runs = []
     for load in loads:
         if load not in LOADS:
             raise ValueError(f"expected loads among {', '.join(LOADS)}, got {load!r}")
         for turn, k in enumerate(clients):
-            walls, records = {name: 0.0 for name in made}, {name: [] for name in made}
+            taking = {name: ask for name, ask in made.items() if k == 1 or name not in (in_process or {})}
+            walls, records = {name: 0.0 for name in taking}, {name: [] for name in taking}
             if load == "lockstep":
                 groups = [prompts[i : i + k] for i in range(0, len(prompts), k)]
                 batches = [(group, turn + index) for index, group in enumerate(groups)]
             else:
                 batches = [(prompts, turn)]
             for group, rotation in batches:
-                names = list(made)
+                names = list(taking)
                 for name in names[rotation % len(names) :] + names[: rotation % len(names)]:
                     if load == "lockstep":
-                        got, wall = run_group(*made[name], group, max_tokens)
+                        got, wall = run_group(taking[name], group, max_tokens)
                     else:
-                        got, wall = run_steady(*made[name], group, max_tokens, k)
+                        got, wall = run_steady(taking[name], group, max_tokens, k)
                     walls[name] += wall
                     records[name] += [{**record, "suite": p["suite"], "id": p["id"]} for record, p in zip(got, group)]
             runs.append({"load": load, "clients": k, "wall_seconds": walls, "requests": records})
@@ -250,7 +334,7 @@ def summary_rows(results: dict) -> list[dict]:
         speed = {
             name: sum(r["tokens"] or 0 for r in run["requests"][name]) / run["wall_seconds"][name] for name in names
         }
-        best = max((speed[name] for name in names if not is_jetspec(name)), default=None)
+        best = max((speed[name] for name in names if name in PEERS), default=None)
         same = same_texts(run)
         for name in names:
             ttfts = [r["ttft"] for r in run["requests"][name] if r["ttft"] is not None]
@@ -272,6 +356,22 @@ def summary_rows(results: dict) -> list[dict]:
     return rows
 
 
+def in_process_shares(rows: list[dict]) -> list[dict]:
+    """Per load at 1 client where both in-process decoders ran: the head's ratio in process (over plain
+    `generate()`), each `jetspec serve` mode's ratio (over the better transformers path), and its share of the former."""
+    shares = []
+    for load in dict.fromkeys(row["load"] for row in rows):
+        run = {row["server"]: row for row in rows if row["load"] == load and row["clients"] == 1}
+        if IN_PROCESS not in run or IN_PROCESS_HEAD not in run:
+            continue
+        ratio = run[IN_PROCESS_HEAD]["tokens_per_second"] / run[IN_PROCESS]["tokens_per_second"]
+        for name, row in run.items():
+            if name.startswith(JETSPEC) and row["ratio"] is not None:
+                shares.append({"load": load, "server": name, "in_process_ratio": ratio, "served_ratio": row["ratio"]})
+                shares[-1]["share"] = row["ratio"] / ratio
+    return shares
+
+
 def markdown(rows: list[dict]) -> str:
     def number(value, digits):
         return "-" if value is None else f"{value:.{digits}f}"
@@ -286,6 +386,12 @@ def markdown(rows: list[dict]) -> str:
             f"| {row['load']} | {row['server']} | {row['clients']} | {row['requests']} | "
             f"{number(row['tokens_per_second'], 1)} | {number(row['ratio'], 2)}x | {number(row['ttft_p50'], 3)} | "
             f"{number(row['ttft_p95'], 3)} | {number(row['tau'], 2)} | {row['same_text']} |"
+        )
+    for share in in_process_shares(rows):
+        lines.append(
+            f"\n{share['load']}, 1 client: {share['server']} runs {share['served_ratio']:.2f}x the better transformers "
+            f"path; in this process the head runs {share['in_process_ratio']:.2f}x plain `generate()`: a share of "
+            f"{share['share']:.2f}."
         )
     return "\n".join(lines)
 
@@ -349,9 +455,14 @@ def main(argv=None) -> int:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    in_process = in_process_decoders(args, dtype) if args.in_process else None
     servers, started = servers_for(args, dtype_name, out)
     try:
-        results = run_bench(servers, prompts, args.max_new_tokens, clients, loads=loads)
+        results = run_bench(servers, prompts, args.max_new_tokens, clients, loads=loads, in_process=in_process)
     finally:
         for process in started:
             process.terminate()
@@ -360,8 +471,12 @@ def main(argv=None) -> int:
     config = {"command": " ".join(["python -m scripts.serve_bench", *sys.argv[1:]]), "dtype": dtype_name}
     config.update({"dtype_reason": reason, "host_kind": host_kind().name, "model": args.model, "clients": clients})
     config.update({"loads": loads, "servers": list(servers), "max_batch": args.max_batch})
+    config["in_process"] = list(in_process or {})
     config["jetspec_join"] = None if args.jetspec_url is not None else joins_of(args.jetspec_join)
-    (out / "results.json").write_text(json.dumps({"config": config, "rows": rows, **results}, indent=1))
+    shares = in_process_shares(rows)
+    (out / "results.json").write_text(
+        json.dumps({"config": config, "rows": rows, "shares": shares, **results}, indent=1)
+    )
     table = markdown(rows)
     (out / "results.md").write_text(
         f"`{config['command']}` ({dtype_name}, host kind {config['host_kind']})\n\n{table}\n"

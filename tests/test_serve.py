@@ -600,11 +600,12 @@ def test_serves_smollm2_with_the_committed_head_as_plain_generate(tmp_path):
         served.stop()
 
 
-def test_serve_bench_drives_both_servers_on_one_prompt(server, transformers_server):
-    """scripts/serve_bench.py, smoke-checked at tiny size (one prompt, 4 tokens): the servers answer, each record
-    holds its time to first token and its tokens, the tree's statistics come from jetspec serve only; the one tiny
-    jetspec server stands behind both jetspec names (`--join on` and `--join off`), whose rows the ratio leaves out of
-    its reference."""
+def test_serve_bench_drives_both_servers_on_one_prompt(server, transformers_server, local):
+    """scripts/serve_bench.py, smoke-checked at tiny size (one prompt, 4 tokens): the servers and the in-process
+    decoders (`--in-process`: plain `generate()` and with the head, in the bench's own process) answer alike, each
+    record holds its time to first token and its tokens, the tree's statistics come from the head's paths only; the
+    one tiny jetspec server stands behind both jetspec names (`--join on` and `--join off`), whose rows the ratio
+    leaves out of its reference; the in-process decoders take part at 1 client only."""
     from test_scripts import load_script
 
     bench = load_script("serve_bench")
@@ -614,21 +615,36 @@ def test_serve_bench_drives_both_servers_on_one_prompt(server, transformers_serv
         off: (server.url, NAME),
         bench.TRANSFORMERS: (transformers_server.url, transformers_server.name),
     }
+    target, tokenizer, head = local
+    in_process = {
+        bench.IN_PROCESS: bench.InProcess(target, tokenizer),
+        bench.IN_PROCESS_HEAD: bench.InProcess(target, tokenizer, head),
+    }
     prompts = [{"suite": "gsm8k", "id": "p0", "prompt": PROMPTS[0]}]
-    results = bench.run_bench(servers, prompts, max_tokens=4, clients=[1], warmup=False)
+    results = bench.run_bench(servers, prompts, max_tokens=4, clients=[1, 2], warmup=False, in_process=in_process)
     records = results["runs"][0]["requests"]
-    assert [r["tokens"] for name in servers for r in records[name]] == [4, 4, 4]
-    assert all(0 < r["ttft"] <= r["seconds"] for name in servers for r in records[name])
+    names = [*servers, *in_process]
+    assert [r["tokens"] for name in names for r in records[name]] == [4] * 5
+    assert all(0 < r["ttft"] <= r["seconds"] for name in names for r in records[name])
+    assert list(results["runs"][1]["requests"]) == list(servers)  # 2 clients: the servers only
     rows = bench.summary_rows(results)
-    assert [(r["server"], r["requests"], r["same_text"], r["tau"] is None) for r in rows] == [
+    assert [(r["server"], r["requests"], r["same_text"], r["tau"] is None) for r in rows[:5]] == [
         (bench.JETSPEC, 1, "1/1", False),
         ("jetspec serve --join off", 1, "1/1", False),
         (bench.TRANSFORMERS, 1, "1/1", True),
+        (bench.IN_PROCESS, 1, "1/1", True),
+        (bench.IN_PROCESS_HEAD, 1, "1/1", False),
     ]
-    assert rows[2]["ratio"] == 1.0  # the reference is the transformers path, not the faster jetspec mode
+    assert rows[2]["ratio"] == 1.0  # the reference is the transformers path, not a jetspec mode nor plain in process
     assert rows[0]["ratio"] == rows[0]["tokens_per_second"] / rows[2]["tokens_per_second"]
+    shares = bench.in_process_shares(rows)
+    assert [share["server"] for share in shares] == [bench.JETSPEC, off]
+    in_process_ratio = rows[4]["tokens_per_second"] / rows[3]["tokens_per_second"]
+    assert shares[0]["in_process_ratio"] == in_process_ratio
+    assert shares[0]["share"] == rows[0]["ratio"] / in_process_ratio
     table = bench.markdown(rows)
     assert "| jetspec serve | 1 | 1 |" in table and "| jetspec serve --join off | 1 | 1 |" in table
+    assert f"in this process the head runs {in_process_ratio:.2f}x plain `generate()`" in table
     assert "/v1, joining a running call on" in server.log.read_text()  # the start-up line says it: the default
 
 
