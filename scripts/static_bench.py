@@ -17,7 +17,9 @@ Methods, each run once per prompt to warm up (compilation, allocator) and then t
 Every method's tokens are compared with `plain`'s (in float32 they must be equal; in bfloat16 ties may break
 differently, reported as `equal_fraction`). Prints one JSON line per (dtype, method): tokens per second over the
 prompts (sum of tokens / sum of seconds), the median per-prompt ratio against `plain` and against
-`plain_static_compiled`, tau, and the fraction of prompts equal to `plain`. `--out FILE` also writes them as JSON.
+`plain_static_compiled`, tau, the fraction of prompts equal to `plain`, and what each prompt's untimed first call
+cost over its timed one (`first_call_extra_seconds` for the first prompt: compilation; the later prompts' summed:
+recompiling for new lengths). `--out FILE` also writes them as JSON.
 
 The target is given by name: `smollm2-135m` (`jetspec.targets.load_target`, with the head committed in
 `jetspec/heads/smollm2-135m`) or a tiny random `tiny-llama` / `tiny-qwen3` with a random head (smoke runs).
@@ -118,17 +120,19 @@ def bench(args, dtype_name: str) -> list:
     from jetspec.prompts import load_prompts
 
     prompts = [row["prompt"] for suite in args.suites for row in load_prompts(suite, args.prompts)]
-    rows = {m: [] for m in args.methods}  # per method, per prompt: (tokens, seconds, tau, equal to plain)
+    rows = {
+        m: [] for m in args.methods
+    }  # per method, per prompt: (tokens, seconds, tau, equal to plain, warm-up extra seconds)
     for text in prompts:
         ids, mask = encode(text)
         reference = None
         for method in args.methods:
-            run(target, head, method, ids, mask, args.new_tokens)  # warm-up: compilation, allocator
+            _, warm, _ = run(target, head, method, ids, mask, args.new_tokens)  # warm-up: compilation, allocator
             tokens, seconds, tau = run(target, head, method, ids, mask, args.new_tokens)
             if method == "plain":
                 reference = tokens
             equal = None if reference is None else bool(torch.equal(tokens, reference))
-            rows[method].append((tokens.numel(), seconds, tau, equal))
+            rows[method].append((tokens.numel(), seconds, tau, equal, warm - seconds))
     records = []
     base = {m: rows[m] for m in ("plain", "plain_static_compiled") if m in rows}
     for method, results in rows.items():
@@ -145,6 +149,10 @@ def bench(args, dtype_name: str) -> list:
         for name, reference in base.items():
             ratios = [(r[0] / r[1]) / (b[0] / b[1]) for r, b in zip(results, reference)]
             record[f"median_over_{name}"] = round(statistics.median(ratios), 3)
+        # what a prompt's first call paid over its second (compilation, recompiling for a new length, allocator):
+        # the first prompt's, then the later prompts' summed (a server pays these on its first requests)
+        record["first_call_extra_seconds"] = round(results[0][4], 2)
+        record["later_first_calls_extra_seconds"] = round(sum(r[4] for r in results[1:]), 2)
         taus = [r[2] for r in results if r[2] is not None]
         if taus:
             record["tau"] = round(statistics.mean(taus), 3)
