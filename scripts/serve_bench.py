@@ -27,8 +27,8 @@ against the better of the two transformers paths at the same load and clients, o
 `jetspec serve` mode has its own). With `--in-process`, the bench also loads the target and head itself and, at 1
 client, decodes each prompt in its own process, plain `generate()` and with the head, taking turns with the servers
 (its time to first token: the first new token's arrival in `generate`'s streamer): the head's ratio in process and
-`jetspec serve`'s share of it come from the same run, on the same host load. The texts are compared per prompt: in float32 they must be equal; in bf16 they may
-leave each other at a numerical tie. Writes `results.json` (every request) and `results.md` (the table), and prints
+`jetspec serve`'s share of it come from the same run, on the same host load. The texts are compared per prompt: in
+float32 they must be equal; in bf16 they may leave each other at a numerical tie. Writes `results.json` (every request) and `results.md` (the table), and prints
 the table. Run nothing else meanwhile.
 """
 
@@ -241,8 +241,8 @@ def run_group(ask, prompts: list, max_tokens: int) -> tuple[list, float]:
 
 
 def run_steady(ask, prompts: list, max_tokens: int, clients: int) -> tuple[list, float]:
-    """`clients` clients, each sending (through `ask(prompt, max_tokens)`) its next prompt as soon as its last answer ends: the records (in prompt order)
-    and the wall time from the first send to the last answer."""
+    """`clients` clients, each sending (through `ask(prompt, max_tokens)`) its next prompt as soon as its last answer
+    ends: the records (in prompt order) and the wall time from the first send to the last answer."""
     records, lock, queue = [None] * len(prompts), threading.Lock(), iter(range(len(prompts)))
 
     def one_client():
