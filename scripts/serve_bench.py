@@ -28,8 +28,8 @@ against the better of the two transformers paths at the same load and clients, o
 client, decodes each prompt in its own process, plain `generate()` and with the head, taking turns with the servers
 (its time to first token: the first new token's arrival in `generate`'s streamer): the head's ratio in process and
 `jetspec serve`'s share of it come from the same run, on the same host load. The texts are compared per prompt: in
-float32 they must be equal; in bf16 they may leave each other at a numerical tie. Writes `results.json` (every request) and `results.md` (the table), and prints
-the table. Run nothing else meanwhile.
+float32 they must be equal; in bf16 they may leave each other at a numerical tie. Writes `results.json` (every
+request) and `results.md` (the table), and prints the table. Run nothing else meanwhile.
 """
 
 import argparse
@@ -358,7 +358,8 @@ def summary_rows(results: dict) -> list[dict]:
 
 def in_process_shares(rows: list[dict]) -> list[dict]:
     """Per load at 1 client where both in-process decoders ran: the head's ratio in process (over plain
-    `generate()`), each `jetspec serve` mode's ratio (over the better transformers path), and its share of the former."""
+    `generate()`), each `jetspec serve` mode's ratio (over the better transformers path), and its share of the
+    former."""
     shares = []
     for load in dict.fromkeys(row["load"] for row in rows):
         run = {row["server"]: row for row in rows if row["load"] == load and row["clients"] == 1}
