@@ -402,9 +402,9 @@ def _generate(args, target, tokenizer, head, float32_logits) -> int:
     from modeling_jetspec.timing import clock
 
     from .equality import check_lossless
-    from .targets import apply_chat_template
+    from .targets import encode_chat
 
-    enc = tokenizer(apply_chat_template(tokenizer, args.prompt), return_tensors="pt", add_special_tokens=False)
+    enc = encode_chat(tokenizer, args.prompt)
     inputs = {
         "input_ids": enc["input_ids"].to(target.device),
         "attention_mask": enc["attention_mask"].to(target.device),

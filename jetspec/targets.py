@@ -223,3 +223,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
     )
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, prompt: str):
+    """`input_ids` and `attention_mask`, each `(1, L)`, of one user turn under the chat template
+    ([`apply_chat_template`]); the template holds the special tokens, so none is added."""
+    return tokenizer(apply_chat_template(tokenizer, prompt), return_tensors="pt", add_special_tokens=False)

@@ -131,10 +131,9 @@ class InProcess:
         import torch
 
         from jetspec.serve_requests import tree_report
-        from jetspec.targets import apply_chat_template
+        from jetspec.targets import encode_chat
 
-        chat = apply_chat_template(self.tokenizer, prompt)
-        enc = self.tokenizer(chat, return_tensors="pt", add_special_tokens=False).to(self.target.device)
+        enc = encode_chat(self.tokenizer, prompt).to(self.target.device)
         assistant = {} if self.head is None else {"assistant_model": self.head}
         first = FirstToken()
         started = time.perf_counter()
@@ -368,8 +367,15 @@ def in_process_shares(rows: list[dict]) -> list[dict]:
         ratio = run[IN_PROCESS_HEAD]["tokens_per_second"] / run[IN_PROCESS]["tokens_per_second"]
         for name, row in run.items():
             if name.startswith(JETSPEC) and row["ratio"] is not None:
-                shares.append({"load": load, "server": name, "in_process_ratio": ratio, "served_ratio": row["ratio"]})
-                shares[-1]["share"] = row["ratio"] / ratio
+                shares.append(
+                    {
+                        "load": load,
+                        "server": name,
+                        "in_process_ratio": ratio,
+                        "served_ratio": row["ratio"],
+                        "share": row["ratio"] / ratio,
+                    }
+                )
     return shares
 
 

@@ -46,13 +46,13 @@ HEAD_FOLDER = ROOT / "jetspec" / "heads" / "smollm2-135m"
 def build(name: str, device: str, dtype: torch.dtype):
     """`(target, head, encode)`: `encode(prompt text)` gives `(input_ids, attention_mask)` of one prompt."""
     if name == "smollm2-135m":
-        from jetspec.targets import apply_chat_template, load_target
+        from jetspec.targets import encode_chat, load_target
 
         target, tokenizer = load_target(name, dtype=dtype, device=device)
         head = JetSpecDraftModel.from_pretrained(HEAD_FOLDER).to(device, dtype).eval()
 
         def encode(prompt: str):
-            enc = tokenizer(apply_chat_template(tokenizer, prompt), return_tensors="pt", add_special_tokens=False)
+            enc = encode_chat(tokenizer, prompt)
             return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
         return target, head, encode
@@ -120,9 +120,8 @@ def bench(args, dtype_name: str) -> list:
     from jetspec.prompts import load_prompts
 
     prompts = [row["prompt"] for suite in args.suites for row in load_prompts(suite, args.prompts)]
-    rows = {
-        m: [] for m in args.methods
-    }  # per method, per prompt: (tokens, seconds, tau, equal to plain, warm-up extra seconds)
+    # per method, per prompt: (tokens, seconds, tau, equal to plain, warm-up extra seconds)
+    rows = {m: [] for m in args.methods}
     for text in prompts:
         ids, mask = encode(text)
         reference = None

@@ -22,7 +22,7 @@ import torch
 
 from jetspec.host import host_kind
 from jetspec.prompts import load_prompts
-from jetspec.targets import apply_chat_template, load_target
+from jetspec.targets import encode_chat, load_target
 from modeling_jetspec import JetSpecDraftModel, chain_generate, install_generate_hook, uninstall_generate_hook
 
 SHIPPED_HEAD = Path(__file__).resolve().parents[1] / "jetspec" / "heads" / "smollm2-135m"
@@ -54,9 +54,7 @@ def main(argv=None) -> None:
     totals = {name: {"tokens": 0, "forwards": 0, "equal": 0, "prompts": 0} for name in routes(head)}
     for suite in ("gsm8k", "humaneval", "mtbench"):
         for prompt in load_prompts(suite, args.limit):
-            enc = tokenizer(
-                apply_chat_template(tokenizer, prompt["prompt"]), return_tensors="pt", add_special_tokens=False
-            )
+            enc = encode_chat(tokenizer, prompt["prompt"])
             common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
             plain = target.generate(**enc, **common)
             for name, (extra, unhooked) in routes(head).items():
