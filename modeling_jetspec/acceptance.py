@@ -64,13 +64,38 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
     )
 
 
+def first_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """`logits.argmax(-1)`, the same index (the first maximal one on ties, the first NaN where there is one), read
+    in two passes that CPU kernels run several times faster over a vocabulary.
+
+    A reduction that returns an index is slow on a CPU; `amax` is not. So the last dimension is cut into chunks of
+    `chunk` (the rest, shorter, is one more chunk): `amax` of each chunk, then the first chunk holding the largest of
+    them, then the first maximal index inside that chunk alone. The first chunk that holds the maximum holds its first
+    index, and a NaN, which both `amax` and `max` propagate, is found the same way. Measured with the round's verify
+    logits, `(1, 17, 49152)`, 2 threads, AVX-512 + bf16 AMD host: float32 0.72 -> 0.10 ms, bf16 0.73 -> 0.33 ms
+    (`logits.max(-1).indices`, itself faster than `argmax` in bf16).
+    """
+    v = logits.shape[-1]
+    whole = v - v % chunk
+    if whole < 2 * chunk:  # a short last dimension: one pass is as fast
+        return logits.max(-1).indices
+    flat = logits.reshape(-1, v)
+    body = flat[:, :whole].reshape(flat.shape[0], whole // chunk, chunk)  # (R, C, chunk)
+    peaks = body.amax(-1)  # (R, C)
+    if whole < v:
+        peaks = torch.cat([peaks, flat[:, whole:].amax(-1, keepdim=True)], dim=1)  # the rest, one more chunk
+    best = peaks.max(-1).indices  # (R,): the first chunk holding the maximum
+    inside = body.gather(1, best.clamp(max=body.shape[1] - 1)[:, None, None].expand(-1, 1, chunk))[:, 0]
+    index = best * chunk + inside.max(-1).indices
+    if whole < v:
+        index = torch.where(best == body.shape[1], whole + flat[:, whole:].max(-1).indices, index)
+    return index.reshape(logits.shape[:-1])
+
+
 def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     a, n1 = logits.shape[:2]
     device = logits.device
-    # (A, n + 1), in the logits' own dtype (no fp32 copy of the vocabulary). `max(-1).indices` is argmax, the first
-    # maximal index on ties as documented for both, but CPU kernels reduce it several times faster over a vocabulary
-    # (bf16 (1, 9, 49152): 0.4 ms against 3.7 ms, one thread, Intel AMX host)
-    choice = logits.max(-1).indices
+    choice = first_argmax(logits)  # (A, n + 1), in the logits' own dtype (no fp32 copy of the vocabulary)
     matches = torch.cat(  # (A, n + 1): the node's token is what the target chose after its parent
         [torch.ones(a, 1, dtype=torch.bool, device=device), trees.tokens == choice.gather(1, trees.parents)], dim=1
     )

@@ -215,3 +215,22 @@ def test_row_wise_processors_see_one_row_and_prefix_constraints_the_batch(monkey
     # the first token is processed for the whole batch at once (every row has the same length then), every node after
     # it on one row: by the row-wise processor as it is, by the prefix constraint repeated to the batch size
     assert seen["row_wise"] == {(3, vocab), (1, vocab)} and seen["prefix"] == {(3, vocab)}
+
+
+@pytest.mark.parametrize("vocab", [7, 600, 49152, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_acceptance_argmax_is_torch_argmax_with_ties_nans_and_a_ragged_last_chunk(vocab, dtype):
+    from modeling_jetspec.acceptance import first_argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 5, vocab, generator=g).to(dtype)
+    cases = [logits, logits.round()]  # rounded: many equal maxima, the first must win
+    peaks = torch.zeros(4, vocab, dtype=dtype)
+    peaks[0, [vocab // 3, vocab - 1]] = 1  # a tie in two chunks
+    peaks[1, [vocab - 1, vocab // 2]] = float("nan")  # NaN wins, the first one
+    peaks[2, vocab - 1] = float("inf")  # in the ragged rest
+    peaks[3] = float("-inf")  # all equal
+    cases += [peaks, logits.transpose(0, 1)]  # and a non-contiguous view
+    for case in cases:
+        got, want = first_argmax(case), case.argmax(-1)
+        assert got.shape == want.shape and torch.equal(got, want), (case.shape, got, want)
