@@ -302,10 +302,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .equality import float32_logits_fn
     from .targets import load_target
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     print(f"jetspec: target dtype {str(dtype).removeprefix('torch.')} ({dtype_reason})", file=sys.stderr)
-    try:  # a Hub id that does not resolve, a head built for another target: one line, no traceback
+
+    def load() -> tuple:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         target, tokenizer = load_target(args.target, dtype=dtype, device=getattr(args, "device", None))
         head = load_head(head_path, target)
         baseline = None
@@ -320,13 +321,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             answer_cache_for(head, args.limits.answer_cache)
             check_static(target, head, args.limits.static)
+        return target, tokenizer, head, baseline
+
+    thread = None
+    if args.command == "serve":  # the server's torch work, loading included, runs on its one inference thread
+        from .serve import inference_thread
+
+        thread = inference_thread()
+    try:  # a Hub id that does not resolve, a head built for another target: one line, no traceback
+        target, tokenizer, head, baseline = load() if thread is None else thread.submit(load).result()
     except (ValueError, OSError) as error:
         parser.error(" ".join(str(error).split()))
     if args.command == "serve":
         from .serve import serve
 
         name = args.served_model_name or args.target
-        serve(target, tokenizer, head, name, args.host, args.port, args.limits, args.max_batch)
+        serve(target, tokenizer, head, name, args.host, args.port, args.limits, args.max_batch, thread)
         return 0
     # float32 is held to bitwise equality; a half precision's ties are judged against float32 logits, from the
     # checkpoint reloaded in float32 only if an output ever diverges

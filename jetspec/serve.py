@@ -24,6 +24,8 @@ changes, each in a subclass of those (design: `docs/serve.md`):
   included);
 - every answer carries the call's tree statistics in a `jetspec` field, and a stream is shaped as OpenAI clients
   read it (`serve_stream`: no event held back, the usage chunk, error objects, the finish reason);
+- all the process's torch work, loading and start-up timing included, runs on the one inference thread
+  ([`inference_thread`]);
 - `/v1/models` lists the one served model without the Hub; the routes of other model kinds are gone; errors are
   OpenAI-shaped, never a traceback nor an internal message (a 500 names the request id its log line has).
 """
@@ -45,7 +47,13 @@ from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
 from transformers.cli.serving.server import build_server
-from transformers.cli.serving.utils import DirectStreamer, GenerateManager, GenerationState, get_response_template
+from transformers.cli.serving.utils import (
+    DirectStreamer,
+    GenerateManager,
+    GenerationState,
+    InferenceThread,
+    get_response_template,
+)
 
 from modeling_jetspec.compat import stream_error
 
@@ -147,10 +155,19 @@ class TreeGenerateManager(GenerateManager):
     path `static` names (`jetspec_static`: `None`, `"eager"` or `"compile"`; `serve_static`); with `join` False
     (`--join off`), greedy requests join no running call."""
 
-    def __init__(self, head, max_batch: int = 1, answer_cache=None, static=None, join: bool = True):
+    def __init__(self, head, max_batch: int = 1, answer_cache=None, static=None, join: bool = True, thread=None):
         super().__init__()
         self.head, self.answer_cache, self.static = head, answer_cache, static
+        self.thread = thread  # the process's inference thread ([`inference_thread`]); `None`: transformers' own
         self.scheduler = BatchScheduler(self, head, max_batch, answer_cache, static, join)
+
+    def submit(self, fn, *args, **kwargs):
+        return super().submit(fn, *args, **kwargs) if self.thread is None else self.thread.submit(fn, *args, **kwargs)
+
+    def async_submit(self, fn, *args, **kwargs):
+        if self.thread is None:
+            return super().async_submit(fn, *args, **kwargs)
+        return self.thread.async_submit(fn, *args, **kwargs)
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         job = CURRENT_JOB.get()
@@ -301,14 +318,29 @@ class TreeCompletionHandler(TreeHandling, CompletionHandler):
     endpoint = "completions"
 
 
-def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1) -> tuple:
+def inference_thread() -> InferenceThread:
+    """The thread that runs all of a server process's torch work: loading, start-up timing and every request's
+    `generate` (transformers' `InferenceThread`, passed to [`build_app`] as `thread`).
+
+    Why one thread: torch's CPU kernels run on OpenMP (libgomp), which keeps a team of worker threads per calling
+    thread. Once the main thread has run a parallel kernel (a model load, a timing call) and the inference thread
+    runs another, the process holds more OpenMP threads than CPUs, and libgomp then spins its idle workers only
+    briefly before they sleep: every kernel waits for a worker to wake. Measured on a 2-core AVX-512 + bf16 AMD host,
+    bf16 SmolLM2-135M, 5 prompts x 3, beside `transformers serve` (whose main thread runs no kernel): the prompt's
+    forward took 108-125 ms in `jetspec serve` against 81-98 ms there, its worker thread busy half the time against
+    all of it (`docs/serve.md`, "Time to first token")."""
+    return InferenceThread()
+
+
+def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1, thread=None) -> tuple:
     """The chat and completions handlers over `target`, served as `name`, every answer decoded with `head`, up to
-    `max_batch` waiting requests in one call, within `limits` (`serve_limits`); with `limits.static`, the static
-    path warmed up first, on the inference thread (`serve_static.warm_up`: a `ValueError` for what it refuses)."""
+    `max_batch` waiting requests in one call, within `limits` (`serve_limits`), on `thread` (an
+    [`inference_thread`]; `None`: a new one); with `limits.static`, the static path warmed up first, on that thread
+    (`serve_static.warm_up`: a `ValueError` for what it refuses)."""
     limits = limits or Limits()
     models = ServedModel(name, target, tokenizer)
     cache = answer_cache_for(head, limits.answer_cache)
-    manager = TreeGenerateManager(head, max_batch, cache, limits.static, limits.join)
+    manager = TreeGenerateManager(head, max_batch, cache, limits.static, limits.join, thread)
     if limits.static is not None:
         answers = manager.answer_cache is not None
         manager.submit(warm_up, target, tokenizer, head, limits.static, max_batch, answers).result()
@@ -320,10 +352,11 @@ def build_handlers(target, tokenizer, head, name: str, limits: Limits = None, ma
     return handlers
 
 
-def build_app(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1):
+def build_app(target, tokenizer, head, name: str, limits: Limits = None, max_batch: int = 1, thread=None):
     """transformers' serving app over `target`, served as `name`, every answer decoded with `head`, up to
-    `max_batch` waiting requests in one call, within `limits` (`serve_limits`)."""
-    chat, completions = build_handlers(target, tokenizer, head, name, limits, max_batch)
+    `max_batch` waiting requests in one call, within `limits` (`serve_limits`), on `thread` (the
+    [`inference_thread`] that loaded the target; `None`: a new one)."""
+    chat, completions = build_handlers(target, tokenizer, head, name, limits, max_batch, thread)
     models, state = chat.model_manager, chat.generation_state
     app = build_server(
         models,
@@ -414,19 +447,31 @@ def time_host_costs(target, tokenizer, head, max_batch: int = 1):
         logger.info("jetspec serve: host costs at batch %d ready (%.1f s)", batch, time.monotonic() - started)
 
 
-def serve(target, tokenizer, head, name: str, host: str, port: int, limits: Limits = None, max_batch: int = None):
-    """Serve until interrupted (Ctrl-C, SIGTERM); `max_batch` `None`: the batch cap measured on this host."""
+def serve(
+    target,
+    tokenizer,
+    head,
+    name: str,
+    host: str,
+    port: int,
+    limits: Limits = None,
+    max_batch: int = None,
+    thread: InferenceThread = None,
+):
+    """Serve until interrupted (Ctrl-C, SIGTERM); `max_batch` `None`: the batch cap measured on this host; `thread`:
+    the [`inference_thread`] that loaded the target (`None`: a new one), where the start-up timing runs too."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("transformers.cli.serving").setLevel(logging.ERROR)  # one "[Request received]" per request
+    thread = thread or inference_thread()
     if max_batch is None:
         logger.info("jetspec serve: measuring the batch cap (--max-batch N skips it)")
-        max_batch, costs = measure_batch_cap(target, head)
+        max_batch, costs = thread.submit(measure_batch_cap, target, head).result()
         found = ", ".join(f"{size}: {seconds * 1e3:.1f} ms" for size, seconds in costs.items())
         logger.info("jetspec serve: batch cap %d (time per row and round at each batch size: %s)", max_batch, found)
-    time_host_costs(target, tokenizer, head, max_batch)
-    app = build_app(target, tokenizer, head, name, limits, max_batch)
+    thread.submit(time_host_costs, target, tokenizer, head, max_batch).result()
+    app = build_app(target, tokenizer, head, name, limits, max_batch, thread)
     join = "on" if limits is None or limits.join else "off"  # --join: whether waiting requests join a running call
     at = (name, target.device, host, port, join)
     logger.info("jetspec serve: %s with its head on %s at http://%s:%d/v1, joining a running call %s", *at)

@@ -315,6 +315,44 @@ def test_cli_serve_refuses_a_bad_answer_cache_by_name_before_serving(capsys, sav
     assert "for --answer-cache 4" in last
 
 
+def test_cli_serve_does_all_its_torch_work_on_its_one_inference_thread(monkeypatch, saved_target, saved_head):
+    """Loading, the batch cap, the host costs and the requests' calls run on one thread, not the main thread: two
+    threads that run torch kernels hold two OpenMP teams, and libgomp then lets idle workers sleep almost at once
+    (`jetspec.serve.inference_thread`)."""
+    import threading
+
+    import uvicorn
+
+    import jetspec.serve as serve_module
+    import jetspec.targets as targets
+
+    seen = {}
+
+    def on_thread(name, function):
+        def wrapped(*args, **kwargs):
+            seen[name] = threading.current_thread()
+            return function(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(targets, "load_target", on_thread("load", targets.load_target))
+    monkeypatch.setattr(serve_module, "measure_batch_cap", on_thread("batch cap", serve_module.measure_batch_cap))
+    monkeypatch.setattr(serve_module, "time_host_costs", on_thread("host costs", serve_module.time_host_costs))
+    build_app = serve_module.build_app
+
+    def built(*args, **kwargs):
+        app = build_app(*args, **kwargs)
+        seen["app thread"] = args[-1].submit(threading.current_thread).result()
+        return app
+
+    monkeypatch.setattr(serve_module, "build_app", built)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.setdefault("served", app))
+    argv = ["serve", "--model", str(saved_target), "--head", str(saved_head), "--dtype", "float32", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    threads = {seen[name] for name in ("load", "batch cap", "host costs", "app thread")}
+    assert len(threads) == 1 and threads != {threading.main_thread()} and "served" in seen
+
+
 def test_no_function_of_the_cli_is_over_80_lines():
     import ast
     import inspect

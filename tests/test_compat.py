@@ -292,7 +292,8 @@ def _own_names() -> set:
 @torch.no_grad()
 def test_growing_layer_equals_dynamic_layer_op_for_op():
     """`compat.GrowingLayer` (the tree loop's target cache) against transformers' `DynamicLayer`: the same entries
-    after every update, crop, row selection, repeat and reset; an update writes in place until the buffer is full."""
+    after every update, crop, row selection, repeat and reset; the first entries are kept as they come, the next
+    update moves them into a buffer with room, and later ones write in place until it is full."""
     g = torch.Generator().manual_seed(0)
     ours, theirs = compat.growing_cache(), DynamicCache()
 
@@ -300,12 +301,16 @@ def test_growing_layer_equals_dynamic_layer_op_for_op():
         k, v = torch.randn(rows, 2, count, 4, generator=g), torch.randn(rows, 2, count, 4, generator=g)
         a, b = ours.update(k, v, 0), theirs.update(k, v, 0)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+        return k
 
-    update(3, 5)
+    first = update(3, 5)
     layer = ours.layers[0]
     assert isinstance(layer, compat.GrowingLayer) and layer.keys.shape == (3, 2, 5, 4)
+    assert layer.keys.data_ptr() == first.data_ptr()  # the prompt's entries as they came: no copy before the answer
+    update(3, 3)  # into a buffer with room
     start = layer.keys.untyped_storage().data_ptr()
-    update(3, 3)  # room for 5 more: written in place
+    assert start != first.untyped_storage().data_ptr()
+    update(3, 2)  # room left: written in place
     assert layer.keys.untyped_storage().data_ptr() == start
     for count, crop in ((4, -2), (60, -1), (300, -7)):  # the last past the room: grown, the past copied once
         update(3, count)
@@ -332,15 +337,15 @@ def test_growing_layer_room_holds_zeros_or_its_own_entries_never_unset_memory():
     (inductor's compiled flex_attention on an AVX-512 host did): the masked weight is an exact 0, and 0 * NaN from
     unset memory is NaN. The CI run of the compiled flex test decoded every token after the first round as id 0 (the
     argmax of NaN logits) while the room was allocated with `new_empty`. The room past the entries holds zeros, or
-    entries cropped earlier, after the first write and after every growth."""
+    entries cropped earlier, after every growth; the first entries are kept as they come, with no room after them."""
     layer = compat.growing_cache()
     g = torch.Generator().manual_seed(1)
-    for count in (5, 300, 2):  # the first buffers, a growth, a write in place
+    for count in (5, 300, 2):  # the first entries, a growth, a write in place
         layer.update(torch.randn(2, 2, count, 4, generator=g), torch.randn(2, 2, count, 4, generator=g), 0)
         grown = layer.layers[0]
         for buffer in grown._storage:
             room = buffer[..., grown._length :, :]
-            assert room.numel() > 0 and torch.equal(room, torch.zeros_like(room))
+            assert room.numel() == 0 if count == 5 else room.numel() > 0 and torch.equal(room, torch.zeros_like(room))
     layer.crop(-3)
     assert all(torch.isfinite(buffer).all() for buffer in layer.layers[0]._storage)
 
