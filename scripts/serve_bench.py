@@ -122,12 +122,20 @@ class FirstToken:
 class InProcess:
     """`ask(prompt, max_tokens)`: one greedy chat answer from `target.generate` in this process (with `head` as its
     assistant, or plain), recorded as [`timed_request`] records a server's: time to first token (the first new
-    token's `put`), seconds, tokens, text and, with a head, the tree's statistics (`jetspec serve`'s own fields)."""
+    token's `put`), seconds, tokens, text and, with a head, the tree's statistics (`jetspec serve`'s own fields).
+    With `thread` (the `jetspec.serve.inference_thread` that loaded the target), every call runs on it, as
+    `jetspec serve` runs its own: from a client's thread of the bench, the process would hold a second OpenMP team
+    of torch's kernels, which slows them on a host with as many cores as threads."""
 
-    def __init__(self, target, tokenizer, head=None):
-        self.target, self.tokenizer, self.head = target, tokenizer, head
+    def __init__(self, target, tokenizer, head=None, thread=None):
+        self.target, self.tokenizer, self.head, self.thread = target, tokenizer, head, thread
 
     def __call__(self, prompt: str, max_tokens: int) -> dict:
+        if self.thread is not None:
+            return self.thread.submit(self.decode, prompt, max_tokens).result()
+        return self.decode(prompt, max_tokens)
+
+    def decode(self, prompt: str, max_tokens: int) -> dict:
         import torch
 
         from jetspec.serve_requests import tree_report
@@ -159,13 +167,22 @@ class InProcess:
 
 
 def in_process_decoders(args, dtype) -> dict:
-    """`{name: InProcess}`: the target and head this bench's `jetspec serve` loads, plain and with the head."""
+    """`{name: InProcess}`: the target and head this bench's `jetspec serve` loads, plain and with the head, loaded
+    and decoding on one thread of their own, as the server's are."""
     from jetspec.cli import load_head, resolve_head_path
+    from jetspec.serve import inference_thread
     from jetspec.targets import load_target
 
-    target, tokenizer = load_target(args.model, dtype=dtype)
-    head = load_head(resolve_head_path(args.head, args.model), target)
-    return {IN_PROCESS: InProcess(target, tokenizer), IN_PROCESS_HEAD: InProcess(target, tokenizer, head)}
+    def load() -> tuple:
+        target, tokenizer = load_target(args.model, dtype=dtype)
+        return target, tokenizer, load_head(resolve_head_path(args.head, args.model), target)
+
+    thread = inference_thread()
+    target, tokenizer, head = thread.submit(load).result()
+    return {
+        IN_PROCESS: InProcess(target, tokenizer, thread=thread),
+        IN_PROCESS_HEAD: InProcess(target, tokenizer, head, thread),
+    }
 
 
 def jetspec_name(join: str) -> str:
