@@ -328,7 +328,7 @@ def inference_thread() -> InferenceThread:
     briefly before they sleep: every kernel waits for a worker to wake. Measured on a 2-core AVX-512 + bf16 AMD host,
     bf16 SmolLM2-135M, 5 prompts x 3, beside `transformers serve` (whose main thread runs no kernel): the prompt's
     forward took 108-125 ms in `jetspec serve` against 81-98 ms there, its worker thread busy half the time against
-    all of it (`docs/serve.md`, "Time to first token")."""
+    all of it (`docs/serve.md`, "One thread for torch's work")."""
     return InferenceThread()
 
 

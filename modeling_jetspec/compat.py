@@ -271,8 +271,9 @@ def room_for(entries: int) -> int:
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values live in buffers that grow when full: `update` writes the new entries
-    in place after the past and returns views, `crop` shortens the views. The room past the entries is zero-filled
+    """A `DynamicLayer` whose keys and values live in buffers that grow when full: the first `update` (a prompt)
+    keeps its entries as they come, a later one writes the new entries in place after the past (moving them once into
+    a buffer with room when full) and returns views, `crop` shortens the views. The room past the entries is zero-filled
     (a kernel that reads a masked block past a view multiplies its values by 0; unset memory can hold NaN). `DynamicLayer.update` concatenates the whole
     past with every new entry (`torch.cat`), a copy of the layer's cache per forward that grows with the history; the
     tree loop's verify forward appends n + 1 entries and its compaction crops back every round.
