@@ -82,13 +82,14 @@ def first_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     flat = logits.reshape(-1, v)
     body = flat[:, :whole].reshape(flat.shape[0], whole // chunk, chunk)  # (R, C, chunk)
     peaks = body.amax(-1)  # (R, C)
-    if whole < v:
-        peaks = torch.cat([peaks, flat[:, whole:].amax(-1, keepdim=True)], dim=1)  # the rest, one more chunk
+    rest = flat[:, whole:].max(-1, keepdim=True) if whole < v else None  # the rest, one more chunk
+    if rest is not None:
+        peaks = torch.cat([peaks, rest.values], dim=1)
     best = peaks.max(-1).indices  # (R,): the first chunk holding the maximum
     inside = body.gather(1, best.clamp(max=body.shape[1] - 1)[:, None, None].expand(-1, 1, chunk))[:, 0]
     index = best * chunk + inside.max(-1).indices
-    if whole < v:
-        index = torch.where(best == body.shape[1], whole + flat[:, whole:].max(-1).indices, index)
+    if rest is not None:
+        index = torch.where(best == body.shape[1], whole + rest.indices[:, 0], index)
     return index.reshape(logits.shape[:-1])
 
 

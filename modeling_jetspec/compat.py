@@ -272,11 +272,12 @@ def room_for(entries: int) -> int:
 
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values live in buffers that grow when full: the first `update` (a prompt)
-    keeps its entries as they come, a later one writes the new entries in place after the past (moving them once into
-    a buffer with room when full) and returns views, `crop` shortens the views. The room past the entries is zero-filled
-    (a kernel that reads a masked block past a view multiplies its values by 0; unset memory can hold NaN). `DynamicLayer.update` concatenates the whole
-    past with every new entry (`torch.cat`), a copy of the layer's cache per forward that grows with the history; the
-    tree loop's verify forward appends n + 1 entries and its compaction crops back every round.
+    keeps its entries as they come, a later one writes the new entries in place after the past (moving them once
+    into a buffer with room when full) and returns views, `crop` shortens the views. The room past the entries is
+    zero-filled (a kernel that reads a masked block past a view multiplies its values by 0; unset memory can hold
+    NaN). `DynamicLayer.update` concatenates the whole past with every new entry (`torch.cat`), a copy of the layer's
+    cache per forward that grows with the history; the tree loop's verify forward appends n + 1 entries and its
+    compaction crops back every round.
 
     The layer keeps `DynamicLayer`'s undocumented `keys` / `values` attributes as views of the buffers, so every
     reader (`get_seq_length`, `kv_layer_entries`, the model's attention) sees the same `(B, H_kv, S, D)` tensors;
@@ -309,7 +310,7 @@ class GrowingLayer(DynamicLayer):
             # the first entries (a prompt) are kept as they come, as `DynamicLayer` keeps them: the prefill's attention
             # reads them whole, and the room comes with the first verify, after the first token is out (2-4 ms of a
             # 135M target's ~90 ms prompt forward, AVX-512 + bf16 AMD host)
-            self._storage, self._length = (key_states, value_states), key_states.shape[-2]
+            self.keys, self.values = key_states, value_states  # adopted, as an assigned tensor is
             return self.keys, self.values
         start, added = self._length, key_states.shape[-2]
         if start + added > self._storage[0].shape[-2]:  # full: larger buffers, the past copied once
