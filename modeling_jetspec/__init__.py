@@ -9,7 +9,7 @@ from .state import JetSpecGenerateOutput, JetSpecStats, TreeShape, resolve_tree_
 from .modeling_jetspec import JetSpecContext, JetSpecDraftModel, JetSpecOutput, stack_target_states
 from .integration import install_generate_hook, uninstall_generate_hook
 from .round_hook import RoundRecord
-from .tree import Tree, ancestor_mask, build_tree, marginal_children
+from .tree import Tree, ancestor_mask, ancestor_mask_of, build_tree, marginal_children
 
 AutoConfig.register("jetspec", JetSpecConfig, exist_ok=True)
 AutoModel.register(JetSpecConfig, JetSpecDraftModel, exist_ok=True)
@@ -27,6 +27,7 @@ __all__ = [
     "Tree",
     "TreeShape",
     "ancestor_mask",
+    "ancestor_mask_of",
     "build_tree",
     "chain_generate",
     "default_target_layer_ids",

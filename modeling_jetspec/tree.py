@@ -290,6 +290,37 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+_MASK_WORD = 62  # bits of one int64 word of a host-built ancestor mask (sign bit and one spare left clear)
+
+
+def ancestor_mask_of(parents: list, device=None) -> torch.Tensor:
+    """[`ancestor_mask`] of trees whose parents are host lists (`Tree.parents`, all of one length n): each node's
+    ancestor set is its parent's plus itself, built as an integer bit set per node on the host, then unpacked into
+    the `(B, n + 1, n + 1)` boolean mask by three tensor ops instead of n rounds of indexing (the round builds its
+    trees' lists anyway: about a quarter of a millisecond less a round at budget 16 on a CPU).
+
+    Args:
+        parents (`list[list[int]]`): per tree, the parent of nodes 1..n, 0 being the root; a parent precedes its child.
+    """
+    n = len(parents[0]) if parents else 0
+    if any(len(row) != n for row in parents):
+        raise ValueError(f"expected trees of one size, got sizes {[len(row) for row in parents]}")
+    words = -(-(n + 1) // _MASK_WORD)
+    full = (1 << _MASK_WORD) - 1
+    packed = []
+    for row in parents:
+        sets = [1]  # the root sees itself
+        for node, parent in enumerate(row, start=1):
+            if not 0 <= parent < node:
+                raise ValueError(f"expected each parent in [0, node), got parent {parent} for node {node}")
+            sets.append(sets[parent] | (1 << node))
+        packed.append([[(bits >> (_MASK_WORD * w)) & full for w in range(words)] for bits in sets])
+    words_tensor = torch.tensor(packed, dtype=torch.long, device=device)  # (B, n + 1, words)
+    shifts = torch.arange(_MASK_WORD, device=device)
+    bits = (words_tensor[..., None] >> shifts) & 1  # (B, n + 1, words, 62)
+    return bits.flatten(-2)[..., : n + 1].bool()
+
+
 def verification_allowed(
     past_valid: torch.Tensor,
     ancestors: torch.Tensor,

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from modeling_jetspec.steps import accept
 from modeling_jetspec.tree import (
     GAP_FANOUT_NATS,
     ancestor_mask,
+    ancestor_mask_of,
     build_tree,
     cap_by_gap,
     check_tree_shape,
@@ -153,6 +155,25 @@ def test_ancestor_mask_matches_parent_chains():
                 chain.add(cur)
             expected = torch.tensor([j in chain for j in range(6)])
             assert torch.equal(anc[b, node], expected)
+
+
+@pytest.mark.parametrize("size", [0, 1, 16, 61, 62, 63, 130])
+def test_ancestor_mask_of_host_lists_is_the_tensor_mask(size):
+    # random trees of every shape, sizes on both sides of the 62-bit words the host mask packs
+    rng = random.Random(size)
+    parents = [[rng.randrange(node) for node in range(1, size + 1)] for _ in range(3)]
+    parents.append(list(range(size)))  # one chain: the deepest tree of this size
+    expected = ancestor_mask(torch.tensor(parents, dtype=torch.long).reshape(4, size))
+    got = ancestor_mask_of(parents)
+    assert got.dtype == torch.bool and got.shape == (4, size + 1, size + 1)
+    assert torch.equal(got, expected)
+
+
+def test_ancestor_mask_of_refuses_ragged_trees_and_forward_parents():
+    with pytest.raises(ValueError, match="trees of one size"):
+        ancestor_mask_of([[0, 0], [0]])
+    with pytest.raises(ValueError, match=r"parent in \[0, node\), got parent 2 for node 2"):
+        ancestor_mask_of([[0, 2]])
 
 
 def stacked(trees):
