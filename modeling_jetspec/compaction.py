@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .columns import Columns
-from .compat import kv_layer_entries
+from .compat import crop_pooled, kv_layer_entries, pooled_entries
 from .state import Acceptance, DraftTrees, RoundState
 
 
@@ -35,6 +35,19 @@ def keep_accepted_entries(cache: Cache, past: int, nodes: torch.Tensor, layers: 
     moved = (nodes[:, 1:] - 1).clamp(min=0)
     single = nodes.shape[0] == 1  # one row: a plain index along the entries instead of a gather
     index = moved[0] if single else None
+    pooled = pooled_entries(cache) if layers is None else None
+    if pooled is not None:  # every layer's keys (values) slices of one buffer: one move for all layers
+        *buffers, length = pooled
+        if k > 1:
+            for buffer in buffers:  # (L, A, H, C, D)
+                after = buffer[..., past + 1 : length, :]
+                if single:
+                    buffer[..., past + 1 : past + k, :] = after.index_select(3, index)
+                else:  # the layers as more rows, each reading its row's nodes
+                    rows = gather_nodes(after.flatten(0, 1), moved.repeat(buffer.shape[0], 1))
+                    buffer[..., past + 1 : past + k, :] = rows.unflatten(0, buffer.shape[:2])
+        crop_pooled(cache, past + k)
+        return
     for layer in cache.layers if layers is None else [cache.layers[i] for i in layers]:
         entries = kv_layer_entries(layer)
         if entries is None:  # a layer that reads another layer's keys/values holds none of its own

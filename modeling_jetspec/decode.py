@@ -69,9 +69,15 @@ def _decode(
     timed = rounds_timed() or jetspec_round_hook is not None  # a hook reads every round's phases
     started = clock() if timed else time.perf_counter()
     before = call.verifier.target_forwards
-    state, logits = call.verifier.prefill(input_ids, attention_mask)
+    firsts = []  # each row's first token, committed and streamed before the head reads the prompt's features
+
+    def first_out(logits):
+        scores = logits_processor(input_ids, logits)
+        firsts.append(_commit_first(call, scores, logits, generation_config.do_sample, stats))
+
+    state, _ = call.verifier.prefill(input_ids, attention_mask, before_context=first_out)
     stats.target_forwards += call.verifier.target_forwards - before
-    state = _first_token(call, state, logits_processor(input_ids, logits), logits, generation_config.do_sample, stats)
+    state = _first_token(call, state, *firsts[0])
     admission = admission_for(jetspec_rows, call, generation_config, stats, input_ids.shape[1], rebudget)
     hook = admission.hook(jetspec_round_hook)
     admission.started()
@@ -197,9 +203,12 @@ def _start_call(input_ids, shape, verifier, processors, stopping, generation_con
     return call
 
 
-def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool, stats: JetSpecStats) -> RoundState:
-    """Commit each row's first token, picked from the prefill's processed `scores` `(B, V)` (every row has the same
-    length here, so the processors run on the whole batch, as in plain decoding); it becomes the row's anchor."""
+def _commit_first(call: Call, scores, logits, do_sample: bool, stats: JetSpecStats) -> tuple:
+    """Commit and stream each row's first token, picked from the prefill's processed `scores` `(B, V)` (every row
+    has the same length here, so the processors run on the whole batch, as in plain decoding). Called by the
+    verifier's prefill between the target's forward and the head's pass over the prompt (`steps.prefill`'s
+    `before_context`), so a stream's first token does not wait for the head. Returns `(first, done)`, the tokens
+    `(B,)` and the commit's outcome, for [`_first_token`]."""
     first = pick_token(scores, do_sample)  # (B,)
     acc = Acceptance(  # the prefill as a round whose tree is its root alone
         nodes=torch.zeros_like(first)[:, None],
@@ -210,6 +219,12 @@ def _first_token(call: Call, state: RoundState, scores, logits, do_sample: bool,
     done = commit(call, acc, logits[:, None], stats=stats)
     _stream(call)
     stats.new_tokens += done.tokens
+    return first, done
+
+
+def _first_token(call: Call, state: RoundState, first: torch.Tensor, done) -> RoundState:
+    """The first round's state: each row's first token ([`_commit_first`]) becomes its anchor; rows it finished
+    leave."""
     state = replace(state, anchors=first)
     select = getattr(call.verifier, "select_rows", None) or select_rows  # the static path keeps its buffers' rows
     return select(state, done.keep) if done.keep.numel() < first.shape[0] else state

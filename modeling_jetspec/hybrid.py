@@ -93,12 +93,16 @@ class HybridVerifier:
     def target_forwards(self) -> int:
         return self.forwards.target_forwards
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, before_context=None
+    ) -> tuple[RoundState, torch.Tensor]:
         """`steps.prefill` into a new `hybrid_cache.HybridCache`."""
         forwards = self.forwards
         forwards.target_forwards += 1
         forwards.unfolded = {}
-        state, logits = prefill(self.head, self.target, input_ids, attention_mask, HybridCache(forwards.types))
+        state, logits = prefill(
+            self.head, self.target, input_ids, attention_mask, HybridCache(forwards.types), before_context
+        )
         forwards.recurrent = any(s.recurrent is not None for s in read_states(state.cache, copy=False).values())
         return state, logits
 

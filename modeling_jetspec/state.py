@@ -253,9 +253,12 @@ class Verifier(Protocol):
 
     target_forwards: int  # target forwards run so far, all methods
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, before_context=None
+    ) -> tuple[RoundState, torch.Tensor]:
         """The target reads the prompts `(B, L)`; returns the first round's state and the logits `(B, V)` after each
-        prompt (see `steps.prefill`)."""
+        prompt (see `steps.prefill`); `before_context`, when given, receives those logits before the head reads the
+        prompt's features."""
 
     def verify(self, state: RoundState, trees: DraftTrees) -> tuple[DraftTrees, torch.Tensor, torch.Tensor]:
         """The target reads the round's trees after `state`'s cache; returns the trees verified (all of them, or a

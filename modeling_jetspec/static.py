@@ -193,13 +193,16 @@ def _compiled(fn, options: dict):
     return _COMPILED[key]
 
 
-def verify_forward(target, head, cache: StaticCache, input_ids, position_ids, ancestors, valid, past):
+def verify_forward(target, head, cache: StaticCache, input_ids, position_ids, ancestors, valid, past, keep: dict):
     """The target reads root + nodes `(B, T)` at columns `past ..` of a static `cache`, under the tree mask.
 
     Args:
         ancestors (`torch.BoolTensor` of shape `(B, T, T)`): node i sees node j.
         valid (`torch.BoolTensor` of shape `(B, length)`): the columns each row may see (read below `past`).
         past (`torch.LongTensor` of shape `()`): the columns in use, on the device.
+        keep (`dict`): `steps.logits_to_keep(target, 0)`, read outside the compiled function: compiled, the lookup
+            guarded on its per-target cache's keys, which a collected target removes (an `IndexError` while dynamo
+            built its guards, seen when other tests' targets were collected).
 
     Returns:
         `(logits (B, T, V), features (B, T, k * H))`, as `steps.verify`.
@@ -221,7 +224,7 @@ def verify_forward(target, head, cache: StaticCache, input_ids, position_ids, an
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=feature_layers(head),
-        **logits_to_keep(target, 0),
+        **keep,
     )
     return out.logits, head.target_features(out.hidden_states)
 
@@ -276,13 +279,13 @@ class StaticVerifier:
         self._verify = _compiled(verify_forward, self.options) if self.compiled else verify_forward
         self._draft = _compiled(draft_forward, self.options) if self.compiled else draft_forward
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, before_context=None):
         """`steps.prefill` into a `StaticCache`; the head's context copied into buffers of the same columns."""
         b, prompt = input_ids.shape
         if self.length is None or b != self.batch:
             raise ValueError(f"expected a planned batch of {self.batch} rows on the static path, got {b}")
         cache = StaticCache(config=self.target.config, max_cache_len=self.length)
-        state, logits = prefill(self.head, self.target, input_ids, attention_mask, cache)
+        state, logits = prefill(self.head, self.target, input_ids, attention_mask, cache, before_context)
         self.target_forwards += 1
         kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
         if kinds:
@@ -391,7 +394,15 @@ class StaticVerifier:
         self._past.fill_(state.past)
         self._step()
         logits, features = self._verify(
-            self.target, self.head, state.cache, input_ids, position_ids, full.ancestors, state.valid, self._past
+            self.target,
+            self.head,
+            state.cache,
+            input_ids,
+            position_ids,
+            full.ancestors,
+            state.valid,
+            self._past,
+            logits_to_keep(self.target, 0),
         )
         if self._graphs:  # a CUDA graph's outputs are overwritten by its next replay
             logits, features = logits.clone(), features.clone()

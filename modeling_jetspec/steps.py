@@ -66,13 +66,17 @@ __all__ = [
 ]
 
 
-def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[RoundState, torch.Tensor]:
+def prefill(
+    head, target, input_ids, attention_mask, cache: Cache, before_context=None
+) -> tuple[RoundState, torch.Tensor]:
     """The target reads the prompts into `cache`; the head's context starts from their features.
 
     Args:
         input_ids (`torch.LongTensor` of shape `(B, L)`): left-padded prompts.
         attention_mask (`torch.LongTensor` of shape `(B, L)`, *optional*): 0 on padding.
         cache (`Cache`): an empty cache, filled in place.
+        before_context (`Callable`, *optional*): called with the logits `(B, V)` (fp32) after the target's forward,
+            before the head's pass over the prompt's features: `generate` commits and streams the first token there.
 
     Returns:
         `(state, logits)`: every row active, its anchor the target's greedy next token (`generate` replaces it with
@@ -90,6 +94,8 @@ def prefill(head, target, input_ids, attention_mask, cache: Cache) -> tuple[Roun
         **logits_to_keep(target, 1),
     )
     logits = out.logits[:, -1].float()  # (B, V)
+    if before_context is not None:
+        before_context(logits)
     columns, (valid, positions) = Columns.start([valid, positions])
     state = RoundState(
         rows=torch.arange(input_ids.shape[0], device=input_ids.device),

@@ -52,14 +52,21 @@ class TreeVerifier:
         self.attention = verify_attention_of(target)  # the attention function of the verify forward
         self.target_forwards = 0  # one per prefill, one per verify
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[RoundState, torch.Tensor]:
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, before_context=None
+    ) -> tuple[RoundState, torch.Tensor]:
         """[`prefill`] into a new cache of keys/values; see there."""
         # keys/values in buffers with room: a verify appends in place instead of copying the past (`GrowingLayer`).
         # flex_attention keeps transformers' own layer, whole tensors: inductor's compiled flex kernel decoded NaN
         # (every later token id 0) with views of larger buffers on the CI host (the CPU kernel fault of verify_attention)
         growing = decoder_attention_implementation(self.target) != "flex_attention"
         state, logits = prefill(
-            self.head, self.target, input_ids, attention_mask, growing_cache() if growing else DynamicCache()
+            self.head,
+            self.target,
+            input_ids,
+            attention_mask,
+            growing_cache() if growing else DynamicCache(),
+            before_context,
         )
         self.target_forwards += 1
         expected = GrowingLayer if growing else DynamicLayer

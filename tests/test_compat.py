@@ -332,6 +332,63 @@ def test_growing_layer_equals_dynamic_layer_op_for_op():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("odd_layer", [None, "heads", "dtype"])
+def test_growing_layers_share_one_pool_and_equal_dynamic_layers(odd_layer):
+    """The tree loop's cache keeps every layer's keys (values) in one buffer once the layers grow
+    (`compat.EntryPool`), so compaction moves them all at once. Op for op against transformers' `DynamicCache`:
+    the same entries in every layer; pooled after each growth, out of the pool after a row selection or an assigned
+    tensor, back in with the next growth. A layer of other heads or dtype keeps the pool from forming: each layer
+    grows on its own, with the same entries."""
+    g = torch.Generator().manual_seed(2)
+    ours, theirs = compat.growing_cache(), DynamicCache()
+    heads = [2, 2, 3 if odd_layer == "heads" else 2]
+    dtypes = [torch.float32, torch.float32, torch.float64 if odd_layer == "dtype" else torch.float32]
+
+    def update(rows: int, count: int):
+        for i, (h, dtype) in enumerate(zip(heads, dtypes)):
+            k = torch.randn(rows, h, count, 4, generator=g).to(dtype)
+            v = torch.randn(rows, h, count, 3, generator=g).to(dtype)  # values of another size (as under MLA)
+            a, b = ours.update(k, v, i), theirs.update(k, v, i)
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def same():
+        for mine, their in zip(ours.layers, theirs.layers):
+            assert torch.equal(mine.keys, their.keys) and torch.equal(mine.values, their.values)
+
+    def pooled() -> bool:
+        entries = compat.pooled_entries(ours)
+        if entries is not None:  # every layer a slice of the two buffers, at the length read
+            keys, values, length = entries
+            assert keys.shape[0] == values.shape[0] == len(ours.layers) and length == ours.get_seq_length()
+            for i, layer in enumerate(ours.layers):
+                assert layer.keys.data_ptr() == keys[i].data_ptr() and layer.values.data_ptr() == values[i].data_ptr()
+        return entries is not None
+
+    update(3, 5)  # the prompt: each layer's entries as they came
+    assert not pooled()
+    update(3, 4)  # the first verify: the layers grow, into one pool where they can
+    assert pooled() is (odd_layer is None)
+    ours.crop(-2), theirs.crop(-2)
+    assert pooled() is (odd_layer is None)
+    same()
+    update(3, 300)  # past the room: the pool grows as one
+    assert pooled() is (odd_layer is None)
+    same()
+    rows = torch.tensor([2, 0])
+    ours.batch_select_indices(rows), theirs.batch_select_indices(rows)
+    assert not pooled()  # each layer holds its kept rows on its own
+    update(2, 1)
+    same()
+    assert not pooled()
+    update(2, 400)  # the next growth: back in the pool
+    assert pooled() is (odd_layer is None)
+    same()
+    compat.set_kv_layer_entries(ours.layers[1], ours.layers[1].keys.clone(), ours.layers[1].values.clone())
+    assert not pooled()  # an assigned tensor leaves the pool
+    same()
+
+
+@torch.no_grad()
 def test_growing_layer_room_holds_zeros_or_its_own_entries_never_unset_memory():
     """A fused attention kernel may read a cache view's storage a whole block past its end and mask those scores
     (inductor's compiled flex_attention on an AVX-512 host did): the masked weight is an exact 0, and 0 * NaN from

@@ -161,6 +161,39 @@ def test_streamer_at_batch_2_gets_what_plain_generate_hands_it(llama):
         assert tree_streamer.puts == plain_streamer.puts  # the prompts (2, L), then one (2,) step per put
 
 
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_the_first_token_is_streamed_before_the_head_reads_the_prompt(family):
+    """A stream's first token comes from the prefill's logits alone: it is handed to the streamer before the head's
+    pass over the prompt's features (`steps.prefill`'s `before_context`), for an attention target and a hybrid one,
+    and the output stays plain greedy's."""
+    from test_architectures import HYBRID_FAMILIES, family_target
+
+    target = tiny_target("llama") if family == "llama" else family_target(family, *HYBRID_FAMILIES[family])
+    ids, mask = prompts(2)
+    events = []
+
+    class Record:
+        def put(self, value):
+            events.append(("put", tuple(value.shape)))
+
+        def end(self):
+            events.append(("end",))
+
+    plain = greedy(target, ids, mask, max_new_tokens=6)
+    head = tiny_head(target)
+    extend = head.extend_context
+
+    def extend_context(*args, **kwargs):
+        events.append(("context",))
+        return extend(*args, **kwargs)
+
+    head.extend_context = extend_context
+    tree = greedy(target, ids, mask, max_new_tokens=6, assistant_model=head, streamer=Record())
+    assert torch.equal(tree, plain)
+    assert events[:3] == [("put", tuple(ids.shape)), ("put", (2,)), ("context",)]  # prompt, first step, then the head
+    assert events[-1] == ("end",)
+
+
 def test_text_streamer_refuses_a_batch_itself(llama):
     ids, mask = prompts(2)
     with pytest.raises(ValueError, match="TextStreamer only supports batch size 1"):

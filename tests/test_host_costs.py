@@ -1,6 +1,7 @@
 """This host's costs (`modeling_jetspec/host_costs.py`): measured once per host, target, dtype and batch, cached in a
 file, and the operating point of `tree_budget="auto"` they choose; decoding at it stays lossless."""
 
+import copy
 import json
 
 import pytest
@@ -147,6 +148,12 @@ def test_the_key_names_the_host_target_dtype_and_batch():
     other = tiny_target("llama", hidden_size=32, intermediate_size=64)
     assert costs_key(other, 1) != costs_key(tiny_target("llama"), 1)
     assert f"threads {torch.get_num_threads()}" in costs_key(other, 1)
+    # the config's digest is kept per target and config object: another config object is read again
+    before = costs_key(target, 1)
+    changed = copy.deepcopy(target.config)
+    changed.rms_norm_eps = 1e-3
+    target.config = changed
+    assert costs_key(target, 1) != before
 
 
 def test_the_file_lives_beside_the_host_cache_unless_named(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicCache
 import modeling_jetspec.decode as decode
 import modeling_jetspec.steps as steps
 import modeling_jetspec.verifiers as verifiers
+from modeling_jetspec import compat
 from modeling_jetspec import JetSpecGenerateOutput
 from jetspec.tiny import oracle_head, prompts, tiny_head, tiny_target
 
@@ -144,6 +145,7 @@ def test_verify_costs_are_kept_per_target_object():
     assert len(head.verify_cost_cache) == 0  # an entry goes with its target: a new one never inherits its costs
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "pooled"])
 @pytest.mark.parametrize(
     "nodes, counts",
     [
@@ -153,30 +155,40 @@ def test_verify_costs_are_kept_per_target_object():
     ],
     ids=["batch-with-hole", "one-row", "root-only"],
 )
-def test_compaction_moves_only_the_accepted_entries_behind_the_past(nodes, counts):
+def test_compaction_moves_only_the_accepted_entries_behind_the_past(nodes, counts, kind):
     """After a verify forward a layer holds `past` entries, then one per tree node. Compaction leaves the past in place
     (the same storage, the same values), moves the accepted nodes' entries behind it in path order, and crops; keys
     and values are moved each by its own shape (their last sizes differ under multi-head latent attention). A hole
-    (past a row's count) is masked, so its entry is not checked."""
-    past, nodes_in_tree = 5, 4
+    (past a row's count) is masked, so its entry is not checked. "pooled": the tree loop's own cache, whose layers'
+    keys (values) are slices of one buffer after the verify's growth, moved for all layers at once."""
+    past, nodes_in_tree, layers = 5, 4, 3
     rows = len(nodes)
     g = torch.Generator().manual_seed(0)
-    keys = torch.randn(rows, 3, past + nodes_in_tree, 6, generator=g)  # (A, H, S + n + 1, D_k)
-    values = torch.randn(rows, 3, past + nodes_in_tree, 2, generator=g)  # (A, H, S + n + 1, D_v)
-    cache = DynamicCache()
-    cache.update(keys.clone(), values.clone(), layer_idx=0)
-    layer = cache.layers[0]
-    storage = layer.keys.data_ptr(), layer.values.data_ptr()
+    # per layer (A, H, S + n + 1, D_k) and (A, H, S + n + 1, D_v)
+    keys = [torch.randn(rows, 3, past + nodes_in_tree, 6, generator=g) for _ in range(layers)]
+    values = [torch.randn(rows, 3, past + nodes_in_tree, 2, generator=g) for _ in range(layers)]
+    cache = DynamicCache() if kind == "dynamic" else compat.growing_cache()
+    for i in range(layers):
+        if kind == "dynamic":
+            cache.update(keys[i].clone(), values[i].clone(), layer_idx=i)
+        else:  # the prompt's entries, then the tree's (the verify: every layer grows into the pool)
+            cache.update(keys[i][:, :, :past].clone(), values[i][:, :, :past].clone(), layer_idx=i)
+    if kind == "pooled":
+        for i in range(layers):
+            cache.update(keys[i][:, :, past:].clone(), values[i][:, :, past:].clone(), layer_idx=i)
+        assert compat.pooled_entries(cache) is not None
+    storage = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
     steps.keep_accepted_entries(cache, past, torch.tensor(nodes))
     width = len(nodes[0])
-    assert (layer.keys.data_ptr(), layer.values.data_ptr()) == storage  # nothing was copied to a new tensor
-    assert layer.keys.shape == (rows, 3, past + width, 6) and layer.values.shape == (rows, 3, past + width, 2)
-    assert torch.equal(layer.keys[:, :, :past], keys[:, :, :past])
-    assert torch.equal(layer.values[:, :, :past], values[:, :, :past])
-    for row in range(rows):
-        for slot, node in enumerate(nodes[row][: counts[row]]):
-            assert torch.equal(layer.keys[row, :, past + slot], keys[row, :, past + node])
-            assert torch.equal(layer.values[row, :, past + slot], values[row, :, past + node])
+    for i, layer in enumerate(cache.layers):
+        assert (layer.keys.data_ptr(), layer.values.data_ptr()) == storage[i]  # nothing was copied to a new tensor
+        assert layer.keys.shape == (rows, 3, past + width, 6) and layer.values.shape == (rows, 3, past + width, 2)
+        assert torch.equal(layer.keys[:, :, :past], keys[i][:, :, :past])
+        assert torch.equal(layer.values[:, :, :past], values[i][:, :, :past])
+        for row in range(rows):
+            for slot, node in enumerate(nodes[row][: counts[row]]):
+                assert torch.equal(layer.keys[row, :, past + slot], keys[i][row, :, past + node])
+                assert torch.equal(layer.values[row, :, past + slot], values[i][row, :, past + node])
 
 
 def test_row_wise_processors_see_one_row_and_prefix_constraints_the_batch(monkeypatch):
