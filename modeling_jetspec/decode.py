@@ -68,16 +68,7 @@ def _decode(
     stats.operating_point = point.as_dict() if point is not None else None
     timed = rounds_timed() or jetspec_round_hook is not None  # a hook reads every round's phases
     started = clock() if timed else time.perf_counter()
-    before = call.verifier.target_forwards
-    firsts = []  # each row's first token, committed and streamed before the head reads the prompt's features
-
-    def first_out(logits):
-        scores = logits_processor(input_ids, logits)
-        firsts.append(_commit_first(call, scores, logits, generation_config.do_sample, stats))
-
-    state, _ = call.verifier.prefill(input_ids, attention_mask, before_context=first_out)
-    stats.target_forwards += call.verifier.target_forwards - before
-    state = _first_token(call, state, *firsts[0])
+    state = _prefill(call, input_ids, attention_mask, logits_processor, generation_config.do_sample, stats)
     admission = admission_for(jetspec_rows, call, generation_config, stats, input_ids.shape[1], rebudget)
     hook = admission.hook(jetspec_round_hook)
     admission.started()
@@ -201,6 +192,19 @@ def _start_call(input_ids, shape, verifier, processors, stopping, generation_con
         per_row = processors_per_row(processors, batch)
         call.choose = functools.partial(choose_token, per_row, generation_config.do_sample, call)
     return call
+
+
+def _prefill(call: Call, input_ids, attention_mask, logits_processor, do_sample: bool, stats: JetSpecStats):
+    """The verifier's prefill, each row's first token committed and streamed as soon as the target's logits exist
+    (before the head reads the prompt's features, [`_commit_first`]); returns the first round's state."""
+    before, firsts = call.verifier.target_forwards, []
+
+    def first_out(logits):
+        firsts.append(_commit_first(call, logits_processor(input_ids, logits), logits, do_sample, stats))
+
+    state, _ = call.verifier.prefill(input_ids, attention_mask, before_context=first_out)
+    stats.target_forwards += call.verifier.target_forwards - before
+    return _first_token(call, state, *firsts[0])
 
 
 def _commit_first(call: Call, scores, logits, do_sample: bool, stats: JetSpecStats) -> tuple:
