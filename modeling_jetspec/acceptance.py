@@ -41,6 +41,8 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
         past each row's count; [`commit`] reads it and cuts it to the longest path.
     """
     if choose is None:
+        if logits.device.type == "cpu" and trees.host is not None:
+            return _accept_greedy_on_host(logits, trees)
         return _accept_greedy(logits, trees)
     rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
     if trees.host is not None:
@@ -108,6 +110,32 @@ def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     nodes = order[:, : min(trees.max_depth() + 1, n1)]  # a path holds at most one node per depth
     nodes = nodes.masked_fill(nodes == n1, 0)  # (A, K)
     return Acceptance(nodes, choice.gather(1, nodes), count)
+
+
+def _accept_greedy_on_host(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
+    """[`_accept_greedy`] with the target's choices read once and the trees walked on the host (the trees' own lists):
+    on a CPU the vectorized version's two dozen small tensor ops cost more than the read, which is free there, and
+    the walk. The same nodes, tokens and counts: a node is alive when its parent is and its token is its parent's
+    choice; the path ends at the first alive node of the largest depth."""
+    choices = first_argmax(logits).tolist()  # (A, n + 1)
+    walks = []
+    for tree, choice in zip(trees.host, choices):
+        alive, best = [True], 0  # the root; the deepest alive node so far (the first of its depth)
+        for node, (token, parent, depth) in enumerate(zip(tree.tokens, tree.parents, tree.depths), start=1):
+            alive.append(alive[parent] and token == choice[parent])
+            if alive[node] and depth > (tree.depths[best - 1] if best else 0):
+                best = node
+        path = [best]
+        while path[-1]:
+            path.append(tree.parents[path[-1] - 1])
+        nodes = path[::-1]  # root first
+        walks.append((nodes, [choice[node] for node in nodes]))
+    width = max(len(nodes) for nodes, _ in walks)
+    padded = torch.zeros(2, len(walks), width, dtype=torch.long)  # accepted nodes, committed tokens; 0 past a count
+    for i, (nodes, tokens) in enumerate(walks):
+        padded[0, i, : len(nodes)], padded[1, i, : len(tokens)] = torch.tensor(nodes), torch.tensor(tokens)
+    count = torch.tensor([len(nodes) for nodes, _ in walks])
+    return Acceptance(padded[0], padded[1], count, host=walks)
 
 
 def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -> tuple[list, list, list]:

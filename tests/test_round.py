@@ -246,3 +246,42 @@ def test_acceptance_argmax_is_torch_argmax_with_ties_nans_and_a_ragged_last_chun
     for case in cases:
         got, want = first_argmax(case), case.argmax(-1)
         assert got.shape == want.shape and torch.equal(got, want), (case.shape, got, want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_acceptance_on_the_host_is_the_vectorized_one(seed):
+    """On a CPU greedy acceptance reads the target's choices once and walks the host trees
+    (`acceptance._accept_greedy_on_host`); it must accept the nodes and commit the tokens of the vectorized version,
+    on random trees whose tokens often are the target's choices, with duplicate siblings (the padding copies of a
+    tree's last node, and equal tokens under one parent) and rows that accept nothing."""
+    from modeling_jetspec.acceptance import _accept_greedy, _accept_greedy_on_host
+    from modeling_jetspec.state import DraftTrees
+    from modeling_jetspec.tree import Tree, ancestor_mask_of
+
+    g = torch.Generator().manual_seed(seed)
+    rows, n, vocab = 4, 12, 6  # a small vocabulary: many nodes match the target's choice, some twice under a parent
+    trees = []
+    for _ in range(rows):
+        parents = [int(torch.randint(0, node, (1,), generator=g)) for node in range(1, n + 1)]
+        depths = []
+        for parent in parents:
+            depths.append(1 + (depths[parent - 1] if parent else 0))
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        tokens[-3:], parents[-3:], depths[-3:] = [tokens[-4]] * 3, [parents[-4]] * 3, [depths[-4]] * 3  # copies
+        trees.append(Tree(tokens, parents, depths, [0.0] * n))
+    logits = torch.randn(rows, n + 1, vocab, generator=g)
+    drafted = DraftTrees(
+        tokens=torch.tensor([t.tokens for t in trees]),
+        parents=torch.tensor([t.parents for t in trees]),
+        depths=torch.tensor([[0] + t.depths for t in trees]),
+        ancestors=ancestor_mask_of([t.parents for t in trees]),
+        budget=n,
+        host=trees,
+    )
+    vectorized, walked = _accept_greedy(logits, drafted), _accept_greedy_on_host(logits, drafted)
+    assert torch.equal(walked.count, vectorized.count)
+    assert walked.count.max() > 1  # some row accepted nodes
+    for i, count in enumerate(vectorized.count.tolist()):
+        assert torch.equal(walked.nodes[i, :count], vectorized.nodes[i, :count])
+        assert torch.equal(walked.tokens[i, :count], vectorized.tokens[i, :count])
+        assert walked.host[i] == (vectorized.nodes[i, :count].tolist(), vectorized.tokens[i, :count].tolist())
