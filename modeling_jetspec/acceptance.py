@@ -2,7 +2,8 @@
 "§2 The round").
 
 - [`accept`]: the deepest node whose whole path equals the target's own choices, plus the target's next token (the
-  bonus), vectorized on the device for greedy without processors, else a walk down each row's tree;
+  bonus), vectorized on the device for greedy without processors (on a CPU, the same rule walked on the host over
+  the target's choices, read once), else a walk down each row's tree;
 - [`commit`]: each row's tokens enter its sequence through the stopping criteria, and each token's source (who
   proposed it, `calibration.committed_sources`) enters the call's statistics.
 
@@ -12,6 +13,7 @@ one row (what [`accept`] asks through `Call.choose`) are in `processors.py`; how
 for [`commit`], in `stopping.py`.
 """
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -21,7 +23,7 @@ from .state import Acceptance, Call, Committed, DraftTrees, JetSpecStats
 from .stopping import stop_marks
 
 
-def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Acceptance:
+def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None, stops=None) -> Acceptance:
     """The deepest node whose path equals the target's own choices, and the target's token after it (the bonus).
 
     Greedy without logits processors (`choose is None`) is vectorized over rows and nodes, on the device: the
@@ -35,6 +37,8 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
         trees (`DraftTrees`): the trees verified.
         rows (`list[int]` or `torch.LongTensor` of shape `(A,)`): the batch row of each tree (what `choose` is told).
         choose (`Callable`, *optional*): `(row, logits (V,), path tokens) -> (token, scores (V,))`.
+        stops (`list`, *optional*): the call's criteria judged on the device (`Call.device_stops`); greedy acceptance
+            on the host judges them on every node's choice and reads the verdicts with the choices (one read).
 
     Returns:
         `Acceptance` of width `K` = the trees' deepest depth + 1 (a bound known without reading the device), padded
@@ -42,7 +46,7 @@ def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None) -> Accept
     """
     if choose is None:
         if logits.device.type == "cpu" and trees.host is not None:
-            return _accept_greedy_on_host(logits, trees)
+            return _accept_greedy_on_host(logits, trees, stops)
         return _accept_greedy(logits, trees)
     rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
     if trees.host is not None:
@@ -112,12 +116,22 @@ def _accept_greedy(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
     return Acceptance(nodes, choice.gather(1, nodes), count)
 
 
-def _accept_greedy_on_host(logits: torch.Tensor, trees: DraftTrees) -> Acceptance:
+def _accept_greedy_on_host(logits: torch.Tensor, trees: DraftTrees, stops=None) -> Acceptance:
     """[`_accept_greedy`] with the target's choices read once and the trees walked on the host (the trees' own lists):
     on a CPU the vectorized version's two dozen small tensor ops cost more than the read, which is free there, and
     the walk. The same nodes, tokens and counts: a node is alive when its parent is and its token is its parent's
-    choice; the path ends at the first alive node of the largest depth."""
-    choices = first_argmax(logits).tolist()  # (A, n + 1)
+    choice; the path ends at the first alive node of the largest depth. The device criteria `stops` (each reads a
+    row's last token alone, `stopping.DEVICE_STOPS`) are judged on every node's choice and read with the choices, so
+    the round still reads the device once here (`Acceptance.marks`, the verdicts along each path)."""
+    choice = first_argmax(logits)  # (A, n + 1)
+    verdicts = None
+    if stops:
+        n1 = choice.shape[1]
+        marks = functools.reduce(torch.logical_or, [c(choice.reshape(-1, 1), None) for c in stops])
+        packed = torch.cat([choice, marks.reshape(choice.shape).long()], dim=1).tolist()  # (A, 2 (n + 1)): one read
+        choices, verdicts = [row[:n1] for row in packed], [row[n1:] for row in packed]
+    else:
+        choices = choice.tolist()
     walks = []
     for tree, choice in zip(trees.host, choices):
         alive, best = [True], 0  # the root; the deepest alive node so far (the first of its depth)
@@ -135,7 +149,8 @@ def _accept_greedy_on_host(logits: torch.Tensor, trees: DraftTrees) -> Acceptanc
     for i, (nodes, tokens) in enumerate(walks):
         padded[0, i, : len(nodes)], padded[1, i, : len(tokens)] = torch.tensor(nodes), torch.tensor(tokens)
     count = torch.tensor([len(nodes) for nodes, _ in walks])
-    return Acceptance(padded[0], padded[1], count, host=walks)
+    marks = None if verdicts is None else [[bool(row[n]) for n in nodes] for row, (nodes, _) in zip(verdicts, walks)]
+    return Acceptance(padded[0], padded[1], count, host=walks, marks=marks)
 
 
 def _walk(logits: torch.Tensor, tokens: list, parents: list, row: int, choose) -> tuple[list, list, list]:
@@ -180,7 +195,7 @@ def commit(
         stats (`JetSpecStats`, *optional*): where each committed token's source is recorded (`token_sources`).
     """
     rows = call.active
-    stops = stop_marks(call, acc)  # (A, K) bool, or None
+    stops = stop_marks(call, acc) if acc.marks is None else None  # (A, K) bool, or None (judged with the acceptance)
     counts, paths, tokens, marks = _read_acceptance(acc, stops)
     committed, new = 0, {}
     for i, row in enumerate(rows):
@@ -228,7 +243,8 @@ def _read_acceptance(acc: Acceptance, stops: torch.Tensor | None) -> tuple[list,
     k = acc.nodes.shape[1]
     if acc.host is not None:
         paths, tokens = [nodes for nodes, _ in acc.host], [path for _, path in acc.host]
-        return [len(p) for p in paths], paths, tokens, stops.tolist() if stops is not None else None
+        marks = acc.marks if acc.marks is not None else stops.tolist() if stops is not None else None
+        return [len(p) for p in paths], paths, tokens, marks
     parts = [acc.count[:, None], acc.nodes, acc.tokens] + ([stops.long()] if stops is not None else [])
     packed = torch.cat(parts, dim=1).tolist()  # (A, 1 + 2K (+ K))
     counts = [row[0] for row in packed]

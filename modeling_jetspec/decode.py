@@ -112,7 +112,7 @@ def _round(head, call: Call, state: RoundState, stats: JetSpecStats, timer: Roun
     nodes = trees.sizes if trees.sizes is not None else [trees.tokens.shape[1]] * rows
     trees, logits, features = call.verifier.verify(state, trees)
     mark("verify")
-    acc = accept(logits, trees, call.active, call.choose)
+    acc = accept(logits, trees, call.active, call.choose, call.device_stops)
     mark("accept")
     done = commit(call, acc, logits, trees, stats)
     mark("commit")

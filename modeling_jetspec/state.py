@@ -226,6 +226,8 @@ class Acceptance:
     # scores are the logits (greedy without processors)
     host: list | None = None  # (A,) per row, `(nodes, tokens)` as lists when the acceptance was chosen on the host
     # (the walk); None: [`commit`] reads them from the tensors
+    marks: list | None = None  # (A,) per row, the device criteria's verdict after each of its tokens, when they were
+    # judged with the acceptance (greedy on the host); None: [`commit`] judges them
 
     def paths(self) -> list:
         """Accepted node indices of each row, root first (a read of `nodes` and `count`)."""

@@ -121,6 +121,8 @@ def broken_accept(monkeypatch):
             last = int(acc.count[0]) - 1
             node = int(acc.nodes[0, last])
             acc.tokens[0, last] = logits[0, node].argmin()
+            if acc.host is not None:  # chosen on the host (a CPU): what commit reads
+                acc.host[0][1][last] = int(acc.tokens[0, last])
             state["broken"] = True
         return acc
 

@@ -253,7 +253,8 @@ def test_greedy_acceptance_on_the_host_is_the_vectorized_one(seed):
     """On a CPU greedy acceptance reads the target's choices once and walks the host trees
     (`acceptance._accept_greedy_on_host`); it must accept the nodes and commit the tokens of the vectorized version,
     on random trees whose tokens often are the target's choices, with duplicate siblings (the padding copies of a
-    tree's last node, and equal tokens under one parent) and rows that accept nothing."""
+    tree's last node, and equal tokens under one parent) and rows that accept nothing; and the EOS verdicts it reads
+    with the choices are those commit would judge on the committed tokens."""
     from modeling_jetspec.acceptance import _accept_greedy, _accept_greedy_on_host
     from modeling_jetspec.state import DraftTrees
     from modeling_jetspec.tree import Tree, ancestor_mask_of
@@ -278,10 +279,16 @@ def test_greedy_acceptance_on_the_host_is_the_vectorized_one(seed):
         budget=n,
         host=trees,
     )
-    vectorized, walked = _accept_greedy(logits, drafted), _accept_greedy_on_host(logits, drafted)
+    from transformers import EosTokenCriteria
+
+    eos = EosTokenCriteria(eos_token_id=[1, 4])  # judged on every node's choice, read with the choices
+    vectorized, walked = _accept_greedy(logits, drafted), _accept_greedy_on_host(logits, drafted, [eos])
     assert torch.equal(walked.count, vectorized.count)
     assert walked.count.max() > 1  # some row accepted nodes
     for i, count in enumerate(vectorized.count.tolist()):
         assert torch.equal(walked.nodes[i, :count], vectorized.nodes[i, :count])
         assert torch.equal(walked.tokens[i, :count], vectorized.tokens[i, :count])
         assert walked.host[i] == (vectorized.nodes[i, :count].tolist(), vectorized.tokens[i, :count].tolist())
+        # the verdicts commit would judge on the committed tokens (`stopping.stop_marks`)
+        assert walked.marks[i] == eos(vectorized.tokens[i, :count, None], None).tolist()
+    assert any(any(marks) for marks in walked.marks) and not all(all(marks) for marks in walked.marks)
