@@ -96,8 +96,8 @@ class LookupBranch:
             )
             return trees
 
-        def recording_accept(logits, trees, rows, choose=None):
-            acc = accept(logits, trees, rows, choose)
+        def recording_accept(logits, trees, rows, choose=None, stops=None):
+            acc = accept(logits, trees, rows, choose, stops)
             self.accepted.append(
                 [
                     [token_paths(trees.tokens, trees.parents, i)[node] for node in path[1:]]
