@@ -13,14 +13,13 @@ one row (what [`accept`] asks through `Call.choose`) are in `processors.py`; how
 for [`commit`], in `stopping.py`.
 """
 
-import functools
 from dataclasses import replace
 
 import torch
 
 from .calibration import committed_sources
 from .state import Acceptance, Call, Committed, DraftTrees, JetSpecStats
-from .stopping import stop_marks
+from .stopping import judged_alone, stop_marks
 
 
 def accept(logits: torch.Tensor, trees: DraftTrees, rows, choose=None, stops=None) -> Acceptance:
@@ -127,8 +126,7 @@ def _accept_greedy_on_host(logits: torch.Tensor, trees: DraftTrees, stops=None) 
     verdicts = None
     if stops:
         n1 = choice.shape[1]
-        marks = functools.reduce(torch.logical_or, [c(choice.reshape(-1, 1), None) for c in stops])
-        packed = torch.cat([choice, marks.reshape(choice.shape).long()], dim=1).tolist()  # (A, 2 (n + 1)): one read
+        packed = torch.cat([choice, judged_alone(stops, choice).long()], dim=1).tolist()  # (A, 2 (n + 1)): one read
         choices, verdicts = [row[:n1] for row in packed], [row[n1:] for row in packed]
     else:
         choices = choice.tolist()

@@ -28,10 +28,13 @@ def stop_plan(stopping) -> tuple[list | None, int | None]:
 
 
 def stop_marks(call: Call, acc: Acceptance) -> torch.Tensor | None:
-    """`(A, K)` bool: whether the device criteria stop a row after its k-th accepted token (each criterion called
-    once, on every accepted token as a row of its own), or `None` when none is judged on the device."""
-    if not call.device_stops:
-        return None
-    a, k = acc.tokens.shape
-    last = acc.tokens.reshape(a * k, 1)  # (A * K, 1): each token as the last one of its row
-    return functools.reduce(torch.logical_or, [c(last, None) for c in call.device_stops]).reshape(a, k)
+    """`(A, K)` bool: whether the device criteria stop a row after its k-th accepted token, or `None` when none is
+    judged on the device."""
+    return judged_alone(call.device_stops, acc.tokens) if call.device_stops else None
+
+
+def judged_alone(criteria: list, tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens`' shape, bool: whether any of `criteria` ([`DEVICE_STOPS`], which read a row's last token alone) stops
+    a row that ends with each token; each criterion called once, on every token as a row of its own."""
+    last = tokens.reshape(-1, 1)  # each token as the last one of its row
+    return functools.reduce(torch.logical_or, [c(last, None) for c in criteria]).reshape(tokens.shape)
